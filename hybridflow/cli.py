@@ -1,0 +1,71 @@
+"""The `hybridflow` command. Each subcommand lives in `hybridflow/commands/<name>.py` and registers itself here.
+
+The CLI is the only place that prints for humans; library code logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from hybridflow import __version__
+
+# name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
+# so `hybridflow --help` stays fast and a missing optional dependency breaks only its own command.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("quickstart", "SFT warm start + GRPO on the built-in arithmetic task with a tiny model (CPU, minutes)"),
+    "train": ("train", "PPO/GRPO training: hybridflow train [CONFIG.yaml ...] [a.b=c ...]"),
+    "sft": ("sft", "supervised fine-tuning: hybridflow sft [CONFIG.yaml ...] [a.b=c ...]"),
+    "rm": ("rm", "reward-model training on prompt/chosen/rejected data"),
+    "generate": ("generate", "offline generation from a parquet of prompts to a parquet of outputs"),
+    "eval": ("eval", "evaluate a model or checkpoint on a validation set"),
+    "export": ("export", "write a checkpoint as a Hugging Face model directory"),
+    "data": ("data", "prepare datasets (gsm8k, math) into verl-schema parquet"),
+    "report": ("report", "render an HTML report with plots from a run directory"),
+    "config": ("config", "show or validate the resolved configuration"),
+}
+
+
+def _available_commands() -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, (module, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(f"hybridflow.commands.{module}") is not None:
+            out[name] = (module, help_text)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridflow",
+        description="RL post-training for LLMs (PPO, GRPO, SFT, RM) — single controller, hybrid engine.",
+    )
+    parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _available_commands().items():
+        mod = importlib.import_module(f"hybridflow.commands.{module}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

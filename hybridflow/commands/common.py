@@ -1,0 +1,32 @@
+"""Shared CLI helpers: split positional args into YAML files and `a.b=c` overrides, load the config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybridflow.config import Config, ConfigError, load_config
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.path=value",
+                        help="YAML config files (applied in order) then dotted overrides, e.g. trainer.nnodes=2")
+
+
+def split_args(items: list[str]) -> tuple[list[str], list[str]]:
+    files = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    return files, overrides
+
+
+def load_from_args(items: list[str], validate: bool = True) -> Config:
+    files, overrides = split_args(items)
+    return load_config(files, overrides, validate=validate)
+
+
+def fail(err: Exception) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+
+
+__all__ = ["ConfigError", "add_config_args", "fail", "load_from_args", "split_args"]

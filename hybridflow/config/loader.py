@@ -1,0 +1,231 @@
+"""Load the configuration: defaults.yaml <- user YAML files <- dotted `a.b.c=value` overrides.
+
+The merged plain dict is type-checked while it is turned into the frozen `Config` dataclasses; unknown keys fail
+with a "did you mean" suggestion and the full key path. `${a.b}` inside strings refers to another value.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridflow.config.schema import Config
+
+DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+_REF = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the key, the value and the fix."""
+
+
+def load_config(files: Iterable[str | Path] = (), overrides: Iterable[str] = (), validate: bool = True) -> Config:
+    """Build the typed config from defaults, YAML files (later wins) and `a.b=c` overrides (last wins)."""
+    merged = load_defaults_dict()
+    for f in files:
+        merged = merge(merged, _read_yaml(Path(f)), source=str(f))
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(merged, key, value)
+    merged = interpolate(merged)
+    cfg = build(Config, merged, "")
+    if validate:
+        from hybridflow.config.validate import validate_config
+
+        validate_config(cfg)
+    return cfg
+
+
+def load_defaults_dict() -> dict[str, Any]:
+    return _read_yaml(DEFAULTS_PATH)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with path.open() as fh:
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def merge(base: dict[str, Any], update: Mapping[str, Any], source: str = "", prefix: str = "") -> dict[str, Any]:
+    """Recursive dict merge; mappings merge, everything else (lists included) replaces."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value, source, f"{prefix}{key}.")
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=c` → ("a.b", parsed c): ints, floats (1e-6 too), true/false, null, [lists], {maps}, else strings."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value (e.g. trainer.nnodes=2)")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key or not re.fullmatch(r"[A-Za-z0-9_.\-]+", key):
+        raise ConfigError(f"override {item!r}: {key!r} is not a dotted key path")
+    return key, parse_value(raw)
+
+
+def parse_value(raw: str) -> Any:
+    raw = raw.strip()
+    if raw.lower() in ("none", "null", "~"):
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-6 as a string
+        except ValueError:
+            return value
+    return value
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part!r} holds a value ({child!r}), not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def get_dotted(tree: Mapping[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise ConfigError(f"${{{key}}} refers to a key that does not exist")
+        node = node[part]
+    return node
+
+
+def interpolate(tree: dict[str, Any]) -> dict[str, Any]:
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, str):
+            for _ in range(10):  # nested references resolve in a few rounds
+                new = _REF.sub(lambda m: str(get_dotted(tree, m.group(1))), node)
+                if new == node:
+                    break
+                node = new
+        return node
+
+    return walk(tree)
+
+
+# ------------------------------------------------------------------------------------------- typed construction
+def build(cls: type, data: Any, path: str) -> Any:
+    """Turn a plain dict into dataclass `cls`, checking every key and type; errors carry the dotted path."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            full = f"{path}.{key}" if path else str(key)
+            match = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" Did you mean '{path + '.' if path else ''}{match[0]}'?" if match else ""
+            raise ConfigError(f"unknown config key '{full}'.{hint} Valid keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        full = f"{path}.{name}" if path else name
+        if name not in data:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise ConfigError(f"missing config key '{full}' (add it to defaults.yaml or your config file)")
+        kwargs[name] = _coerce(hints[name], data[name], full)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from None
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(a, value, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r}: " + "; ".join(errors))
+    if value is None:
+        raise ConfigError(f"{path}=null: a value is required here ({_type_name(tp)})")
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}={value!r}: expected a list ({_type_name(tp)}), e.g. {path}=[a,b]")
+        return [_coerce(args[0] if args else Any, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}={value!r}: expected a mapping")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path}={value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}={value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}={value!r}: expected a string")
+    raise ConfigError(f"{path}: unsupported type {tp!r} in the schema")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=110)

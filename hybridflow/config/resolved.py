@@ -1,0 +1,87 @@
+"""Numbers derived from the config (world size, samples per step, per-GPU mini/micro batches, which roles run).
+
+Computed once from a validated `Config`; the config itself is never changed. Every count says its unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.config.schema import Config
+
+# Estimators that need a critic's values.
+VALUE_ESTIMATORS = ("gae",)
+
+
+@dataclass(frozen=True)
+class RoleBatch:
+    """Batch arithmetic for one trained role (actor or critic)."""
+
+    mini_batch_prompts: int  # global
+    mini_batch_samples: int  # global = prompts × rollout.n
+    mini_batch_samples_per_gpu: int
+    micro_batch_samples_per_gpu: int  # clamped to the per-GPU mini-batch
+    num_mini_batches: int  # optimizer steps per epoch per training step
+    grad_accum_steps: int  # micro-batches per mini-batch per GPU (fixed-size micro-batching)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    world_size: int
+    process_on_nodes: tuple[int, ...]
+    samples_per_step: int
+    actor: RoleBatch
+    critic: RoleBatch | None
+    use_critic: bool
+    use_reference: bool  # KL in reward or as a loss needs reference log-probs
+    use_reward_model: bool
+    recompute_old_log_prob: bool  # false when strictly on-policy: one epoch and one mini-batch
+
+    @property
+    def num_roles(self) -> int:
+        return 1 + int(self.use_critic) + int(self.use_reward_model)
+
+
+def process_on_nodes(cfg: Config) -> tuple[int, ...]:
+    t = cfg.trainer
+    given = cfg.resource_pool.process_on_nodes
+    return tuple(given) if given is not None else (t.n_gpus_per_node,) * t.nnodes
+
+
+def role_batch(mini_prompts: int, micro_per_gpu: int, train_prompts: int, n: int, world: int) -> RoleBatch:
+    mini_samples = mini_prompts * n
+    per_gpu = mini_samples // world
+    micro = min(micro_per_gpu, per_gpu)
+    return RoleBatch(
+        mini_batch_prompts=mini_prompts,
+        mini_batch_samples=mini_samples,
+        mini_batch_samples_per_gpu=per_gpu,
+        micro_batch_samples_per_gpu=micro,
+        num_mini_batches=train_prompts // mini_prompts,
+        grad_accum_steps=max(1, per_gpu // micro),
+    )
+
+
+def resolve(cfg: Config) -> Resolved:
+    nodes = process_on_nodes(cfg)
+    world = sum(nodes)
+    n = cfg.rollout.n
+    prompts = cfg.data.train_batch_size
+    use_critic = cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
+    actor = role_batch(cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu, prompts, n, world)
+    critic = (
+        role_batch(cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu, prompts, n, world)
+        if use_critic
+        else None
+    )
+    return Resolved(
+        world_size=world,
+        process_on_nodes=nodes,
+        samples_per_step=prompts * n,
+        actor=actor,
+        critic=critic,
+        use_critic=use_critic,
+        use_reference=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        use_reward_model=cfg.reward.reward_model.enable or any(s.name == "model" for s in cfg.reward.sources),
+        recompute_old_log_prob=not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),
+    )

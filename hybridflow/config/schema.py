@@ -1,0 +1,435 @@
+"""The typed configuration schema: one frozen dataclass per section.
+
+Defaults live in `defaults.yaml` (one place); the dataclasses say what exists and what is allowed.
+`__post_init__` checks values and raises `ValueError` naming the key path, the value and the fix. Values that
+depend on several sections or on the world size are checked in `validate.py`; derived numbers (per-rank
+micro-batches, total steps) are computed in `resolved.py` and never written back here.
+
+Batch sizes, stated once:
+  * `data.train_batch_size` — PROMPTS per step, global (all GPUs together).
+  * each prompt gets `rollout.n` responses, so a step trains on `train_batch_size * rollout.n` SAMPLES.
+  * `actor.ppo_mini_batch_size` / `critic.ppo_mini_batch_size` — PROMPTS per optimizer step, global.
+  * `*_micro_batch_size_per_gpu` — SAMPLES per forward/backward on one GPU (ignored when `use_dynamic_bsz`,
+    where `*_max_token_len_per_gpu` bounds the TOKENS per micro-batch instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _check(cond: bool, key: str, value: Any, fix: str) -> None:
+    if not cond:
+        raise ValueError(f"{key}={value!r}: {fix}")
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, key, value, f"must be one of {', '.join(map(repr, allowed))}")
+
+
+# --------------------------------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None  # local HF model directory; None → use `preset`
+    preset: str  # random-init preset when no path: tiny | qwen2.5-0.5b | qwen2.5-1.5b | qwen2.5-7b
+    tokenizer_path: str | None  # defaults to `path`, or the built-in tokenizer for presets
+    trust_remote_code: bool
+    enable_gradient_checkpointing: bool
+    dtype: str  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    override_config: dict[str, Any]  # keys applied to the HF config (e.g. num_hidden_layers) before init
+    seed: int  # seed for random init of presets
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+
+
+# --------------------------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class DataConfig:
+    task: str | None  # built-in synthetic task (e.g. arithmetic); used when train_files is empty
+    train_files: list[str]
+    val_files: list[str]
+    train_size: int  # samples of the built-in task
+    val_size: int
+    prompt_key: str
+    max_prompt_length: int
+    max_response_length: int
+    truncation: str  # error | left | right | filter
+    strict: bool  # malformed rows raise instead of being skipped
+    train_batch_size: int  # PROMPTS per step, global
+    val_batch_size: int | None  # PROMPTS per validation batch; null = whole val set at once
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    use_packed_dataset: bool  # remove padding / pack sequences in training forward passes
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    chat_template: str | None  # null = tokenizer's template, or a plain "User: ... Assistant:" when it has none
+
+    def __post_init__(self) -> None:
+        _one_of("data.truncation", self.truncation, ("error", "left", "right", "filter"))
+        _check(self.train_batch_size >= 1, "data.train_batch_size", self.train_batch_size, "must be >= 1 (prompts per step)")
+        _check(self.max_prompt_length >= 1, "data.max_prompt_length", self.max_prompt_length, "must be >= 1")
+        _check(self.max_response_length >= 1, "data.max_response_length", self.max_response_length, "must be >= 1")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0 (0 = load in the main process)")
+        if self.num_workers == 0:
+            _check(
+                not self.persistent_workers, "data.persistent_workers", self.persistent_workers,
+                "needs data.num_workers > 0; set data.persistent_workers=false or raise data.num_workers",
+            )
+        if self.prefetch_factor is not None:
+            _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, "must be >= 1 or null")
+        _check(
+            bool(self.task) or bool(self.train_files), "data.train_files", self.train_files,
+            "give parquet files (data.train_files=[a.parquet]) or a built-in task (data.task=arithmetic)",
+        )
+
+
+# --------------------------------------------------------------------------------------------------- optim / fsdp
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    weight_decay: float
+    betas: list[float]
+    eps: float
+    lr_warmup_steps: int  # -1 → use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float
+    lr_scheduler: str  # constant | cosine
+    min_lr_ratio: float  # cosine floor as a fraction of lr
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _one_of("optim.lr_scheduler", self.lr_scheduler, ("constant", "cosine"))
+        _check(len(self.betas) == 2, "optim.betas", self.betas, "give two numbers, e.g. [0.9, 0.999]")
+        _check(0.0 <= self.lr_warmup_steps_ratio <= 1.0, "optim.lr_warmup_steps_ratio", self.lr_warmup_steps_ratio,
+               "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    param_offload: bool  # keep parameters on CPU between uses
+    optimizer_offload: bool  # keep optimizer state on CPU (also during generation)
+    reshard_after_forward: bool
+    param_dtype: str  # master weights dtype: float32 | bfloat16
+    reduce_dtype: str  # gradient reduction dtype
+
+    def __post_init__(self) -> None:
+        _one_of("fsdp.param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        _one_of("fsdp.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
+
+
+# --------------------------------------------------------------------------------------------------- actor
+@dataclass(frozen=True)
+class ActorConfig:
+    ppo_mini_batch_size: int  # PROMPTS per optimizer step, global
+    ppo_micro_batch_size_per_gpu: int  # SAMPLES per forward/backward per GPU
+    use_dynamic_bsz: bool  # micro-batches by token budget instead of a fixed sample count
+    ppo_max_token_len_per_gpu: int  # TOKENS per micro-batch when use_dynamic_bsz
+    log_prob_micro_batch_size_per_gpu: int  # SAMPLES per log-prob forward per GPU
+    log_prob_max_token_len_per_gpu: int
+    ppo_epochs: int
+    shuffle: bool
+    grad_clip: float
+    policy_loss: str  # name in POLICY_LOSSES (vanilla | gspo | ...)
+    clip_ratio: float
+    clip_ratio_low: float | None  # null → clip_ratio
+    clip_ratio_high: float | None  # null → clip_ratio (DAPO clip-higher: e.g. 0.28)
+    clip_ratio_c: float  # dual-clip bound for negative advantages
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    logprob_chunk_size: int  # tokens per chunk when computing log-probs / entropy (bounds the logits memory)
+    optim: OptimConfig
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        _check(self.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", self.ppo_mini_batch_size, "must be >= 1")
+        _check(self.ppo_micro_batch_size_per_gpu >= 1, "actor.ppo_micro_batch_size_per_gpu",
+               self.ppo_micro_batch_size_per_gpu, "must be >= 1")
+        _check(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _one_of("actor.loss_agg_mode", self.loss_agg_mode,
+                ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+        _check(self.grad_clip > 0, "actor.grad_clip", self.grad_clip, "must be > 0")
+        _check(self.logprob_chunk_size >= 1, "actor.logprob_chunk_size", self.logprob_chunk_size, "must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------------- rollout
+@dataclass(frozen=True)
+class ValSamplingConfig:
+    n: int
+    do_sample: bool  # false = greedy
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str  # hybrid = our engine on the actor's weights; hf = transformers.generate (reference / fallback)
+    n: int  # responses per prompt
+    temperature: float
+    top_k: int  # -1 = off
+    top_p: float
+    do_sample: bool
+    ignore_eos: bool  # keep generating to max length (benchmarks)
+    stop_token_ids: list[int]
+    gpu_memory_utilization: float  # fraction of free device memory the KV cache may take
+    max_num_seqs: int  # sequences decoded together
+    max_num_batched_tokens: int  # prefill token budget per scheduler step
+    kv_cache_tokens: int | None  # explicit KV budget in tokens (overrides gpu_memory_utilization; used on CPU)
+    block_size: int
+    enforce_eager: bool  # no CUDA graphs
+    free_cache_engine: bool  # release the KV cache when switching back to training
+    seed: int
+    val_kwargs: ValSamplingConfig
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "rollout.n", self.n, "must be >= 1 (responses per prompt)")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature,
+               "must be > 0; for greedy decoding set rollout.do_sample=false")
+        _check(0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _check(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1)")
+        _one_of("rollout.name", self.name, ("hybrid", "hf"))
+
+
+@dataclass(frozen=True)
+class ActorRolloutConfig:
+    backend: str  # only `hybrid` for now: one worker trains and generates on the same GPUs and weights
+
+    def __post_init__(self) -> None:
+        _check(self.backend == "hybrid", "actor_rollout.backend", self.backend,
+               "only 'hybrid' is supported (actor and rollout share one worker and one copy of the weights)")
+
+
+# --------------------------------------------------------------------------------------------------- ref
+@dataclass(frozen=True)
+class EMAConfig:
+    enable: bool
+    decay: float
+    update_every: int  # steps between EMA updates of the reference policy
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.decay < 1.0, "ref.ema.decay", self.decay, "must be in (0, 1)")
+        _check(self.update_every >= 1, "ref.ema.update_every", self.update_every, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int
+    fsdp: FSDPConfig
+    ema: EMAConfig
+
+
+# --------------------------------------------------------------------------------------------------- critic
+@dataclass(frozen=True)
+class CriticConfig:
+    enable: bool | None  # null = on when the advantage estimator needs values (gae)
+    model_path: str | None  # null = initialise the backbone from the actor's model
+    ppo_mini_batch_size: int  # PROMPTS per optimizer step, global
+    ppo_micro_batch_size_per_gpu: int
+    use_dynamic_bsz: bool
+    ppo_max_token_len_per_gpu: int
+    ppo_epochs: int
+    shuffle: bool
+    grad_clip: float
+    cliprange_value: float
+    loss_agg_mode: str
+    warmup_steps: int  # steps that train only the critic before the actor starts updating
+    optim: OptimConfig
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        _check(self.ppo_mini_batch_size >= 1, "critic.ppo_mini_batch_size", self.ppo_mini_batch_size, "must be >= 1")
+        _check(self.ppo_epochs >= 1, "critic.ppo_epochs", self.ppo_epochs, "must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------------- reward
+@dataclass(frozen=True)
+class RewardSourceConfig:
+    name: str  # a REWARD_FUNCTIONS name, `rule` (function chosen by data_source), `custom`, or `model`
+    weight: float
+
+
+@dataclass(frozen=True)
+class CustomRewardConfig:
+    path: str | None  # python file defining the function
+    name: str  # function name, verl signature compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool
+    path: str | None
+    micro_batch_size_per_gpu: int
+    fsdp: FSDPConfig
+
+
+@dataclass(frozen=True)
+class LengthPenaltyConfig:
+    enable: bool
+    coef: float  # reward -= coef * response_length / max_response_length
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool  # DAPO soft overlong punishment
+    len: int
+    penalty_factor: float
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    sources: list[RewardSourceConfig]
+    custom: CustomRewardConfig
+    reward_model: RewardModelConfig
+    num_workers: int  # processes scoring responses (0 = in the driver process)
+    timeout_s: float  # per response
+    error_score: float  # score for a response whose scorer raised, timed out or returned NaN
+    length_penalty: LengthPenaltyConfig
+    overlong_buffer: OverlongBufferConfig
+
+    def __post_init__(self) -> None:
+        _check(len(self.sources) >= 1, "reward.sources", self.sources,
+               "give at least one source, e.g. [{name: rule, weight: 1.0}]")
+        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 seconds")
+        _check(self.num_workers >= 0, "reward.num_workers", self.num_workers, "must be >= 0")
+
+
+# --------------------------------------------------------------------------------------------------- algorithm
+KL_CTRL_ALIASES = {"kl_controller": "adaptive"}
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: str  # fixed | adaptive (alias: kl_controller)
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+    def __post_init__(self) -> None:
+        # An alias is canonicalised, not derived: the resolved config shows the real name.
+        object.__setattr__(self, "type", KL_CTRL_ALIASES.get(self.type, self.type))
+        _one_of("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
+        _check(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.horizon >= 1, "algorithm.kl_ctrl.horizon", self.horizon, "must be >= 1")
+        _check(self.target_kl > 0, "algorithm.kl_ctrl.target_kl", self.target_kl, "must be > 0")
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    enable: bool  # DAPO dynamic sampling: drop groups whose rewards are all equal, sample more
+    max_num_gen_batches: int  # bound on extra generation rounds per step
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str  # name in ADVANTAGE_ESTIMATORS
+    gamma: float
+    lam: float
+    norm_adv_by_std: bool  # false = Dr.GRPO
+    use_kl_in_reward: bool
+    kl_penalty: str  # KL estimator used in the reward
+    kl_ctrl: KLCtrlConfig
+    filter_groups: FilterGroupsConfig
+
+
+# --------------------------------------------------------------------------------------------------- trainer
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_freq: int  # steps between saves; -1 = only at the end; 0 = never
+    atomic_save: bool
+    async_save: bool
+    keep_last_n: int | None  # null = keep all
+
+    def __post_init__(self) -> None:
+        if self.keep_last_n is not None:
+            _check(self.keep_last_n >= 1, "trainer.checkpoint.keep_last_n", self.keep_last_n, "must be >= 1 or null")
+
+
+@dataclass(frozen=True)
+class RollbackConfig:
+    enable: bool
+    patience: int  # validations in a row with a falling metric
+    metric: str
+    lr_scale: float
+    max_rollbacks: int
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    gen_time_warn_s: float
+    update_jitter_warn_s: float
+    jitter_window: int
+    val_drop_patience: int
+    memory_warn_frac: float
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str
+    experiment_name: str
+    total_epochs: int
+    total_training_steps: int | None  # null = epochs × batches per epoch
+    seed: int
+    device: str  # auto | cpu | cuda
+    backend: str  # auto | local | ray
+    nnodes: int
+    n_gpus_per_node: int  # processes per node (GPUs, or CPU ranks when device=cpu)
+    use_hybrid_engine: bool
+    use_colocated_worker: bool
+    logger: list[str]
+    log_every: int
+    test_freq: int  # steps between validations; -1 = only at the end
+    val_before_train: bool
+    log_val_generations: int
+    run_dir: str  # metrics, events, config, report
+    default_local_dir: str
+    default_hdfs_dir: str | None  # fsspec URL mirrored after each local save
+    resume_mode: str  # auto | disable | path
+    resume_path: str | None
+    checkpoint: CheckpointConfig
+    rollback: RollbackConfig
+    max_consecutive_bad_steps: int
+    health: HealthConfig
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.backend", self.backend, ("auto", "local", "ray"))
+        _one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        _one_of("trainer.resume_mode", self.resume_mode, ("auto", "disable", "path"))
+        _check(self.nnodes >= 1, "trainer.nnodes", self.nnodes, "must be >= 1")
+        _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", self.n_gpus_per_node, "must be >= 1")
+        _check(self.total_epochs >= 1, "trainer.total_epochs", self.total_epochs, "must be >= 1")
+        if self.resume_mode == "path":
+            _check(bool(self.resume_path), "trainer.resume_path", self.resume_path,
+                   "trainer.resume_mode=path needs trainer.resume_path=<checkpoint dir>")
+
+
+@dataclass(frozen=True)
+class ResourcePoolConfig:
+    process_on_nodes: list[int] | None  # processes per node; null = [n_gpus_per_node] * nnodes
+    max_colocate_count: int  # worker processes that may share one GPU
+
+    def __post_init__(self) -> None:
+        _check(self.max_colocate_count >= 1, "resource_pool.max_colocate_count", self.max_colocate_count, "must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------------- root
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    actor: ActorConfig
+    rollout: RolloutConfig
+    actor_rollout: ActorRolloutConfig
+    ref: RefConfig
+    critic: CriticConfig
+    reward: RewardConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    resource_pool: ResourcePoolConfig
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form, for user scripts

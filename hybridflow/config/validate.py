@@ -1,0 +1,109 @@
+"""Checks that span several sections: resource shapes and batch-size arithmetic, with the arithmetic shown."""
+
+from __future__ import annotations
+
+from hybridflow.config.loader import ConfigError
+from hybridflow.config.resolved import process_on_nodes, resolve
+from hybridflow.config.schema import Config
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise `ConfigError` listing every problem found (not just the first)."""
+    errors = _resource_errors(cfg)
+    if not errors:
+        errors += _batch_errors(cfg)
+    errors += _name_errors(cfg)
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _resource_errors(cfg: Config) -> list[str]:
+    t, rp = cfg.trainer, cfg.resource_pool
+    errs = []
+    if rp.process_on_nodes is not None:
+        nodes = list(rp.process_on_nodes)
+        if len(nodes) != t.nnodes:
+            errs.append(
+                f"resource_pool.process_on_nodes={nodes} lists {len(nodes)} node(s) but trainer.nnodes={t.nnodes}: "
+                f"give one entry per node (e.g. resource_pool.process_on_nodes={[t.n_gpus_per_node] * t.nnodes}) "
+                f"or set trainer.nnodes={len(nodes)}"
+            )
+        for i, count in enumerate(nodes):
+            if not 1 <= count <= t.n_gpus_per_node:
+                errs.append(
+                    f"resource_pool.process_on_nodes[{i}]={count} must be between 1 and "
+                    f"trainer.n_gpus_per_node={t.n_gpus_per_node} (processes cannot exceed GPUs on a node)"
+                )
+    if not t.use_colocated_worker and not errs:
+        roles = resolve(cfg).num_roles
+        if roles > 1 and rp.max_colocate_count < roles:
+            errs.append(
+                f"trainer.use_colocated_worker=false runs {roles} role processes per GPU but "
+                f"resource_pool.max_colocate_count={rp.max_colocate_count}: set resource_pool.max_colocate_count={roles} "
+                f"or trainer.use_colocated_worker=true"
+            )
+    return errs
+
+
+def _batch_errors(cfg: Config) -> list[str]:
+    errs = []
+    world = sum(process_on_nodes(cfg))
+    prompts, n = cfg.data.train_batch_size, cfg.rollout.n
+    roles = [("actor", cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.use_dynamic_bsz)]
+    if resolve(cfg).use_critic:
+        c = cfg.critic
+        roles.append(("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz))
+    for role, mini, micro, dynamic in roles:
+        if mini > prompts or prompts % mini:
+            errs.append(
+                f"data.train_batch_size={prompts} prompts must be a multiple of {role}.ppo_mini_batch_size={mini} "
+                f"prompts ({prompts} / {mini} = {prompts / mini:.2f} mini-batches per step); "
+                f"e.g. {role}.ppo_mini_batch_size={_largest_divisor_at_most(prompts, mini)}"
+            )
+            continue
+        samples = mini * n
+        if samples % world:
+            errs.append(
+                f"{role}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {samples} samples per mini-batch "
+                f"must split evenly over {world} processes (trainer.nnodes x n_gpus_per_node): "
+                f"{samples} / {world} = {samples / world:.2f}"
+            )
+            continue
+        per_gpu = samples // world
+        if not dynamic and micro < per_gpu and per_gpu % micro:
+            errs.append(
+                f"{samples} samples per mini-batch / {world} processes = {per_gpu} samples per process, not a "
+                f"multiple of {role}.ppo_micro_batch_size_per_gpu={micro}; "
+                f"e.g. {role}.ppo_micro_batch_size_per_gpu={_largest_divisor_at_most(per_gpu, micro)}"
+            )
+    total = prompts * n
+    if total % world:
+        errs.append(
+            f"data.train_batch_size={prompts} x rollout.n={n} = {total} samples per step must split evenly over "
+            f"{world} processes: {total} / {world} = {total / world:.2f}"
+        )
+    return errs
+
+
+def _name_errors(cfg: Config) -> list[str]:
+    errs = []
+    try:
+        from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+    except ImportError:  # algorithms not installed in a stripped build: checked again when the trainer starts
+        return errs
+    for key, name, reg in (
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS),
+        ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
+        ("actor.kl_loss_type", cfg.actor.kl_loss_type, KL_ESTIMATORS),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_ESTIMATORS),
+    ):
+        if name not in reg:
+            errs.append(f"{key}={name!r} is not registered; choose one of {', '.join(reg.names())}")
+    return errs
+
+
+def _largest_divisor_at_most(total: int, bound: int) -> int:
+    for d in range(min(bound, total), 0, -1):
+        if total % d == 0:
+            return d
+    return 1
