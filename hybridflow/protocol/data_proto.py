@@ -322,10 +322,8 @@ class DataProto:
             raise ValueError(f"pad_to_divisor: size_divisor must be >= 1, got {size_divisor}")
         n = len(self)
         pad_size = -n % size_divisor
-        if pad_size == 0:
+        if pad_size == 0:  # includes n == 0
             return self, 0
-        if n == 0:
-            raise ValueError("pad_to_divisor: cannot pad a DataProto with no rows")
         parts, remaining = [self], pad_size
         while remaining > 0:
             take = min(remaining, n)

@@ -1,0 +1,32 @@
+# hybridflow — the two commands a new user types: `make quickstart` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines get the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build); GPU machines keep theirs.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,ray,tracking,math
+
+.PHONY: setup quickstart test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: installing torch from PyPI"; \
+	  $(BIN)/pip install -q torch; else $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+quickstart: setup
+	$(BIN)/hybridflow quickstart
+
+lint: setup
+	$(BIN)/ruff check hybridflow tests benchmarks
+
+# pytest exit code 5 = no tests collected: not a failure.
+test: setup lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) runs checkpoints .pytest_cache

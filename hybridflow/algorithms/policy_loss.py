@@ -1,0 +1,126 @@
+"""Policy-gradient losses, registered by name in `POLICY_LOSSES`.
+
+Every loss has one signature: `fn(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low,
+clip_ratio_high, clip_ratio_c, loss_agg_mode, global_normalizer, max_len, **_) -> (loss, metrics)`; metrics are
+detached 0-d tensors (no host sync) `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl`, computed over this
+micro-batch's valid tokens. The aggregation and its global normaliser are `agg_loss`'s (see aggregation.py).
+Legend: B batch, T response length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from hybridflow.algorithms.aggregation import agg_loss
+from hybridflow.algorithms.masked import masked_mean
+from hybridflow.utils.registry import Registry
+
+# exp() of a log-ratio beyond this is clamped: a numerical guard, never reached by a sane policy update.
+_LOG_RATIO_CLAMP = 20.0
+
+
+class PolicyLoss(Protocol):
+    def __call__(
+        self, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, **kwargs: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None) -> None:
+    if not 0 <= clip_ratio_low < 1:
+        raise ValueError(f"actor.clip_ratio_low={clip_ratio_low} must be in [0, 1) (ratio lower bound 1 - low)")
+    if clip_ratio_high < 0:
+        raise ValueError(f"actor.clip_ratio_high={clip_ratio_high} must be >= 0")
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable it")
+
+
+@POLICY_LOSSES.register("vanilla", "ppo")
+def vanilla_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    global_normalizer: Tensor | float | None = None,
+    max_len: int | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clip with asymmetric bounds [1 - low, 1 + high] (clip-higher, DAPO) and dual-clip.
+
+    Dual-clip (Ye et al. 2020) applies to negative advantages only: the token loss is capped at -A·c, so a
+    huge ratio on a bad action cannot dominate. `clip_ratio_c=None` disables it.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    m = response_mask
+    neg_kl = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(neg_kl)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    metrics = {
+        "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), m).detach(),
+        "ppo_kl": masked_mean(-neg_kl, m).detach(),
+    }
+    if clip_ratio_c is not None:
+        loss_cap = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (loss_ppo > loss_cap)
+        pg_losses = torch.where(advantages < 0, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+        metrics["pg_clipfrac_lower"] = masked_mean(dual.float(), m).detach()
+    else:
+        pg_losses = loss_ppo
+        metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
+    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_normalizer: Tensor | float | None = None,
+    max_len: int | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, s = exp(mean_t(log π - log π_old)).
+
+    Written token-wise as s_t = sg(s) · π_t / sg(π_t): its value is s on every token and its gradient is
+    s · ∇log π_t, so with `seq-mean-token-mean` (GSPO's definition) the gradient equals that of the
+    sequence-level objective exactly. Clipping is on s with GSPO's small bounds; `clip_ratio_c` is unused.
+    `pg_clipfrac_lower` is 0 (no dual-clip).
+    """
+    del clip_ratio_c
+    _check_clip(clip_ratio_low, clip_ratio_high, None)
+    m = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    lengths = m.sum(-1)
+    seq_log_ratio = (log_ratio * m).sum(-1) / torch.where(lengths > 0, lengths, torch.ones_like(lengths))
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=_LOG_RATIO_CLAMP))
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped)
+    metrics = {
+        "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), m).detach(),
+        "pg_clipfrac_lower": torch.zeros((), device=ratio.device),
+        "ppo_kl": masked_mean(-log_ratio, m).detach(),
+    }
+    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
+    return loss, metrics

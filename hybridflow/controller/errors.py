@@ -1,0 +1,42 @@
+"""Errors a driver sees when a worker-group call fails: they name the group, the method and the rank."""
+
+from __future__ import annotations
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, or its process died, during a group call. `remote_traceback` is the worker's text."""
+
+    def __init__(self, group: str, method: str, rank: int, detail: str, remote_traceback: str = "") -> None:
+        self.group, self.method, self.rank = group, method, rank
+        self.detail, self.remote_traceback = detail, remote_traceback
+        message = f"worker group {group!r}, method {method!r}, rank {rank}: {detail}"
+        if remote_traceback:
+            message += f"\n--- remote traceback (rank {rank}) ---\n{remote_traceback.rstrip()}"
+        super().__init__(message)
+
+    def __reduce__(self):  # keep all fields through pickling
+        return (type(self), (self.group, self.method, self.rank, self.detail, self.remote_traceback))
+
+
+class WorkerTimeoutError(TimeoutError):
+    """A group call did not finish within its timeout; `pending_ranks` had not answered."""
+
+    def __init__(self, group: str, method: str, timeout_s: float, pending_ranks: list[int]) -> None:
+        self.group, self.method, self.timeout_s, self.pending_ranks = group, method, timeout_s, pending_ranks
+        super().__init__(f"worker group {group!r}, method {method!r}: no answer from rank(s) {pending_ranks} "
+                         f"within {timeout_s:g} s (raise the timeout with register(timeout=...) or "
+                         f"WorkerGroup.default_timeout_s, or look for a hung collective)")
+
+    def __reduce__(self):
+        return (type(self), (self.group, self.method, self.timeout_s, self.pending_ranks))
+
+
+class RemoteCallError(Exception):
+    """Raised inside a worker process to carry the formatted traceback of the user's exception to the driver."""
+
+    def __init__(self, rank: int, summary: str, traceback_text: str) -> None:
+        self.rank, self.summary, self.traceback_text = rank, summary, traceback_text
+        super().__init__(f"rank {rank}: {summary}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.summary, self.traceback_text))
