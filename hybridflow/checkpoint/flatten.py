@@ -1,0 +1,118 @@
+"""Split a nested state into flat tensors plus a JSON skeleton, and back — the reason loading never unpickles.
+
+A state is dicts (str/int keys), lists and tuples whose leaves are tensors (DTensors too), numpy arrays or JSON
+scalars. Tensors are stored by path key (`optimizer/state/0/exp_avg`) in safetensors or DCP; everything else,
+including the container shapes and key types, goes to a JSON skeleton. Anything else raises `TypeError` at save
+time, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+SEP = "/"
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}{SEP}{key}" if path else str(key)
+
+
+def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Return (tensors by path, skeleton). Raises TypeError/ValueError naming the offending path."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def add(path: str, t: torch.Tensor) -> None:
+        if path in tensors:
+            raise ValueError(f"checkpoint state: two tensors map to the key {path!r}; rename one of the dict keys "
+                             f"(keys containing {SEP!r} or equal str/int keys collide)")
+        tensors[path] = t
+
+    def enc(node: Any, path: str) -> dict[str, Any]:
+        if isinstance(node, torch.Tensor):
+            add(path, node.detach())
+            return {"t": path}
+        if isinstance(node, np.ndarray):
+            if node.dtype == object:
+                raise TypeError(f"checkpoint state at {path!r}: numpy object arrays cannot be saved without pickling; "
+                                "convert to a list of str/int/float")
+            add(path, torch.from_numpy(np.ascontiguousarray(node)))
+            return {"n": path}
+        if isinstance(node, Mapping):
+            items = []
+            for k, v in node.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise TypeError(f"checkpoint state at {path!r}: dict key {k!r} has type {type(k).__name__}; "
+                                    "only str and int keys are saved")
+                items.append([k, enc(v, _join(path, k))])
+            return {"d": items}
+        if isinstance(node, (list, tuple)):
+            kind = "l" if isinstance(node, list) else "u"
+            return {kind: [enc(v, _join(path, i)) for i, v in enumerate(node)]}
+        if isinstance(node, np.generic):
+            node = node.item()
+        if node is None or isinstance(node, (bool, int, str)):
+            return {"v": node}
+        if isinstance(node, float):
+            # JSON has no inf/nan; keep them exact as strings.
+            return {"f": repr(node)} if not math.isfinite(node) else {"v": node}
+        if isinstance(node, torch.dtype):
+            return {"dtype": str(node).removeprefix("torch.")}
+        raise TypeError(f"checkpoint state at {path!r} has type {type(node).__name__}; checkpoints hold only tensors, "
+                        "numpy arrays, dicts, lists, tuples and str/int/float/bool/None (no pickling) — convert it, "
+                        "e.g. to a dict of those")
+
+    skeleton = enc(state, "")
+    return tensors, skeleton
+
+
+def unflatten_state(skeleton: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten_state`; numpy leaves come back as numpy arrays."""
+
+    def dec(node: dict[str, Any]) -> Any:
+        (kind, val), = node.items()
+        if kind == "t":
+            return tensors[val]
+        if kind == "n":
+            return tensors[val].numpy()
+        if kind == "d":
+            return {k: dec(v) for k, v in val}
+        if kind == "l":
+            return [dec(v) for v in val]
+        if kind == "u":
+            return tuple(dec(v) for v in val)
+        if kind == "v":
+            return val
+        if kind == "f":
+            return float(val)
+        if kind == "dtype":
+            dtype = getattr(torch, val, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"checkpoint skeleton names unknown dtype {val!r}")
+            return dtype
+        raise ValueError(f"checkpoint skeleton has unknown node kind {kind!r} (written by a newer hybridflow?)")
+
+    return dec(skeleton)
+
+
+def tensor_keys(skeleton: dict[str, Any]) -> list[str]:
+    """Paths of all tensor leaves of a skeleton, in order."""
+    out: list[str] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        (kind, val), = node.items()
+        if kind in ("t", "n"):
+            out.append(val)
+        elif kind == "d":
+            for _k, v in val:
+                walk(v)
+        elif kind in ("l", "u"):
+            for v in val:
+                walk(v)
+
+    walk(skeleton)
+    return out

@@ -1,0 +1,208 @@
+"""Ray backend: one actor per rank, placed with one placement group per node (one bundle per GPU, or per CPU slot
+on CPU-only clusters); each actor asks for 1/max_colocate_count of its bundle so colocated groups share a GPU.
+
+Ranks follow the nodes sorted by IP (stable across restarts); rank 0's node and a free port there are the
+torch.distributed rendezvous. `ray.init` is called when Ray is not running yet (RAY_ADDRESS joins a cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.controller.backends.base import Backend
+from hybridflow.controller.backends.host import WorkerHost
+from hybridflow.controller.errors import RemoteCallError, WorkerError, WorkerTimeoutError
+from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.worker import WORKER_BASE_ENV, Worker, WorkerEnv
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(**kwargs: Any) -> None:
+    """Start (or join, when RAY_ADDRESS is set) Ray unless it is running; workers inherit WORKER_BASE_ENV."""
+    if ray.is_initialized():
+        return
+    runtime_env = dict(kwargs.pop("runtime_env", None) or {})
+    runtime_env["env_vars"] = {**WORKER_BASE_ENV, **runtime_env.get("env_vars", {})}
+    kwargs.setdefault("include_dashboard", False)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        for key in ("num_cpus", "num_gpus"):
+            if kwargs.pop(key, None) is not None:
+                logger.warning("ignoring %s: joining the existing Ray cluster at RAY_ADDRESS=%s", key, address)
+        ray.init(address=address, runtime_env=runtime_env, **kwargs)
+    else:
+        ray.init(runtime_env=runtime_env, **kwargs)
+    logger.info("Ray resources: %s", ray.cluster_resources())
+
+
+class RayWorkerHost(WorkerHost):
+    """The actor class: a `WorkerHost` that fetches `RemoteSlice` chunks with `ray.get`."""
+
+    def __init__(self) -> None:
+        super().__init__(fetch=ray.get)
+
+
+_REMOTE_HOST: Any = None
+
+
+def _remote_host() -> Any:
+    global _REMOTE_HOST
+    if _REMOTE_HOST is None:
+        _REMOTE_HOST = ray.remote(RayWorkerHost)
+    return _REMOTE_HOST
+
+
+@dataclass
+class _Placement:
+    groups: list[PlacementGroup]  # one per node, sorted by node IP
+    use_gpu: bool
+
+    def slots(self) -> list[tuple[PlacementGroup, int]]:
+        return [(pg, b) for pg in self.groups for b in range(pg.bundle_count)]
+
+
+class RayBackend(Backend):
+    kind = "ray"
+    placement_timeout_s = 60.0
+    start_timeout_s = 600.0  # includes the workers' __init__ (model loading)
+
+    # ---------------------------------------------------------------------------------------- placement
+    def _placement(self, pool: ResourcePool) -> _Placement:
+        state = pool._backend_state.get("ray")
+        if state is not None:
+            return state
+        total = ray.cluster_resources()
+        use_gpu = pool.use_gpu if pool.use_gpu is not None else total.get("GPU", 0) > 0
+        _check_resources(pool, use_gpu, total)
+        bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        groups = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK")
+                  for n in pool.process_on_nodes]
+        try:
+            ray.get([pg.ready() for pg in groups], timeout=self.placement_timeout_s)
+        except GetTimeoutError:
+            for pg in groups:
+                remove_placement_group(pg)
+            raise RuntimeError(
+                f"resource pool {pool.name!r}: placement groups for process_on_nodes={pool.process_on_nodes} "
+                f"({'GPU' if use_gpu else 'CPU'} bundles) were not scheduled within {self.placement_timeout_s:g} s; "
+                f"available now: {ray.available_resources()} (other pools may hold them: release them first)"
+            ) from None
+        node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        groups.sort(key=lambda pg: node_ip.get(placement_group_table(pg)["bundles_to_node_id"][0], ""))
+        placement = _Placement(groups, use_gpu)
+        pool._backend_state["ray"] = placement
+        pool.on_release(lambda: [remove_placement_group(pg) for pg in groups] and None)
+        return placement
+
+    # -------------------------------------------------------------------------------------------- start
+    def start(self, pool: ResourcePool, worker_cls: type[Worker], args: tuple[Any, ...], kwargs: dict[str, Any],
+              group: str) -> list[Any]:
+        init_ray()
+        placement = self._placement(pool)
+        if pool.groups_placed >= pool.max_colocate_count:
+            raise ValueError(
+                f"worker group {group!r}: resource pool {pool.name!r} already hosts {pool.groups_placed} group(s) and "
+                f"max_colocate_count={pool.max_colocate_count}; colocate roles in one process with "
+                f"create_colocated_worker_cls, raise resource_pool.max_colocate_count, or use another pool")
+        share = 1.0 / pool.max_colocate_count
+        options: dict[str, Any] = {"num_cpus": share, "num_gpus": share if placement.use_gpu else 0,
+                                   "max_concurrency": 1}
+        runtime_env = _actor_runtime_env()
+        if runtime_env is not None:
+            options["runtime_env"] = runtime_env
+        host_cls = _remote_host()
+        slots = placement.slots()
+        hosts = [host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle), **options).remote()
+                 for pg, bundle in slots]
+        ranks = list(range(len(hosts)))
+        try:
+            addr, port = self.wait([hosts[0].node_address.remote()], [0], group, "__init__", self.start_timeout_s)[0]
+            payload = ray.put((worker_cls, args, kwargs))  # serialised once; Ray resolves it in each actor
+            refs = [host.construct.remote(WorkerEnv(rank, len(hosts), bundle, pg.bundle_count, addr, port), payload, True)
+                    for rank, (host, (pg, bundle)) in enumerate(zip(hosts, slots))]
+            self.wait(refs, ranks, group, "__init__", self.start_timeout_s)
+        except BaseException:
+            for host in hosts:
+                ray.kill(host, no_restart=True)
+            raise
+        pool.groups_placed += 1
+        return hosts
+
+    # -------------------------------------------------------------------------------------------- calls
+    def submit(self, handles: Sequence[Any], ranks: Sequence[int], target: str,
+               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]]) -> list[Any]:
+        return [handles[r].call.remote(target, *a, **k) for r, a, k in zip(ranks, per_rank_args, per_rank_kwargs)]
+
+    def wait(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,
+             timeout_s: float | None) -> list[Any]:
+        try:
+            return ray.get(list(refs), timeout=timeout_s)  # raises as soon as any rank fails
+        except GetTimeoutError:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            done = set(ready)
+            pending = [rank for rank, ref in zip(ranks, refs) if ref not in done]
+            raise WorkerTimeoutError(group, method, float(timeout_s or 0), pending) from None
+        except RayError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, RemoteCallError):
+                raise WorkerError(group, method, cause.rank, cause.summary, cause.traceback_text) from None
+            rank = _failed_rank(refs, ranks)
+            raise WorkerError(group, method, rank, f"worker process failed ({type(err).__name__}): {err}") from None
+
+    def ready(self, refs: Sequence[Any]) -> bool:
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def stop(self, handles: Sequence[Any], pool: ResourcePool) -> None:
+        for host in handles:
+            ray.kill(host, no_restart=True)
+        pool.groups_placed = max(0, pool.groups_placed - 1)
+
+
+def _actor_runtime_env() -> dict[str, Any] | None:
+    """Per-actor env vars only when the job's runtime_env lacks them (per-actor runtime envs start slower)."""
+    job_env = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+    if all(job_env.get(k) == v for k, v in WORKER_BASE_ENV.items()):
+        return None
+    return {"env_vars": dict(WORKER_BASE_ENV)}
+
+
+def _failed_rank(refs: Sequence[Any], ranks: Sequence[int]) -> int:
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    done = set(ready)
+    for rank, ref in zip(ranks, refs):
+        if ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except RayError:
+                return rank
+    return -1
+
+
+def _check_resources(pool: ResourcePool, use_gpu: bool, total: dict[str, float]) -> None:
+    """Fail before asking Ray when the cluster cannot hold the pool at all (Ray would wait forever)."""
+    kinds = ["GPU", "CPU"] if use_gpu else ["CPU"]
+    for kind in kinds:
+        have = total.get(kind, 0.0)
+        if pool.world_size > have:
+            raise ValueError(
+                f"resource pool {pool.name!r} asks for {pool.world_size} {kind}(s) "
+                f"(process_on_nodes={pool.process_on_nodes}, one {kind} per process) but the Ray cluster has "
+                f"{have:g}; lower trainer.n_gpus_per_node / trainer.nnodes / resource_pool.process_on_nodes "
+                f"or add nodes (cluster resources: {total})")
+    per_node = [n.get("Resources", {}).get(kinds[0], 0.0) for n in ray.nodes() if n.get("Alive")]
+    biggest = max(per_node, default=0.0)
+    if max(pool.process_on_nodes) > biggest:
+        raise ValueError(
+            f"resource pool {pool.name!r}: process_on_nodes={pool.process_on_nodes} puts "
+            f"{max(pool.process_on_nodes)} processes on one node but the largest node has {biggest:g} {kinds[0]}(s)")

@@ -1,0 +1,144 @@
+"""`RLHFDataset`: prompts for PPO/GRPO from verl-schema rows (parquet files or the built-in tasks).
+
+Columns: `data_source` (selects the reward function), `prompt` (chat messages or a string; `data.prompt_key`),
+`ability`, `reward_model` ({style, ground_truth}), `extra_info` (dict). Rows are validated up front: malformed
+rows are skipped and counted (or raise with `data.strict`). Over-long prompts: `error` and `filter` are decided up
+front (one tokenisation pass, so training never dies mid-run); `left`/`right` truncate in `__getitem__`, which is
+where tokenisation happens (in the dataloader workers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hybridflow.data.parquet_io import read_rows
+from hybridflow.data.templates import MalformedRow, render, to_messages
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "filter")
+
+
+def _as_dict(value: Any, column: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise MalformedRow(f"{column} must be a dict (or missing), got {type(value).__name__}")
+    return value
+
+
+def normalize_row(row: dict[str, Any], prompt_key: str, position: int) -> dict[str, Any]:
+    """A raw row → the dataset's canonical fields; raises MalformedRow naming what is wrong."""
+    if prompt_key not in row:
+        raise MalformedRow(f"no {prompt_key!r} column (set data.prompt_key to the prompt column)")
+    messages = to_messages(row[prompt_key])
+    data_source = row.get("data_source", "unknown")
+    if not isinstance(data_source, str):
+        raise MalformedRow(f"data_source must be a string, got {type(data_source).__name__}")
+    reward_model = _as_dict(row.get("reward_model"), "reward_model")
+    return {
+        "messages": messages,
+        "raw_prompt": row[prompt_key],
+        "data_source": data_source,
+        "ability": row.get("ability") or "",
+        "reward_model": {"style": reward_model.get("style", "rule"), **reward_model,
+                         "ground_truth": reward_model.get("ground_truth")},
+        "extra_info": _as_dict(row.get("extra_info"), "extra_info"),
+        "index": position,
+    }
+
+
+def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool, name: str) -> list[dict[str, Any]]:
+    """Normalise every row; malformed ones raise (strict) or are skipped with their indices in one warning."""
+    good, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            good.append(normalize_row(row, prompt_key, i))
+        except MalformedRow as err:
+            if strict:
+                raise ValueError(f"{name} data row {i} is malformed: {err}. Fix the row, or set data.strict=false "
+                                 "to skip malformed rows") from err
+            bad.append((i, str(err)))
+    if bad:
+        shown = "; ".join(f"row {i}: {why}" for i, why in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        logger.warning("%s data: skipped %d malformed rows of %d: %s%s", name, len(bad), len(rows), shown, more)
+    return good
+
+
+class RLHFDataset(Dataset):
+    """Prompt dataset; `__getitem__` renders the chat template and tokenises (unpadded `input_ids`)."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
+                 truncation: str = "error", prompt_key: str = "prompt", strict: bool = False,
+                 chat_template: str | None = None, name: str = "train") -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={truncation!r}: must be one of {', '.join(TRUNCATION_MODES)}")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.chat_template = chat_template
+        self.name = name
+        self.rows = validate_rows(rows, prompt_key, strict, name)
+        self.num_malformed = len(rows) - len(self.rows)
+        self.num_filtered = 0
+        if truncation in ("error", "filter"):
+            self._check_lengths()
+        if not self.rows:
+            raise ValueError(f"{name} dataset is empty after validation ({len(rows)} rows read, "
+                             f"{self.num_malformed} malformed, {self.num_filtered} over-long); check the files")
+
+    @classmethod
+    def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> RLHFDataset:
+        return cls(read_rows(files), tokenizer, **kwargs)
+
+    def _check_lengths(self) -> None:
+        lengths = [len(self._encode(row)) for row in self.rows]
+        over = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
+        if not over:
+            return
+        if self.truncation == "error":
+            i = over[0]
+            raise ValueError(
+                f"{self.name} data: {len(over)} prompts exceed data.max_prompt_length={self.max_prompt_length} "
+                f"(first: row {self.rows[i]['index']} with {lengths[i]} tokens). Raise data.max_prompt_length, or "
+                "set data.truncation to filter (drop them), left or right (cut them)")
+        keep = set(range(len(self.rows))) - set(over)
+        self.rows = [r for i, r in enumerate(self.rows) if i in keep]
+        self.num_filtered = len(over)
+        logger.warning("%s data: filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
+                       self.name, len(over), self.max_prompt_length, len(self.rows))
+
+    def _encode(self, row: dict[str, Any]) -> list[int]:
+        text = render(self.tokenizer, row["messages"], self.chat_template)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.rows[i]
+        ids = self._encode(row)
+        if len(ids) > self.max_prompt_length:
+            if self.truncation == "left":
+                ids = ids[-self.max_prompt_length:]
+            elif self.truncation == "right":
+                ids = ids[: self.max_prompt_length]
+            else:  # error/filter were checked up front; a tokenizer change since then lands here
+                raise ValueError(f"{self.name} row {row['index']}: {len(ids)} prompt tokens > "
+                                 f"data.max_prompt_length={self.max_prompt_length}")
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "raw_prompt": row["raw_prompt"],
+            "data_source": row["data_source"],
+            "ability": row["ability"],
+            "reward_model": row["reward_model"],
+            "extra_info": row["extra_info"],
+            "index": row["index"],
+            "uid": f"{self.name}-{row['index']}",
+        }

@@ -1,0 +1,68 @@
+"""Prompt normalisation and chat-template rendering.
+
+A prompt is a list of chat messages (`{role, content}`) or a plain string (treated as one user message). It is
+rendered with `data.chat_template` when set (`raw` = no template at all), else the tokenizer's own template, else a
+plain "User: ...\\nAssistant:" template — the same text the built-in tokenizer's template produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Messages = list[dict[str, str]]
+RAW_TEMPLATE = "raw"
+
+
+class MalformedRow(ValueError):
+    """A dataset row that cannot be used (missing prompt, wrong types)."""
+
+
+def to_messages(prompt: Any) -> Messages:
+    """A prompt cell → a list of `{role, content}` dicts; raises MalformedRow with the reason."""
+    if prompt is None:
+        raise MalformedRow("prompt is missing")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise MalformedRow("prompt is an empty string")
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, dict):
+        prompt = [prompt]
+    if not isinstance(prompt, Sequence) and not hasattr(prompt, "tolist"):
+        raise MalformedRow(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    messages = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+    if not messages:
+        raise MalformedRow("prompt is an empty message list")
+    out: Messages = []
+    for j, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise MalformedRow(f"prompt message {j} must be a dict with string 'role' and 'content', got {msg!r}")
+        out.append({"role": msg["role"], "content": msg["content"]})
+    return out
+
+
+def plain_template(messages: Messages, add_generation_prompt: bool) -> str:
+    """The fallback template for tokenizers without one (matches the built-in tokenizer's template)."""
+    parts = []
+    for m in messages:
+        if m["role"] == "system":
+            parts.append(f"{m['content']}\n")
+        elif m["role"] == "user":
+            parts.append(f"User: {m['content']}\n")
+        else:
+            parts.append(f"Assistant: {m['content']}\n")
+    if add_generation_prompt:
+        parts.append("Assistant:")
+    return "".join(parts)
+
+
+def render(tokenizer: Any, messages: Messages, chat_template: str | None = None,
+           add_generation_prompt: bool = True) -> str:
+    """Messages → prompt text (never token ids: transformers 5 `tokenize=True` returns a dict)."""
+    if chat_template == RAW_TEMPLATE:
+        return "\n".join(m["content"] for m in messages)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        return plain_template(messages, add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)

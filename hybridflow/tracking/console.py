@@ -1,0 +1,181 @@
+"""Human-facing console output: a rich progress bar plus a compact metrics table on a terminal, plain lines elsewhere.
+
+On a TTY the bar shows steps, ETA, reward and step time, and a table of all metrics (grouped by namespace) is
+printed every `trainer.log_every` steps. When stdout is not a terminal (CI logs, `nohup`, pipes) the same cadence
+prints one plain line per logged step instead: greppable, no control characters. The console renders for humans,
+so it writes to its stream directly rather than through `logging`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any
+
+from hybridflow.tracking.base import TRACKERS, Backend, Event, RunContext
+
+# (metric, short label) shown in the one-line summary and the progress bar, in this order, when present.
+HEADLINE: tuple[tuple[str, str], ...] = (
+    ("reward/score/mean", "reward"),
+    ("val/reward", "val"),
+    ("actor/pg_loss", "pg_loss"),
+    ("critic/vf_loss", "vf_loss"),
+    ("kl/actor_ref", "kl"),
+    ("actor/entropy", "entropy"),
+    ("response_length/mean", "resp_len"),
+    ("actor/grad_norm", "grad_norm"),
+    ("perf/throughput", "tok/s/gpu"),
+    ("timing/step", "step_s"),
+)
+_MIN_HEADLINE = 3  # fewer known metrics than this (e.g. SFT) → fill the line with the first other metrics
+_MAX_LINE_ITEMS = 10
+_LEVEL_STYLE = {"info": "cyan", "warning": "bold yellow", "error": "bold red"}
+
+
+def fmt_value(value: float) -> str:
+    """Compact number: 4 significant digits, scientific notation for very large or very small magnitudes."""
+    if value != value:  # NaN
+        return "nan"
+    a = abs(value)
+    if a != 0 and (a >= 1e5 or a < 1e-3):
+        return f"{value:.2e}"
+    if float(value).is_integer() and a < 1e5:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def headline(metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """(label, formatted value) pairs for the one-line summary."""
+    items = [(label, fmt_value(metrics[key]) + ("s" if key == "timing/step" else ""))
+             for key, label in HEADLINE if key in metrics]
+    if len(items) < _MIN_HEADLINE:
+        known = {key for key, _ in HEADLINE}
+        extra = [k for k in metrics if k not in known and not k.startswith(("health/", "training/"))]
+        items += [(k, fmt_value(metrics[k])) for k in extra[: _MAX_LINE_ITEMS - len(items)]]
+    return items
+
+
+@TRACKERS.register("console")
+class ConsoleBackend(Backend):
+    """Progress bar + periodic table (TTY) or one plain line per logged step (not a TTY)."""
+
+    name = "console"
+
+    def __init__(self, ctx: RunContext, stream: IO[str] | None = None, tty: bool | None = None) -> None:
+        super().__init__(ctx)
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        self.log_every = max(1, int(ctx.log_every))
+        self.total: int | None = None
+        self._start_step = 0
+        self._start_time = time.monotonic()
+        self._progress: Any = None
+        self._task: Any = None
+        self.console: Any = None
+        if self.tty:
+            from rich.console import Console
+
+            self.console = Console(file=self.stream, force_terminal=True, highlight=False)
+
+    # ----------------------------------------------------------------------------------------- progress
+    def start_progress(self, total_steps: int, initial_step: int = 0) -> None:
+        self.total = int(total_steps)
+        self._start_step = int(initial_step)
+        self._start_time = time.monotonic()
+        if not self.tty:
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), console=self.console, transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(self.ctx.experiment, total=self.total, completed=initial_step, info="")
+
+    def update_progress(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        if self._progress is None:
+            return
+        info = ""
+        if metrics:
+            parts = [f"{label} {value}" for label, value in headline(metrics)[:2]]
+            if "timing/step" in metrics:
+                parts.append(f"{metrics['timing/step']:.2f} s/step")
+            info = " | ".join(dict.fromkeys(parts))
+        self._progress.update(self._task, completed=step, info=info)
+
+    def stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def eta_seconds(self, step: int) -> float | None:
+        done = step - self._start_step
+        if self.total is None or done <= 0:
+            return None
+        return (time.monotonic() - self._start_time) / done * max(0, self.total - step)
+
+    # ----------------------------------------------------------------------------------------- backend
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.update_progress(step, metrics)
+        due = step % self.log_every == 0 or (self.total is not None and step >= self.total)
+        if not due:
+            return
+        if self.tty:
+            self.console.print(self._table(metrics, step))
+        else:
+            self._write(self._line(metrics, step))
+
+    def event(self, event: Event) -> None:
+        if self.tty:
+            style = _LEVEL_STYLE.get(event.level, "white")
+            self.console.print(f"[{style}]{event.level.upper()}[/] [bold]{event.kind}[/] (step {event.step}): "
+                               f"{event.message}", markup=True)
+        else:
+            self._write(f"[step {event.step}] {event.level.upper()} {event.kind}: {event.message}")
+
+    def close(self) -> None:
+        self.stop_progress()
+        self.stream.flush()
+
+    # ----------------------------------------------------------------------------------------- rendering
+    def _line(self, metrics: dict[str, float], step: int) -> str:
+        head = f"step {step}" + (f"/{self.total}" if self.total else "")
+        parts = [head]
+        eta = self.eta_seconds(step)
+        if eta is not None:
+            parts.append(f"eta {fmt_duration(eta)}")
+        parts += [f"{label} {value}" for label, value in headline(metrics)]
+        return " | ".join(parts)
+
+    def _table(self, metrics: dict[str, float], step: int) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        title = f"step {step}" + (f"/{self.total}" if self.total else "")
+        eta = self.eta_seconds(step)
+        if eta is not None:
+            title += f"  ·  eta {fmt_duration(eta)}"
+        table = Table(title=title, box=box.SIMPLE_HEAD, show_header=False, title_justify="left", pad_edge=False)
+        table.add_column("group", style="bold cyan", no_wrap=True)
+        table.add_column("metrics")
+        groups: dict[str, list[str]] = {}
+        for key in sorted(metrics):
+            group, _, name = key.partition("/")
+            groups.setdefault(group, []).append(f"{name or group} [bold]{fmt_value(metrics[key])}[/]")
+        for group, cells in groups.items():
+            table.add_row(group, "   ".join(cells))
+        return table
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()

@@ -1,0 +1,71 @@
+"""Per-step data metrics computed on the driver from the batch: rewards, advantages, values, lengths, throughput."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import masked_mean
+from hybridflow.protocol import DataProto
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/max": float(v.max()), f"{prefix}/min": float(v.min())}
+
+
+def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    valid = values[mask.bool()]
+    out = _stats(prefix, valid)
+    if out:
+        out[f"{prefix}/mean"] = float(masked_mean(values.float(), mask.float()))
+    return out
+
+
+def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]:
+    b = batch.batch
+    mask = b["response_mask"].bool()
+    resp_len = mask.sum(-1).float()
+    out: dict[str, float] = {}
+    if "token_level_scores" in b:
+        out |= _stats("reward/score", b["token_level_scores"].sum(-1))
+    if "token_level_rewards" in b:
+        out |= _stats("reward/reward", b["token_level_rewards"].sum(-1))
+    if "advantages" in b:
+        out |= _masked_stats("adv", b["advantages"], mask)
+    if "returns" in b:
+        out |= _masked_stats("returns", b["returns"], mask)
+    if "values" in b:
+        out |= _masked_stats("critic/values", b["values"], mask)
+    out |= _stats("response_length", resp_len)
+    out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
+    if "attention_mask" in b and "prompts" in b:
+        prompt_len = b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1).float()
+        out["prompt_length/mean"] = float(prompt_len.mean())
+    return out
+
+
+def per_source_scores(scores: np.ndarray, sources: np.ndarray, prefix: str) -> dict[str, float]:
+    """`<prefix>/<data_source>` = mean score of that source's rows."""
+    out = {}
+    for src in sorted(set(sources.tolist())):
+        sel = sources == src
+        out[f"{prefix}/{src}"] = float(np.mean(scores[sel]))
+    return out
+
+
+def throughput_metrics(batch: DataProto, step_time: float, world_size: int) -> dict[str, float]:
+    tokens = int(batch.batch["attention_mask"].sum())
+    return {"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / max(step_time, 1e-9) / world_size}
+
+
+def memory_metrics() -> dict[str, float]:
+    import psutil
+
+    out = {"perf/cpu_memory_gb": psutil.Process().memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    return out

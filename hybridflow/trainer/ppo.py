@@ -1,0 +1,232 @@
+"""The PPO/GRPO trainer: a single-controller driver whose `step()` is the numbered list of stage calls.
+
+Everything heavy runs inside worker groups (`self.actor`, `self.critic`, `self.reward_model`); the driver only
+moves DataProtos between them and does the cheap tensor math (rewards, advantages, metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from hybridflow.algorithms import (
+    build_kl_controller,
+    apply_kl_penalty,
+    compute_advantage,
+    filter_uninformative_groups,
+    kl_penalty,
+    masked_mean,
+)
+from hybridflow.config import Config, resolve
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.balance import balanced_order
+from hybridflow.trainer.metrics import compute_data_metrics, memory_metrics, throughput_metrics
+from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
+from hybridflow.trainer.timing import StageTimer
+from hybridflow.trainer.validation import Validator
+
+logger = logging.getLogger(__name__)
+
+
+def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Average each key over the ranks that reported it."""
+    keys = {k for m in per_rank for k in m}
+    return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in sorted(keys)}
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, *, tokenizer: Any = None, tracker: Any = None,
+                 groups: WorkerGroups | None = None) -> None:
+        from hybridflow.data import build_rl_datasets, make_dataloader
+        from hybridflow.models.loader import load_tokenizer
+        from hybridflow.rewards import RewardManager
+
+        self.cfg, self.res = cfg, resolve(cfg)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer)
+        self.loader = make_dataloader(self.train_ds, cfg.data, cfg.data.train_batch_size,
+                                      shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        if len(self.loader) == 0:
+            raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} prompts is larger than the training "
+                             f"set ({len(self.train_ds)} prompts) with drop_last: lower the batch size or add data")
+        self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length)
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+        self.groups = groups if groups is not None else build_worker_groups(cfg, self.res)
+        self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn) if self.val_ds else None
+        self.tracker = tracker
+        self.global_step = 0
+        self.epoch = 0
+        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------------------------------------ fit
+    @property
+    def actor(self) -> Any:
+        return self.groups.actor
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train for `total_steps`; returns the per-step metrics (also sent to the tracker)."""
+        if self.cfg.trainer.val_before_train and self.validator is not None:
+            self._log(self.validator.run(step=0), step=0)
+        for batch in self._batches():
+            self.global_step += 1
+            metrics = self.step(batch)
+            is_last = self.global_step >= self.total_steps
+            test_freq = self.cfg.trainer.test_freq
+            if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
+                metrics |= self.validator.run(step=self.global_step)
+            self._log(metrics, step=self.global_step)
+            if is_last:
+                break
+        return self.history
+
+    def _batches(self) -> Iterator[DataProto]:
+        while self.epoch < self.cfg.trainer.total_epochs:
+            for batch in self.loader:
+                yield batch
+            self.epoch += 1
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        metrics = {"training/global_step": float(step), "training/epoch": float(self.epoch), **metrics}
+        self.history.append(metrics)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step=step)
+
+    # ----------------------------------------------------------------------------------------------- step
+    def step(self, batch: DataProto) -> dict[str, float]:
+        """One RL step; each numbered stage is timed as `timing/<name>`."""
+        timer, metrics = StageTimer(), {}
+        start = time.perf_counter()
+        with timer("gen"):  # 1. generate rollout.n responses per prompt (train→generate→train inside)
+            batch = self._generate(batch, metrics, timer)
+        with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
+            batch = self._reward(batch, metrics)
+        if self.cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling
+            batch = self._keep_informative_groups(batch, metrics, timer)
+        batch = self._balance(batch)
+        if self.res.recompute_old_log_prob:
+            with timer("old_log_prob"):  # 3. log-probs of the sampling policy
+                batch = batch.union(self.actor.compute_log_prob(batch))
+        if self.res.use_reference:
+            with timer("ref"):  # 4. reference log-probs (only when KL is used)
+                batch = batch.union(self.actor.compute_ref_log_prob(batch))
+        if self.res.use_critic:
+            with timer("values"):  # 5. critic values
+                batch = batch.union(self.groups.critic.compute_values(batch))
+        with timer("adv"):  # 6. advantages on the driver (KL-in-reward here)
+            metrics |= self._advantages(batch)
+        if self.res.use_critic:
+            with timer("update_critic"):  # 7. critic PPO epochs
+                metrics |= reduce_metrics(self.groups.critic.update_critic(batch))
+        if self.global_step > self.cfg.critic.warmup_steps or not self.res.use_critic:
+            with timer("update_actor"):  # 8. actor PPO epochs
+                metrics |= reduce_metrics(self.actor.update_actor(batch))
+        ema = self.cfg.ref.ema
+        if ema.enable and self.global_step % ema.update_every == 0:
+            self.actor.update_ref_ema()
+        timer.add("step", time.perf_counter() - start)
+        metrics |= compute_data_metrics(batch, self.cfg.data.max_response_length)
+        metrics |= timer.metrics() | throughput_metrics(batch, timer.times["step"], self.res.world_size)
+        metrics |= memory_metrics()
+        return metrics  # 9. the caller logs, validates and checkpoints
+
+    def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
+        out = self.actor.generate_sequences(batch)
+        timing = out.meta_info.pop("timing", {})
+        for name, seconds in timing.items():
+            timer.add(name, seconds)
+        if self.cfg.algorithm.adv_estimator == "remax":  # greedy baseline response per prompt
+            greedy = self.actor.generate_sequences(self._with_meta(batch, do_sample=False, n=1))
+            greedy.meta_info.pop("timing", None)
+            scores, _, _ = self.reward_fn(greedy)
+            out.batch["baseline_rewards"] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
+        return out
+
+    @staticmethod
+    def _with_meta(batch: DataProto, **meta: Any) -> DataProto:
+        view = batch[:]
+        view.meta_info = {**batch.meta_info, **meta}
+        return view
+
+    def _reward(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        if self.res.use_reward_model:
+            batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
+        scores, reward_metrics, _ = self.reward_fn(batch)
+        batch.batch["token_level_scores"] = scores
+        metrics |= reward_metrics
+        return batch
+
+    def _keep_informative_groups(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
+        """Drop groups whose responses all scored the same; sample more prompts until the batch is full."""
+        target = self.res.samples_per_step
+        kept, tries, filtered = [], 0, []
+        while True:
+            keep, frac = filter_uninformative_groups(batch.batch["token_level_scores"].sum(-1),
+                                                     batch.non_tensor_batch["uid"])
+            filtered.append(frac)
+            kept.append(batch.select_idxs(keep))
+            have = sum(len(b) for b in kept)
+            tries += 1
+            if have >= target or tries >= self.cfg.algorithm.filter_groups.max_num_gen_batches:
+                break
+            with timer("gen"):
+                batch = self._generate(next(self._extra_batches()), metrics, timer)
+            with timer("reward"):
+                batch = self._reward(batch, metrics)
+        merged = DataProto.concat(kept)
+        metrics["data/frac_groups_filtered"] = float(np.mean(filtered))
+        metrics["data/gen_batches"] = float(tries)
+        if len(merged) < target:
+            logger.warning("dynamic sampling: %d informative samples after %d generation rounds (wanted %d); "
+                           "training on what there is", len(merged), tries, target)
+            n = self.cfg.rollout.n
+            usable = (len(merged) // (n * self.res.world_size)) * n * self.res.world_size
+            return merged[:usable] if usable else batch
+        return merged[:target]
+
+    def _extra_batches(self) -> Iterator[DataProto]:
+        if not hasattr(self, "_extra_iter"):
+            self._extra_iter = iter(self._batches_forever())
+        return self._extra_iter
+
+    def _batches_forever(self) -> Iterator[DataProto]:
+        while True:
+            yield from self.loader
+
+    def _balance(self, batch: DataProto) -> DataProto:
+        if self.res.world_size <= 1:
+            return batch
+        batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1), self.res.world_size))
+        return batch
+
+    def _advantages(self, batch: DataProto) -> dict[str, float]:
+        alg, b, metrics = self.cfg.algorithm, batch.batch, {}
+        mask = b["response_mask"]
+        if self.res.use_reference:
+            kl = kl_penalty(b.get("old_log_probs", b.get("rollout_log_probs")), b["ref_log_prob"], alg.kl_penalty)
+            metrics["kl/actor_ref"] = float(masked_mean(kl, mask))
+        if alg.use_kl_in_reward:
+            old = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
+            rewards, kl_metrics = apply_kl_penalty(b["token_level_scores"], old, b["ref_log_prob"], mask,
+                                                   self.kl_ctrl, alg.kl_penalty)
+            b["token_level_rewards"] = rewards
+            metrics |= kl_metrics
+        else:
+            b["token_level_rewards"] = b["token_level_scores"]
+        metrics["kl/coef"] = float(self.kl_ctrl.value)
+        adv, ret = compute_advantage(
+            alg.adv_estimator, token_level_rewards=b["token_level_rewards"], response_mask=mask,
+            index=batch.non_tensor_batch["uid"], values=b.get("values"), gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std=alg.norm_adv_by_std, baseline_rewards=b.get("baseline_rewards"),
+        )
+        b["advantages"], b["returns"] = adv, ret
+        return metrics
+
+    def close(self) -> None:
+        self.reward_fn.close()
+        self.groups.close()
+

@@ -1,0 +1,33 @@
+"""Stage timers: `with timer("gen"):` records `timing/gen`; `timer.metrics()` returns them for the step."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+class StageTimer:
+    """Wall-clock per named stage. Synchronises the GPU at stage ends so GPU work lands in its own stage."""
+
+    def __init__(self, sync_cuda: bool | None = None) -> None:
+        self._sync = torch.cuda.is_available() if sync_cuda is None else sync_cuda
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{k}": v for k, v in self.times.items()}

@@ -1,0 +1,1 @@
+"""Role workers: thin glue between DataProto calls from the driver and the engines (train, rollout)."""

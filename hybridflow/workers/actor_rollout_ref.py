@@ -1,0 +1,94 @@
+"""`ActorRolloutRefWorker`: one process per GPU holding the actor (FSDP2 TrainEngine), the rollout engine that
+generates on the actor's own parameters (hybrid engine), and the reference policy (frozen copy or EMA).
+
+Each `@register`-ed method is one driver call; data arrives already split by data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from hybridflow.config import Config, resolve
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import DataProto
+from hybridflow.workers.losses import make_actor_loss
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg, self.res = cfg, resolve(cfg)
+        self.actor: Any = None
+        self.rollout: Any = None
+        self.ref: Any = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hybridflow.engine import build_train_engine
+        from hybridflow.models.loader import load_tokenizer
+        from hybridflow.rollout import build_rollout
+
+        self.init_distributed()
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.actor = build_train_engine(cfg, role="actor", device=self.device)
+        if self.res.use_reference:
+            self.ref = build_train_engine(cfg, role="ref", device=self.device, init_from=self.actor)
+        self.rollout = build_rollout(self.actor.module, cfg, tokenizer=self.tokenizer, device=self.device)
+        self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss)
+
+    # ------------------------------------------------------------------------------------------- generate
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways."""
+        t0 = time.perf_counter()
+        self.actor.to_mode("generate")
+        self.rollout.sync_weights()
+        t1 = time.perf_counter()
+        out = self.rollout.generate(prompts.to(self.device))
+        t2 = time.perf_counter()
+        if self.cfg.rollout.free_cache_engine:
+            self.rollout.release_cache()
+        self.actor.to_mode("train")
+        t3 = time.perf_counter()
+        out = out.to("cpu")
+        out.meta_info["metrics"] = {"timing/switch": (t1 - t0) + (t3 - t2), "timing/generate": t2 - t1}
+        return out
+
+    # ------------------------------------------------------------------------------------------ log-probs
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        out = self.actor.forward_logprobs(data, temperature=self.cfg.rollout.temperature, calculate_entropy=True)
+        return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropys"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        out = self.ref.forward_logprobs(data, temperature=self.cfg.rollout.temperature)
+        return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
+
+    # ------------------------------------------------------------------------------------------- update
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        metrics = self.actor.train_step(data, self.loss_fn, calculate_entropy=True)
+        metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
+        if torch.cuda.is_available():
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def update_ref_ema(self) -> None:
+        decay = self.cfg.ref.ema.decay
+        with torch.no_grad():
+            for p_ref, p_act in zip(self.ref.module.parameters(), self.actor.module.parameters()):
+                p_ref.lerp_(p_act.to(p_ref.dtype), 1.0 - decay)
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_for_checkpoint(self) -> dict[str, Any]:
+        out = {"actor": self.actor}
+        if self.ref is not None and self.cfg.ref.ema.enable:
+            out["ref"] = self.ref
+        return out
