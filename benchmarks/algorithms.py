@@ -4,6 +4,7 @@ GAE over [4096, 2048]: the library's chunked-matmul scan vs a loop over T with b
 verl-style implementation), plus GRPO advantages and policy/value loss forward+backward at the same shape.
 
 Run: .venv/bin/python benchmarks/algorithms.py [--batch 4096] [--length 2048] [--repeats 5] [--threads N]
+     [--device cuda]
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from hybridflow.algorithms.masked import masked_whiten
 def gae_loop(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
     """Reference GAE: Python loop over time, vectorised over the batch (skip semantics for masked tokens)."""
     B, T = rewards.shape
-    lastgaelam = torch.zeros(B)
-    nextvalues = torch.zeros(B)
+    lastgaelam = torch.zeros(B, device=rewards.device)
+    nextvalues = torch.zeros(B, device=rewards.device)
     adv = torch.empty_like(rewards)
     for t in reversed(range(T)):
         mt = mask[:, t]
@@ -37,12 +38,18 @@ def gae_loop(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
     return masked_whiten(adv, mask) * mask, returns
 
 
-def bench(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+def bench(fn: Callable[[], object], repeats: int, device: str) -> tuple[float, float]:
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     fn()  # warm-up
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times)), float(np.min(times))
 
@@ -53,6 +60,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch default)")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,9 +71,11 @@ def main() -> None:
     rewards = torch.zeros(B, T)
     rewards[torch.arange(B), lengths - 1] = torch.randn(B)
     values = torch.randn(B, T) * mask
+    mask, rewards, values = (x.to(args.device) for x in (mask, rewards, values))
     index = np.repeat(np.arange(B // 8), 8)
     kw = dict(token_level_rewards=rewards, response_mask=mask, values=values, index=index, gamma=0.99, lam=0.95)
-    print(f"shape [{B}, {T}], torch {torch.__version__}, threads {torch.get_num_threads()}")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
+    print(f"shape [{B}, {T}], torch {torch.__version__}, {where}")
 
     a_lib, _ = compute_advantage("gae", **kw)
     a_loop, _ = gae_loop(rewards, values, mask, 0.99, 0.95)
@@ -78,8 +88,8 @@ def main() -> None:
         ("grpo", lambda: compute_advantage("grpo", **kw)),
         ("reinforce_plus_plus", lambda: compute_advantage("reinforce_plus_plus", **kw)),
     ]
-    logp = torch.randn(B, T, requires_grad=True)
-    old = logp.detach() + 0.05 * torch.randn(B, T)
+    logp = torch.randn(B, T, device=args.device, requires_grad=True)
+    old = logp.detach() + 0.05 * torch.randn(B, T, device=args.device)
 
     def pg_step() -> None:
         loss, _ = vanilla_policy_loss(old, logp, a_lib, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
@@ -93,7 +103,7 @@ def main() -> None:
 
     rows += [("ppo policy loss fwd+bwd", pg_step), ("value loss fwd+bwd", vf_step)]
     for name, fn in rows:
-        med, best = bench(fn, args.repeats)
+        med, best = bench(fn, args.repeats, args.device)
         print(f"{name:42s} median {med * 1e3:9.1f} ms   min {best * 1e3:9.1f} ms")
 
 

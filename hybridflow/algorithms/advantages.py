@@ -85,7 +85,7 @@ def gae_advantage(
         raise ValueError(f"gae needs critic values shaped {tuple(r.shape)}, got {got}; set critic or use grpo")
     with torch.no_grad():
         raw, returns = _gae_raw(r, m, values.detach().float(), gamma, lam)
-        return masked_whiten(raw, m) * m, returns
+        return masked_whiten(raw, m).mul_(m), returns
 
 
 def _gae_raw(r: Tensor, m: Tensor, v: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
@@ -95,10 +95,13 @@ def _gae_raw(r: Tensor, m: Tensor, v: Tensor, gamma: float, lam: float) -> tuple
         adv, ret = _gae_raw(r.gather(1, order), m.gather(1, order), v.gather(1, order), gamma, lam)
         return torch.zeros_like(adv).scatter_(1, order, adv), torch.zeros_like(ret).scatter_(1, order, ret)
     vm = v * m
-    next_v = torch.cat([vm[:, 1:], torch.zeros_like(vm[:, :1])], dim=1)
-    delta = (r + gamma * next_v - vm) * m
-    adv = discounted_reverse_cumsum(delta, gamma * lam) * m
-    return adv, (adv + vm) * m
+    # delta_t = r_t + γ·V_{t+1} - V_t. A masked position before a block (left padding) may get a non-zero
+    # delta, but the reverse scan only carries it to earlier, also masked, positions.
+    delta = r * m
+    delta.sub_(vm)
+    delta[:, :-1].add_(vm[:, 1:], alpha=gamma)
+    adv = discounted_reverse_cumsum(delta, gamma * lam).mul_(m)
+    return adv, adv + vm
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")

@@ -21,6 +21,8 @@ def discounted_reverse_cumsum(x_BT: Tensor, discount: float, chunk_size: int = _
     """out[:, t] = sum_{s >= t} discount**(s - t) * x[:, s] along the last dim."""
     if x_BT.ndim != 2:
         raise ValueError(f"expected a [batch, time] tensor, got shape {tuple(x_BT.shape)}")
+    if chunk_size < 2:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 2 (the chunk-start scan recurses on T / chunk_size)")
     B, T = x_BT.shape
     if T == 0:
         return x_BT.clone()
@@ -41,14 +43,14 @@ def discounted_reverse_cumsum(x_BT: Tensor, discount: float, chunk_size: int = _
     starts_BC = discounted_reverse_cumsum(local_BCK[:, :, 0].contiguous(), float(discount) ** K, chunk_size)
     next_start_BC = F.pad(starts_BC[:, 1:], (0, 1))
     decay_K = (torch.tensor(discount, dtype=torch.float64, device=x.device) ** (K - idx).double()).to(x.dtype)
-    out_BCK = local_BCK + next_start_BC[:, :, None] * decay_K
+    out_BCK = local_BCK.addcmul_(next_start_BC[:, :, None], decay_K)  # in place: no extra [B, T] buffer
     return out_BCK.reshape(B, -1)[:, :T]
 
 
 def is_contiguous_mask(mask_BT: Tensor) -> bool:
     """True if every row's valid tokens form one contiguous block (no holes), e.g. right/left padding."""
-    m = mask_BT.bool().to(torch.int8)
-    rises = (torch.diff(m, dim=1, prepend=torch.zeros_like(m[:, :1])) > 0).sum(dim=1)
+    m = mask_BT.bool()
+    rises = (m[:, 1:] & ~m[:, :-1]).sum(dim=1) + m[:, 0]
     return bool((rises <= 1).all())
 
 

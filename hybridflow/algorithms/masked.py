@@ -28,25 +28,32 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return torch.where(count > 0, total / safe, torch.zeros_like(total))
 
 
+def _masked_mean_var(values: Tensor, m: Tensor, unbiased: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean, var, values - mean) in two passes; var is 0 for fewer than two elements."""
+    n = m.sum()
+    total = (values * m).sum()
+    mean = torch.where(n > 0, total / torch.where(n > 0, n, torch.ones_like(n)), torch.zeros_like(total))
+    centred = values - mean
+    sq = centred.square()
+    sq = sq.mul_(m) if not sq.requires_grad else sq * m
+    denom = n - 1 if unbiased else n
+    var = torch.where(n > 1, sq.sum() / torch.clamp(denom, min=1), torch.zeros_like(total))
+    return mean, var, centred
+
+
 def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance over all masked elements (Bessel-corrected if `unbiased`); 0 when fewer than two elements."""
-    m = mask.to(values.dtype)
-    mean = masked_mean(values, m)
-    var = masked_mean((values - mean) ** 2, m)
-    if unbiased:
-        n = m.sum()
-        var = torch.where(n > 1, var * n / torch.clamp(n - 1, min=1), torch.zeros_like(var))
-    return var
+    return _masked_mean_var(values, mask.to(values.dtype), unbiased)[1]
 
 
 def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(values - mean) / sqrt(var + eps) with masked statistics; add the mean back if not `shift_mean`.
+    """(values - mean) / sqrt(var + eps) with masked statistics (unbiased var); add the mean back if not `shift_mean`.
 
     Positions outside the mask are transformed too (callers multiply by the mask when they need zeros there).
     """
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
+    mean, var, centred = _masked_mean_var(values, mask.to(values.dtype), unbiased=True)
+    scale = torch.rsqrt(var + eps)
+    whitened = centred.mul_(scale) if not centred.requires_grad else centred * scale
     return whitened if shift_mean else whitened + mean
 
 

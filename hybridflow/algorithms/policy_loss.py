@@ -9,6 +9,8 @@ Legend: B batch, T response length.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any, Protocol
 
 import torch
@@ -17,6 +19,8 @@ from torch import Tensor
 from hybridflow.algorithms.aggregation import agg_loss
 from hybridflow.algorithms.masked import masked_mean
 from hybridflow.utils.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 # exp() of a log-ratio beyond this is clamped: a numerical guard, never reached by a sane policy update.
 _LOG_RATIO_CLAMP = 20.0
@@ -108,6 +112,8 @@ def gspo_policy_loss(
     """
     del clip_ratio_c
     _check_clip(clip_ratio_low, clip_ratio_high, None)
+    if loss_agg_mode != "seq-mean-token-mean":
+        _warn_gspo_mode(loss_agg_mode)
     m = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
     lengths = m.sum(-1)
@@ -124,3 +130,11 @@ def gspo_policy_loss(
     }
     loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
     return loss, metrics
+
+
+@functools.cache
+def _warn_gspo_mode(mode: str) -> None:
+    logger.warning(
+        "gspo with actor.loss_agg_mode=%s: GSPO is defined with seq-mean-token-mean; other modes weight "
+        "sequences by length", mode,
+    )

@@ -66,7 +66,7 @@ class DataConfig:
     num_workers: int
     prefetch_factor: int | None
     persistent_workers: bool
-    chat_template: str | None  # null = tokenizer's template, or a plain "User: ... Assistant:" when it has none
+    chat_template: str | None  # null = tokenizer's template (plain "User: ... Assistant:" if none) | raw | jinja
 
     def __post_init__(self) -> None:
         _one_of("data.truncation", self.truncation, ("error", "left", "right", "filter"))
@@ -418,6 +418,52 @@ class ResourcePoolConfig:
         _check(self.max_colocate_count >= 1, "resource_pool.max_colocate_count", self.max_colocate_count, "must be >= 1")
 
 
+# --------------------------------------------------------------------------------------------------- sft / rm
+@dataclass(frozen=True)
+class SFTConfig:
+    """`hybridflow sft`: rows from data.task or data.train_files (`prompt` + `response` columns, or `messages`)."""
+
+    epochs: int  # passes over the training rows (used when total_steps is null)
+    total_steps: int | None  # optimizer steps; null = epochs × batches per epoch
+    batch_size: int  # SEQUENCES per optimizer step, global
+    micro_batch_size_per_gpu: int  # SEQUENCES per forward/backward per GPU
+    grad_clip: float
+    optim: OptimConfig
+    export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "sft.epochs", self.epochs, "must be >= 1")
+        _check(self.batch_size >= 1, "sft.batch_size", self.batch_size, "must be >= 1 (sequences per step)")
+        _check(self.micro_batch_size_per_gpu >= 1, "sft.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu,
+               "must be >= 1")
+        if self.total_steps is not None:
+            _check(self.total_steps >= 1, "sft.total_steps", self.total_steps, "must be >= 1 or null")
+
+
+@dataclass(frozen=True)
+class RMConfig:
+    """`hybridflow rm`: Bradley-Terry reward model from `prompt`/`chosen`/`rejected` rows (or a built-in task's
+    synthetic pairs)."""
+
+    epochs: int
+    total_steps: int | None  # optimizer steps; null = epochs × batches per epoch
+    batch_size: int  # PAIRS per optimizer step, global
+    micro_batch_size_per_gpu: int  # PAIRS per forward/backward per GPU
+    margin: float  # loss = -logsigmoid(r_chosen - r_rejected - margin)
+    init_from: str | None  # HF dir (SFT export, causal LM or classifier); overrides model.path; null = model.path
+    grad_clip: float
+    optim: OptimConfig
+    export_dir: str | None  # HF reward-model directory written at the end; null = <trainer.run_dir>/hf
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "rm.epochs", self.epochs, "must be >= 1")
+        _check(self.batch_size >= 1, "rm.batch_size", self.batch_size, "must be >= 1 (pairs per step)")
+        _check(self.micro_batch_size_per_gpu >= 1, "rm.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu,
+               "must be >= 1")
+        if self.total_steps is not None:
+            _check(self.total_steps >= 1, "rm.total_steps", self.total_steps, "must be >= 1 or null")
+
+
 # --------------------------------------------------------------------------------------------------- root
 @dataclass(frozen=True)
 class Config:
@@ -432,4 +478,6 @@ class Config:
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     resource_pool: ResourcePoolConfig
+    sft: SFTConfig
+    rm: RMConfig
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, for user scripts

@@ -195,6 +195,8 @@ def _split_rows(ctx: DispatchContext, value: Any, dp: int) -> tuple[list[Any], i
                 return slices, -layout.n_rows % dp, layout.n_rows
         value = value.get()
     if isinstance(value, DataProto):
+        if dp == 1:  # no padding, no slicing: hand the batch over as is
+            return [value], 0, len(value)
         padded, pad_size = value.pad_to_divisor(dp)
         return padded.chunk(dp), pad_size, len(value)
     return None
@@ -239,7 +241,7 @@ def _dp_collect_proto(ctx: DispatchContext, outputs: list[Any], rows: tuple[int,
         kinds = sorted({type(p).__name__ for p in parts})
         raise TypeError(f"DP_COMPUTE_PROTO: workers returned {kinds}; return a DataProto (or None), or register "
                         f"the method with Dispatch.DP_COMPUTE_METRIC to get the raw per-rank list")
-    merged = DataProto.concat(parts)
+    merged = parts[0] if len(parts) == 1 else DataProto.concat(parts)  # one part: no copy
     if rows is None or rows[0] == 0:
         return merged
     pad_size, n_rows = rows

@@ -24,7 +24,7 @@ class WorkerTimeoutError(TimeoutError):
     def __init__(self, group: str, method: str, timeout_s: float, pending_ranks: list[int]) -> None:
         self.group, self.method, self.timeout_s, self.pending_ranks = group, method, timeout_s, pending_ranks
         super().__init__(f"worker group {group!r}, method {method!r}: no answer from rank(s) {pending_ranks} "
-                         f"within {timeout_s:g} s (raise the timeout with register(timeout=...) or "
+                         f"within {timeout_s:g} s (raise the timeout with register(timeout_s=...) or "
                          f"WorkerGroup.default_timeout_s, or look for a hung collective)")
 
     def __reduce__(self):

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from hybridflow.data.collate import collate_rl
 from hybridflow.data.parquet_io import read_rows
-from hybridflow.data.templates import MalformedRow, render, to_messages
+from hybridflow.data.templates import MalformedRow, encode, render, to_messages
+from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +118,14 @@ class RLHFDataset(Dataset):
 
     def _encode(self, row: dict[str, Any]) -> list[int]:
         text = render(self.tokenizer, row["messages"], self.chat_template)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode(self.tokenizer, text)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def collate(self, items: list[dict[str, Any]]) -> DataProto:
+        """Left-pad to the longest prompt of the batch (see `collate_rl`)."""
+        return collate_rl(items, pad_token_id=self.tokenizer.pad_token_id or 0)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         row = self.rows[i]

@@ -31,7 +31,7 @@ def scalar_head_config(config: PretrainedConfig) -> PretrainedConfig:
 
 def scalar_head_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A randomly initialised backbone + scalar head."""
-    return AutoModelForTokenClassification.from_config(scalar_head_config(config), torch_dtype=dtype)
+    return AutoModelForTokenClassification.from_config(scalar_head_config(config), dtype=dtype)
 
 
 def scalar_head_from_pretrained(path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
@@ -43,7 +43,7 @@ def scalar_head_from_pretrained(path: str, *, dtype: torch.dtype = torch.float32
     base = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = AutoModelForTokenClassification.from_pretrained(
-        path, config=scalar_head_config(base), torch_dtype=dtype, trust_remote_code=trust_remote_code, **kwargs,
+        path, config=scalar_head_config(base), dtype=dtype, trust_remote_code=trust_remote_code, **kwargs,
     )
     return model
 

@@ -35,7 +35,7 @@ def _vocab() -> dict[str, int]:
 
 def build_tokenizer_json() -> Tokenizer:
     tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newlines too
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
     return tok

@@ -78,6 +78,7 @@ class ConsoleBackend(Backend):
         self._start_time = time.monotonic()
         self._progress: Any = None
         self._task: Any = None
+        self._rerouted: list[tuple[Any, Any]] = []
         self.console: Any = None
         if self.tty:
             from rich.console import Console
@@ -91,32 +92,57 @@ class ConsoleBackend(Backend):
         self._start_time = time.monotonic()
         if not self.tty:
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
-            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=self.console, transient=False,
+            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+            console=self.console, transient=False,
         )
-        self._progress.start()
-        self._task = self._progress.add_task(self.ctx.experiment, total=self.total, completed=initial_step, info="")
+        original = (sys.stdout, sys.stderr)
+        self._progress.start()  # on a terminal rich swaps sys.stdout/stderr for proxies that print above the bar
+        self._route_log_handlers(original)
+        name = self.ctx.experiment if len(self.ctx.experiment) <= 24 else self.ctx.experiment[:23] + "…"
+        self._task = self._progress.add_task(name, total=self.total, completed=initial_step, info="")
 
     def update_progress(self, step: int, metrics: dict[str, float] | None = None) -> None:
         if self._progress is None:
             return
         info = ""
         if metrics:
-            parts = [f"{label} {value}" for label, value in headline(metrics)[:2]]
+            parts = [f"{label} {value}" for label, value in headline(metrics)[:1]]
             if "timing/step" in metrics:
                 parts.append(f"{metrics['timing/step']:.2f} s/step")
-            info = " | ".join(dict.fromkeys(parts))
+            info = " · ".join(dict.fromkeys(parts))
         self._progress.update(self._task, completed=step, info=info)
 
     def stop_progress(self) -> None:
         if self._progress is not None:
+            for handler, stream in self._rerouted:
+                handler.setStream(stream)
+            self._rerouted = []
             self._progress.stop()
             self._progress = None
+
+    def _route_log_handlers(self, original: tuple[Any, Any]) -> None:
+        """Point root logging handlers that write to the real stdout/stderr at rich's proxies while the bar is
+        shown, so log lines appear above the bar instead of tearing it (handlers keep the stream they were
+        created with, which rich's redirect does not reach)."""
+        import logging
+
+        proxies = {id(original[0]): sys.stdout, id(original[1]): sys.stderr}
+        for handler in logging.getLogger().handlers:
+            stream = getattr(handler, "stream", None)
+            if type(handler) is logging.StreamHandler and id(stream) in proxies and proxies[id(stream)] is not stream:
+                self._rerouted.append((handler, handler.setStream(proxies[id(stream)])))
 
     def eta_seconds(self, step: int) -> float | None:
         done = step - self._start_step
@@ -158,6 +184,8 @@ class ConsoleBackend(Backend):
         return " | ".join(parts)
 
     def _table(self, metrics: dict[str, float], step: int) -> Any:
+        """All metrics as aligned `name value` pairs in as many column pairs as the terminal fits
+        (column-major, sorted, so one namespace stays together); zero health counters are left out."""
         from rich import box
         from rich.table import Table
 
@@ -165,15 +193,23 @@ class ConsoleBackend(Backend):
         eta = self.eta_seconds(step)
         if eta is not None:
             title += f"  ·  eta {fmt_duration(eta)}"
-        table = Table(title=title, box=box.SIMPLE_HEAD, show_header=False, title_justify="left", pad_edge=False)
-        table.add_column("group", style="bold cyan", no_wrap=True)
-        table.add_column("metrics")
-        groups: dict[str, list[str]] = {}
-        for key in sorted(metrics):
-            group, _, name = key.partition("/")
-            groups.setdefault(group, []).append(f"{name or group} [bold]{fmt_value(metrics[key])}[/]")
-        for group, cells in groups.items():
-            table.add_row(group, "   ".join(cells))
+        items = [(k, fmt_value(v)) for k, v in sorted(metrics.items())
+                 if not (k.startswith("health/") and v == 0) and not k.startswith("training/")]
+        key_w = max((len(k) for k, _ in items), default=8)
+        val_w = max((len(v) for _, v in items), default=6)
+        ncols = max(1, min(4, (self.console.width + 2) // (key_w + val_w + 5)))
+        nrows = -(-len(items) // ncols) if items else 0
+        table = Table(title=title, box=box.SIMPLE_HEAD, show_header=False, title_justify="left", pad_edge=False,
+                      title_style="bold")
+        for _ in range(ncols):
+            table.add_column(style="cyan", no_wrap=True)
+            table.add_column(justify="right", style="bold", no_wrap=True)
+        for r in range(nrows):
+            cells: list[str] = []
+            for c in range(ncols):
+                i = c * nrows + r
+                cells += list(items[i]) if i < len(items) else ["", ""]
+            table.add_row(*cells)
         return table
 
     def _write(self, line: str) -> None:

@@ -55,12 +55,12 @@ class PPOTrainer:
                              f"set ({len(self.train_ds)} prompts) with drop_last: lower the batch size or add data")
         self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-        self.groups = groups if groups is not None else build_worker_groups(cfg, self.res)
+        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
+        self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
         self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn) if self.val_ds else None
         self.tracker = tracker
         self.global_step = 0
         self.epoch = 0
-        self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         self.history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------------------------------------ fit
@@ -72,6 +72,16 @@ class PPOTrainer:
         """Train for `total_steps`; returns the per-step metrics (also sent to the tracker)."""
         if self.cfg.trainer.val_before_train and self.validator is not None:
             self._log(self.validator.run(step=0), step=0)
+        if self.tracker is not None:
+            self.tracker.start_progress(self.total_steps, initial_step=self.global_step)
+        try:
+            self._train_loop()
+        finally:
+            if self.tracker is not None:
+                self.tracker.stop_progress()
+        return self.history
+
+    def _train_loop(self) -> None:
         for batch in self._batches():
             self.global_step += 1
             metrics = self.step(batch)
@@ -80,9 +90,10 @@ class PPOTrainer:
             if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
                 metrics |= self.validator.run(step=self.global_step)
             self._log(metrics, step=self.global_step)
+            if self.tracker is not None:
+                self.tracker.advance(self.global_step)
             if is_last:
                 break
-        return self.history
 
     def _batches(self) -> Iterator[DataProto]:
         while self.epoch < self.cfg.trainer.total_epochs:
@@ -136,13 +147,11 @@ class PPOTrainer:
 
     def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
         out = self.actor.generate_sequences(batch)
-        timing = out.meta_info.pop("timing", {})
-        for name, seconds in timing.items():
-            timer.add(name, seconds)
+        metrics |= reduce_metrics(out.meta_info.pop("metrics", []))  # timing/switch, timing/generate per rank
         if self.cfg.algorithm.adv_estimator == "remax":  # greedy baseline response per prompt
             greedy = self.actor.generate_sequences(self._with_meta(batch, do_sample=False, n=1))
-            greedy.meta_info.pop("timing", None)
-            scores, _, _ = self.reward_fn(greedy)
+            greedy.meta_info.pop("metrics", None)
+            scores, _ = self.reward_fn(greedy)
             out.batch["baseline_rewards"] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
         return out
 
@@ -155,7 +164,7 @@ class PPOTrainer:
     def _reward(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         if self.res.use_reward_model:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
-        scores, reward_metrics, _ = self.reward_fn(batch)
+        scores, reward_metrics = self.reward_fn(batch)
         batch.batch["token_level_scores"] = scores
         metrics |= reward_metrics
         return batch

@@ -1,6 +1,6 @@
 """Validation: generate with `rollout.val_kwargs` (greedy by default), score, report reward and accuracy per source.
 
-Accuracy of a response is the scorer's `acc` when it returns one, else `score > 0`.
+Accuracy of a response is the scorer's `acc` when it returns one, else raw score (before penalties) > 0.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ class Validator:
         for batch in self.loader:
             batch.meta_info = {**batch.meta_info, **self.sampling_meta()}
             out = self.actor.generate_sequences(batch)
-            out.meta_info.pop("timing", None)
-            token_scores, _, rows = self.reward_fn(out)
-            row_scores = token_scores.sum(-1).numpy()
+            out.meta_info.pop("metrics", None)
+            scored = self.reward_fn.score(out)
+            row_scores = np.asarray(scored.scores, dtype=np.float64)
             scores.append(row_scores)
-            accs.append(np.asarray(rows.get("acc", row_scores > 0), dtype=np.float64))
+            accs.append(self._accuracy(scored))
             sources.append(out.non_tensor_batch["data_source"])
             samples.extend(self._samples(out, row_scores))
         score_arr, acc_arr, src_arr = np.concatenate(scores), np.concatenate(accs), np.concatenate(sources)
@@ -52,6 +52,14 @@ class Validator:
         for s in self.last_generations:
             logger.info("val sample (step %d, score %.2f): %r -> %r", step, s["score"], s["prompt"], s["response"])
         return metrics
+
+    @staticmethod
+    def _accuracy(scored: Any) -> np.ndarray:
+        """The scorer's own `acc` when it reports one, else raw score > 0 (1/0 rule scorers)."""
+        accs = [v for k, v in scored.extras.items() if k.endswith("/acc")]
+        if accs:
+            return np.asarray(accs[0], dtype=np.float64)
+        return (np.asarray(scored.raw_scores, dtype=np.float64) > 0).astype(np.float64)
 
     def _samples(self, out: Any, row_scores: np.ndarray) -> list[dict[str, Any]]:
         n = self.cfg.trainer.log_val_generations

@@ -26,7 +26,7 @@ class ActorRolloutRefWorker(Worker):
         self.ref: Any = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self, total_training_steps: int | None = None) -> None:
         from hybridflow.engine import build_train_engine
         from hybridflow.models.loader import load_tokenizer
         from hybridflow.rollout import build_rollout
@@ -34,10 +34,16 @@ class ActorRolloutRefWorker(Worker):
         self.init_distributed()
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
-        self.actor = build_train_engine(cfg, role="actor", device=self.device)
-        if self.res.use_reference:
-            self.ref = build_train_engine(cfg, role="ref", device=self.device, init_from=self.actor)
-        self.rollout = build_rollout(self.actor.module, cfg, tokenizer=self.tokenizer, device=self.device)
+        common = dict(device=self.device, data_cfg=cfg.data, seed=cfg.model.seed)
+        self.actor = build_train_engine(cfg.model, cfg.actor, role="actor", total_training_steps=total_training_steps,
+                                        **common)
+        if self.res.use_reference:  # same weights as the actor at step 0 (same path, or same preset seed)
+            self.ref = build_train_engine(cfg.model, cfg.ref, role="ref", **common)
+        self.rollout = build_rollout(
+            self.actor.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
+            max_response_length=cfg.data.max_response_length, device=self.device,
+        )
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss)
 
     # ------------------------------------------------------------------------------------------- generate
@@ -72,7 +78,8 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------------------------------- update
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        metrics = self.actor.train_step(data, self.loss_fn, calculate_entropy=True)
+        metrics = self.actor.train_step(data, self.loss_fn, mini_batch_size=self.res.actor.mini_batch_samples_per_gpu,
+                                        calculate_entropy=True, temperature=self.cfg.rollout.temperature)
         metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -19,6 +19,11 @@ from hybridflow.protocol import DataProto
 LossFn = Callable[[dict[str, torch.Tensor], DataProto, Any], tuple[torch.Tensor, dict[str, Any]]]
 
 
+def _norm(global_norm: Any, mode: str) -> Any:
+    """The engine passes one normaliser per aggregation mode; take the one this loss aggregates with."""
+    return global_norm[mode] if isinstance(global_norm, dict) else global_norm
+
+
 def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: bool) -> LossFn:
     policy_loss = POLICY_LOSSES[cfg.policy_loss]
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
@@ -30,22 +35,23 @@ def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: boo
         # Strictly on-policy (one epoch, one mini-batch): the sampling policy is the current one, so the ratio is 1
         # and its gradient is the policy gradient; recomputing old log-probs would only cost a forward pass.
         old = mb.batch["old_log_probs"] if "old_log_probs" in mb.batch else log_prob.detach()
-        agg = dict(loss_agg_mode=cfg.loss_agg_mode, global_normalizer=global_norm, max_len=max_response_length)
+        agg = dict(global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=max_response_length)
         pg_loss, pg_metrics = policy_loss(
             old, log_prob, mb.batch["advantages"], mask,
-            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, **agg,
+            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+            **agg,
         )
         loss = pg_loss
         metrics: dict[str, Any] = {"actor/pg_loss": pg_loss.detach()}
         metrics |= {f"actor/{k}": v for k, v in pg_metrics.items()}
         if "entropy" in outputs:
-            entropy = agg_loss(outputs["entropy"], mask, **agg)
+            entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, **agg)
             metrics["actor/entropy"] = entropy.detach()
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
         if use_kl_loss:
             kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], cfg.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, **agg)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
@@ -58,7 +64,7 @@ def make_critic_loss(cfg: CriticConfig, max_response_length: int) -> LossFn:
         vf_loss, m = compute_value_loss(
             outputs["values"], mb.batch["returns"], mb.batch["values"], mb.batch["response_mask"],
             cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode,
-            global_normalizer=global_norm, max_len=max_response_length,
+            global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=max_response_length,
         )
         return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"],
                          "critic/vpred_mean": m["vpred_mean"]}

@@ -26,7 +26,7 @@ def naive_scan(x, c):
 @given(
     b=st.integers(1, 4),
     t=st.integers(1, 150),
-    k=st.integers(1, 40),
+    k=st.integers(2, 40),
     c=st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]),
     seed=st.integers(0, 1000),
 )
@@ -55,3 +55,8 @@ def test_masked_returns_skip_holes():
     got = masked_discounted_returns(r, m, 0.5)
     # valid rewards 1, 2, 3 → returns 1 + 0.5·2 + 0.25·3, 2 + 0.5·3, 3; masked positions 0.
     assert got.tolist() == [[pytest.approx(2.75), 0.0, pytest.approx(3.5), pytest.approx(3.0), 0.0]]
+
+
+def test_chunk_size_validated():
+    with pytest.raises(ValueError, match="chunk_size"):
+        discounted_reverse_cumsum(torch.ones(1, 3), 0.9, chunk_size=1)

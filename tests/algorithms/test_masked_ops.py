@@ -109,3 +109,16 @@ def test_chunked_entropy_equals_unchunked_values_and_grads():
         assert torch.allclose(entropy_from_logits_chunked(base, chunk_size=100), ha.detach(), atol=1e-6)
     with pytest.raises(ValueError, match="chunk_size"):
         entropy_from_logits_chunked(base, chunk_size=0)
+
+
+def test_whiten_is_differentiable():
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    m = (torch.rand(3, 5) > 0.3).double()
+    w = torch.randn(3, 5, dtype=torch.float64)
+    (masked_whiten(x, m) * w * m).sum().backward()
+    y = x.detach().clone().requires_grad_(True)
+    vals = y[m.bool()]
+    ref = (y - vals.mean()) / torch.sqrt(vals.var() + 1e-8)
+    (ref * w * m).sum().backward()
+    assert torch.allclose(x.grad, y.grad, atol=1e-10)

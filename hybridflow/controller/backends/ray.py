@@ -7,19 +7,27 @@ torch.distributed rendezvous. `ray.init` is called when Ray is not running yet (
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.backends.base import Backend
 from hybridflow.controller.backends.host import WorkerHost
+from hybridflow.controller.backends.ray_tensors import register_tensor_serializer
 from hybridflow.controller.errors import RemoteCallError, WorkerError, WorkerTimeoutError
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import WORKER_BASE_ENV, Worker, WorkerEnv
@@ -50,6 +58,7 @@ class RayWorkerHost(WorkerHost):
 
     def __init__(self) -> None:
         super().__init__(fetch=ray.get)
+        register_tensor_serializer()
 
 
 _REMOTE_HOST: Any = None
@@ -101,13 +110,14 @@ class RayBackend(Backend):
         groups.sort(key=lambda pg: node_ip.get(placement_group_table(pg)["bundles_to_node_id"][0], ""))
         placement = _Placement(groups, use_gpu)
         pool._backend_state["ray"] = placement
-        pool.on_release(lambda: [remove_placement_group(pg) for pg in groups] and None)
+        pool.on_release(functools.partial(_remove_placement_groups, groups))
         return placement
 
     # -------------------------------------------------------------------------------------------- start
     def start(self, pool: ResourcePool, worker_cls: type[Worker], args: tuple[Any, ...], kwargs: dict[str, Any],
               group: str) -> list[Any]:
         init_ray()
+        register_tensor_serializer()
         placement = self._placement(pool)
         if pool.groups_placed >= pool.max_colocate_count:
             raise ValueError(
@@ -125,17 +135,22 @@ class RayBackend(Backend):
         hosts = [host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle), **options).remote()
                  for pg, bundle in slots]
         ranks = list(range(len(hosts)))
+        start = time.perf_counter()
         try:
             addr, port = self.wait([hosts[0].node_address.remote()], [0], group, "__init__", self.start_timeout_s)[0]
+            process_s = time.perf_counter() - start
             payload = ray.put((worker_cls, args, kwargs))  # serialised once; Ray resolves it in each actor
-            refs = [host.construct.remote(WorkerEnv(rank, len(hosts), bundle, pg.bundle_count, addr, port), payload, True)
-                    for rank, (host, (pg, bundle)) in enumerate(zip(hosts, slots))]
+            envs = [WorkerEnv(rank, len(hosts), bundle, pg.bundle_count, addr, port)
+                    for rank, (pg, bundle) in enumerate(slots)]
+            refs = [host.construct.remote(env, payload, True) for host, env in zip(hosts, envs)]
             self.wait(refs, ranks, group, "__init__", self.start_timeout_s)
         except BaseException:
             for host in hosts:
                 ray.kill(host, no_restart=True)
             raise
         pool.groups_placed += 1
+        logger.info("worker group %r: %d actors up in %.2f s, workers constructed after %.2f s", group, len(hosts),
+                    process_s, time.perf_counter() - start)
         return hosts
 
     # -------------------------------------------------------------------------------------------- calls
@@ -167,6 +182,11 @@ class RayBackend(Backend):
         for host in handles:
             ray.kill(host, no_restart=True)
         pool.groups_placed = max(0, pool.groups_placed - 1)
+
+
+def _remove_placement_groups(groups: list[PlacementGroup]) -> None:
+    for pg in groups:
+        remove_placement_group(pg)
 
 
 def _actor_runtime_env() -> dict[str, Any] | None:

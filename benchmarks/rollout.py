@@ -1,0 +1,243 @@
+"""Rollout throughput: our RolloutEngine vs HF `generate` (static cache), HBM roofline, hybrid-engine switch time.
+
+Run on one GPU:  PYTHONPATH=. python3 benchmarks/rollout.py --out $OUT/rollout.json
+Random-init Qwen2.5 shapes (no download), random prompts, sampling with ignore_eos so every row decodes the full
+length. Roofline = decode rows / ((weight bytes + KV bytes read per step) / measured copy bandwidth); we report it
+for the KV a perfect engine reads (mean context) and for what our static cache reads (all T columns).
+CPU smoke test:  python3 benchmarks/rollout.py --device cpu --cases tiny:4 --prompt-len 16 --new-tokens 8 --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import platform
+import time
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from hybridflow.config import load_config
+from hybridflow.models.presets import preset_config
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout.kv_cache import bytes_per_slot
+
+log = logging.getLogger("bench.rollout")
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def copy_bandwidth(dev: torch.device, gib: float = 4.0) -> float:
+    """Bytes/s of a big device-to-device copy (read + write counted)."""
+    n = int(gib * 2**30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(dev)
+    t0, iters = time.perf_counter(), 20
+    for _ in range(iters):
+        b.copy_(a)
+    sync(dev)
+    bw = 2 * a.numel() * a.element_size() * iters / (time.perf_counter() - t0)
+    del a, b
+    return bw
+
+
+def make_model(preset: str, dev: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype)
+    return model.eval()
+
+
+def make_prompts(B: int, P: int, vocab: int, dev: torch.device) -> DataProto:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (B, P), generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    pos = torch.arange(P).expand(B, P).clone()
+    return DataProto.from_single_dict({"input_ids": ids.to(dev), "attention_mask": mask.to(dev),
+                                       "position_ids": pos.to(dev)})
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every matrix once; an untied embedding table is only gathered."""
+    seen, total = set(), 0
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is emb and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def timed(fn, dev: torch.device) -> tuple[Any, float]:
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return out, time.perf_counter() - t0
+
+
+def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, bw: float, args) -> dict[str, Any]:
+    rcfg = dataclasses.replace(load_config([], []).rollout, n=1, do_sample=True, temperature=1.0, ignore_eos=True,
+                               max_num_seqs=B, max_num_batched_tokens=args.prefill_tokens, free_cache_engine=False,
+                               enforce_eager=args.eager, gpu_memory_utilization=0.6)
+    cfg = model.config
+    engine = RolloutEngine(model, rcfg, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                           max_prompt_length=P, max_response_length=R, compile_decode=False if args.no_compile else None)
+    prompts = make_prompts(B, P, cfg.vocab_size, dev)
+    _, t_first = timed(lambda: engine.generate(prompts), dev)  # allocates the cache, compiles, captures graphs
+    runs = []
+    for _ in range(args.repeats):
+        out, t = timed(lambda: engine.generate(prompts), dev)
+        runs.append(t)
+    t_gen = min(runs)
+    assert int(out.batch["response_mask"].sum()) == B * R, "ignore_eos run did not produce full-length rows"
+    one = DataProto.from_single_dict(dict(prompts.batch), meta_info={"max_new_tokens": 1})
+    _, t_prefill = timed(lambda: engine.generate(one), dev)  # prefill + first token
+    t_decode = max(t_gen - t_prefill, 1e-9)
+    kv_tok = bytes_per_slot(engine.spec, 1, engine.dtype)
+    w_bytes = weight_bytes_read(model)
+    T = engine._runner.cache.max_len
+    ideal_step = w_bytes + B * kv_tok * (P + R / 2)
+    static_step = w_bytes + B * kv_tok * T
+    decode_tps = B * (R - 1) / t_decode
+    res = {
+        "engine": "hybridflow", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
+        "compiled": bool(engine._runner.ops.is_compiled), "cuda_graphs": engine.use_graphs,
+        "first_call_s": t_first, "generate_s": t_gen, "tokens_per_s": B * R / t_gen,
+        "prefill_s": t_prefill, "decode_s": t_decode, "decode_tokens_per_s": decode_tps,
+        "decode_step_ms": 1e3 * t_decode / (R - 1),
+        "roofline_tokens_per_s": B * bw / ideal_step, "roofline_pct": 100 * decode_tps / (B * bw / ideal_step),
+        "static_cache_roofline_pct": 100 * decode_tps / (B * bw / static_step),
+        "weight_bytes": w_bytes, "kv_bytes_per_token": kv_tok,
+        "metrics": {k: v for k, v in out.meta_info.get("metrics", {}).items()},
+    }
+    engine.release_cache()
+    return res
+
+
+def bench_switch(model, dev: torch.device, P: int, R: int, fp32_master: bool) -> dict[str, Any]:
+    """train→generate (sync_weights) and generate→train (release_cache) times; cache allocation apart."""
+    rcfg = dataclasses.replace(load_config([], []).rollout, max_num_seqs=64, free_cache_engine=True)
+    cfg = model.config
+    gen_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    work = model.float() if fp32_master else model
+    engine = RolloutEngine(work, rcfg, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                           max_prompt_length=P, max_response_length=R, dtype=gen_dtype)
+    to_gen, to_train, alloc = [], [], []
+    prompts = make_prompts(8, P, cfg.vocab_size, dev)
+    prompts.meta_info["max_new_tokens"] = 4
+    for _ in range(4):
+        with torch.no_grad():  # stand-in for an optimizer step: parameters change in place
+            next(work.parameters()).add_(1e-3)
+        _, t = timed(engine.sync_weights, dev)
+        to_gen.append(t)
+        engine.generate(prompts)  # free_cache_engine=True: releases the cache at the end
+        alloc.append(engine.timing.get("timing/rollout_cache_alloc", float("nan")))
+        _, t = timed(engine.release_cache, dev)
+        to_train.append(t)
+    if fp32_master:
+        model.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return {"fp32_master_weights": fp32_master, "train_to_generate_ms": 1e3 * min(to_gen[1:]),
+            "generate_to_train_ms": 1e3 * min(to_train[1:]), "cache_alloc_ms": 1e3 * min(alloc[1:])}
+
+
+def bench_hf(model, preset: str, B: int, P: int, R: int, dev: torch.device) -> dict[str, Any]:
+    cfg = model.config
+    prompts = make_prompts(B, P, cfg.vocab_size, dev).batch
+    kw = dict(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"], max_new_tokens=R,
+              min_new_tokens=R, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=cfg.pad_token_id,
+              cache_implementation="static")
+    with torch.no_grad():
+        _, t_first = timed(lambda: model.generate(**kw), dev)
+        out, t = timed(lambda: model.generate(**kw), dev)
+    return {"engine": "hf_generate_static_cache", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
+            "first_call_s": t_first, "generate_s": t, "tokens_per_s": B * (out.shape[1] - P) / t}
+
+
+def _record(report: dict[str, Any], name: str, fn: Any) -> None:
+    try:
+        res = fn()
+    except Exception as err:  # noqa: BLE001 — a failed case is recorded, the others still run
+        log.exception("%s failed", name)
+        report["errors"].append(f"{name}: {type(err).__name__}: {err}")
+        return
+    if res is not None:
+        log.info("%s", json.dumps(res))
+        report["switch" if name.startswith("switch") else "results"].append(res)
+
+
+def run_preset(preset: str, batches: list[int], hf_cases: set, with_switch: bool, dev: torch.device,
+               dtype: torch.dtype, bw: float, args: argparse.Namespace, report: dict[str, Any], save: Any) -> None:
+    model = make_model(preset, dev, dtype)
+    P, R = args.prompt_len, args.new_tokens
+    for B in batches:
+        _record(report, f"hybridflow {preset} b{B}", lambda: bench_engine(model, preset, B, P, R, dev, bw, args))  # noqa: B023
+        save()
+        if (preset, B) in hf_cases:
+            _record(report, f"hf {preset} b{B}", lambda: bench_hf(model, preset, B, P, R, dev))  # noqa: B023
+            save()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if with_switch:
+        for fp32 in (False, True):
+            _record(report, f"switch {preset} fp32={fp32}",
+                    lambda: {"preset": preset, **bench_switch(model, dev, 64, 16, fp32)})  # noqa: B023
+            save()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cases", default="qwen2.5-0.5b:256,qwen2.5-0.5b:1024,qwen2.5-1.5b:256,qwen2.5-1.5b:1024",
+                    help="preset:batch list")
+    ap.add_argument("--hf-cases", default="qwen2.5-0.5b:256,qwen2.5-1.5b:256", help="preset:batch list for HF generate (static)")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=65536, help="rollout.max_num_batched_tokens")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--eager", action="store_true", help="rollout.enforce_eager (no CUDA graphs, no compile)")
+    ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of eager ops (no torch.compile)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    report: dict[str, Any] = {
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+        "args": vars(args), "results": [], "switch": [], "errors": [],
+    }
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else copy_bandwidth(dev, 0.25)
+    report["copy_bandwidth_GBps"] = bw / 1e9
+    log.info("device copy bandwidth %.0f GB/s", bw / 1e9)
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",") if c]
+    hf_cases = {(c.split(":")[0], int(c.split(":")[1])) for c in args.hf_cases.split(",") if c}
+    for i, preset in enumerate(dict.fromkeys(p for p, _ in cases)):
+        batches = [b for p, b in cases if p == preset]
+        run_preset(preset, batches, hf_cases, i == 0, dev, dtype, bw, args, report, save)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    log.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""CheckpointManager: the one object the trainer calls to save, load, retain and mirror checkpoints.
+
+Layout: `<local_dir>/global_step_<N>/{checkpoint.json, extra.json, <component>/..., ranks/rank_<r>.json}` plus
+`<local_dir>/latest`. `save` validates and flattens on the caller's thread, snapshots tensors to CPU when async,
+then writes (in a background thread when async): every rank its files/shards, rank 0 the marker, the rename,
+`latest`, the remote mirror and retention. `save`/`load` are collective: call them on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.checkpoint import atomic, collective
+from hybridflow.checkpoint.async_writer import AsyncWriter, CheckpointWriteError
+from hybridflow.checkpoint.flatten import flatten_state, tensor_keys
+from hybridflow.checkpoint.remote import RemoteMirror, open_mirror
+from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
+from hybridflow.checkpoint.storage import CpuStager, choose_format, read_component, write_component
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+EXTRA = "extra.json"
+RANKS = "ranks"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    path: Path
+    components: dict[str, Any]
+    extra: dict[str, Any]
+    rank_state: dict[str, Any] | None  # this rank's `rank_state` as passed to save (None if absent)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SaveStats:
+    step: int
+    blocking_s: float  # time save() held the caller (flatten + snapshot, or the whole write when sync)
+    stage_s: float
+
+
+def _rank_file(rank: int) -> str:
+    return f"{RANKS}/rank_{rank:05d}.json"
+
+
+def _versions() -> dict[str, str]:
+    from hybridflow import __version__
+    return {"hybridflow": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+class CheckpointManager:
+    """Atomic, optionally async, checkpoint saving with retention, a remote mirror and safe loading."""
+
+    def __init__(self, local_dir: str | os.PathLike, remote_dir: str | None = None, *, atomic_save: bool = True,
+                 async_save: bool = True, keep_last_n: int | None = None, save_freq: int = -1,
+                 capture_rng: bool = True, process_group: dist.ProcessGroup | None = None) -> None:
+        if keep_last_n is not None and keep_last_n < 1:
+            raise ValueError(f"trainer.checkpoint.keep_last_n={keep_last_n}: must be >= 1 or null")
+        self.root = Path(local_dir)
+        self.atomic = atomic_save
+        self.async_save = async_save
+        self.keep_last_n = keep_last_n
+        self.save_freq = save_freq
+        self.capture_rng = capture_rng
+        self.mirror: RemoteMirror | None = open_mirror(remote_dir)
+        self._group = process_group if process_group is not None else collective.make_group()
+        self.rank, self.world_size = collective.rank_and_world(self._group)
+        self._writer = AsyncWriter()
+        self._stager = CpuStager()
+        self._protected: set[int] = set()
+        self.last_stats: SaveStats | None = None
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic.clean_stale(self.root)
+        collective.barrier(self._group)
+
+    @classmethod
+    def from_config(cls, trainer_cfg: Any, **kwargs: Any) -> CheckpointManager:
+        """Build from `Config.trainer` (default_local_dir, default_hdfs_dir, checkpoint.*)."""
+        ck = trainer_cfg.checkpoint
+        return cls(trainer_cfg.default_local_dir, trainer_cfg.default_hdfs_dir, atomic_save=ck.atomic_save,
+                   async_save=ck.async_save, keep_last_n=ck.keep_last_n, save_freq=ck.save_freq, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------ queries
+    def should_save(self, step: int, is_last_step: bool) -> bool:
+        """save_freq semantics: 0 never; -1 only at the last step; k every k steps and at the last step."""
+        if self.save_freq == 0:
+            return False
+        return is_last_step or (self.save_freq > 0 and step % self.save_freq == 0)
+
+    def latest(self) -> Path | None:
+        """Newest complete local checkpoint (waits for an in-flight save first)."""
+        self.wait()
+        return atomic.find_latest(self.root)
+
+    def protect(self, steps: Iterable[int]) -> None:
+        """Steps retention must never delete (e.g. the best checkpoint for rollback); replaces the previous set."""
+        self._protected = {int(s) for s in steps}
+
+    @property
+    def in_flight(self) -> bool:
+        return self._writer.busy
+
+    # ------------------------------------------------------------------------------------------------- saving
+    def save(self, step: int, components: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None,
+             rank_state: Mapping[str, Any] | None = None) -> Path:
+        """Save `components` (name → nested state of tensors/DTensors and JSON scalars) as step `step`.
+
+        `extra` is JSON written once (sampler position, KL controller, config, ...); `rank_state` is JSON per rank.
+        Returns the final directory (complete once `wait()` returns when async). Raises `CheckpointWriteError`
+        for a failure of this save (sync) or of the previous one (async).
+        """
+        t0 = time.perf_counter()
+        self._writer.wait()
+        plan = {}
+        for name, state in components.items():
+            if not _NAME_RE.match(name) or name == RANKS:
+                raise ValueError(f"checkpoint component name {name!r}: use letters, digits, '_', '-', '.' "
+                                 f"(and not {RANKS!r})")
+            tensors, skeleton = flatten_state(state)
+            plan[name] = (tensors, skeleton, choose_format(tensors))
+        extra_text = _to_json(dict(extra or {}), "extra")
+        rank_text = _to_json({"rng": capture_rng_state() if self.capture_rng else None,
+                              "state": dict(rank_state) if rank_state is not None else None}, "rank_state")
+        marker = {"format_version": FORMAT_VERSION, "step": int(step), "world_size": self.world_size,
+                  "components": {n: {"format": fmt} for n, (_t, _s, fmt) in plan.items()},
+                  "created_unix": time.time(), "versions": _versions()}
+        t_stage = time.perf_counter()
+        if self.async_save:
+            plan = {n: (self._stager.stage(t, prefix=n), s, f) for n, (t, s, f) in plan.items()}
+        stage_s = time.perf_counter() - t_stage
+        final = self.root / atomic.step_dirname(step)
+
+        def job() -> None:
+            self._write(final, plan, extra_text, rank_text, marker)
+
+        if self.async_save:
+            self._writer.submit(job, label=f"step {step} → {final}")
+        else:
+            try:
+                job()
+            except Exception as err:
+                raise CheckpointWriteError(f"checkpoint save failed (step {step} → {final}): "
+                                           f"{type(err).__name__}: {err}") from err
+        self.last_stats = SaveStats(step=int(step), blocking_s=time.perf_counter() - t0, stage_s=stage_s)
+        return final
+
+    def _write(self, final: Path, plan: dict[str, tuple[dict, dict, str]], extra_text: str, rank_text: str,
+               marker: dict[str, Any]) -> None:
+        g, rank = self._group, self.rank
+        work = atomic.tmp_path_for(final) if self.atomic else final
+        collective.phase("prepare", lambda: atomic.prepare_dir(final, self.atomic) if rank == 0 else None, g)
+
+        def write_rank_files() -> None:
+            path = work / _rank_file(rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(rank_text, encoding="utf-8")
+            for name in plan:
+                (work / name).mkdir(parents=True, exist_ok=True)
+
+        collective.phase("rank files", write_rank_files, g)
+        for name, (tensors, skeleton, fmt) in plan.items():
+            write = functools.partial(write_component, work / name, tensors, skeleton, fmt, rank, g)
+            collective.phase(f"component {name}", write, g)
+
+        def finalize() -> None:
+            if rank != 0:
+                return
+            (work / EXTRA).write_text(extra_text, encoding="utf-8")
+            atomic.commit_dir(work, final, marker, self.atomic)
+            atomic.write_latest(self.root, final.name)
+            logger.info("saved checkpoint %s", final)
+
+        # Every rank fsyncs its own files before the vote, so rank 0's commit covers durable shards.
+        collective.phase("fsync", lambda: atomic.fsync_tree(work) if rank != 0 else None, g)
+        collective.phase("commit", finalize, g)
+        if rank == 0:
+            self._apply_retention()
+            if self.mirror is not None:
+                try:
+                    self.mirror.upload(final)
+                except Exception as err:
+                    raise RuntimeError(f"the local checkpoint {final} is complete, but mirroring it to "
+                                       f"{self.mirror.base_url} failed: {err}") from err
+
+    def _apply_retention(self) -> None:
+        if self.keep_last_n is None:
+            return
+        complete = atomic.list_complete(self.root)
+        keep = {s for s, _ in complete[-self.keep_last_n:]} | self._protected
+        latest = atomic.read_latest(self.root)
+        for step, path in complete:
+            if step not in keep and path.name != latest:
+                _remove_checkpoint(path)
+
+    def wait(self) -> None:
+        """Block until the in-flight save is complete; raise `CheckpointWriteError` if it failed."""
+        self._writer.wait()
+
+    def close(self) -> None:
+        self._writer.close()
+        self._stager.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ loading
+    def load(self, path: str | os.PathLike | None = None, templates: Mapping[str, Mapping[str, Any]] | None = None,
+             restore_rng: bool = True) -> LoadedCheckpoint:
+        """Load a complete checkpoint (default: the latest local one).
+
+        `templates` maps component name → the caller's current state (e.g. engine.state_dict() with DTensor
+        shards); their tensors are filled in place (DCP reshards to the current world size). Components without
+        a template come back as full CPU tensors. Restores this rank's RNG unless `restore_rng=False`.
+        """
+        self.wait()
+        ckpt = Path(path) if path is not None else atomic.find_latest(self.root)
+        if ckpt is None:
+            raise FileNotFoundError(f"no complete checkpoint under {self.root}")
+        if not atomic.is_complete(ckpt):
+            raise ValueError(f"{ckpt} is not a complete hybridflow checkpoint (missing or invalid {atomic.MARKER}); "
+                             "point trainer.resume_path at a global_step_<N> directory that finished saving")
+        meta = atomic.read_json(ckpt / atomic.MARKER)
+        if meta.get("format_version", 0) > FORMAT_VERSION:
+            raise ValueError(f"{ckpt} was written with checkpoint format {meta['format_version']}; this hybridflow "
+                             f"reads up to {FORMAT_VERSION} — upgrade hybridflow")
+        templates = templates or {}
+        unknown = sorted(set(templates) - set(meta["components"]))
+        if unknown:
+            raise KeyError(f"{ckpt} has no component(s) {unknown}; it holds {sorted(meta['components'])}")
+        components = {}
+        for name, info in meta["components"].items():
+            flat = None
+            if name in templates:
+                flat, _ = flatten_state(templates[name])
+                need = set(tensor_keys(atomic.read_json(ckpt / name / "skeleton.json")))
+                missing = sorted(need - set(flat))
+                if missing and info["format"] == "dcp":  # safetensors fills missing ones with fresh tensors
+                    raise ValueError(f"{ckpt}/{name}: the template lacks tensors {missing[:5]}; build it from a "
+                                     "sharded state with the same structure (e.g. optimizer state initialised, as DCP's get_state_dict does)")
+                flat = {k: v for k, v in flat.items() if k in need}
+            components[name] = read_component(ckpt / name, info["format"], flat, self._group)
+        extra = atomic.read_json(ckpt / EXTRA)
+        rank_state = None
+        rank_path = ckpt / _rank_file(self.rank)
+        if rank_path.exists():
+            payload = atomic.read_json(rank_path)
+            rank_state = payload.get("state")
+            if restore_rng and payload.get("rng") is not None:
+                restore_rng_state(payload["rng"])
+        elif meta.get("world_size", 1) != self.world_size:
+            logger.warning("%s was saved by %s ranks, now %s: rank %d starts with fresh RNG/rank state", ckpt,
+                           meta.get("world_size"), self.world_size, self.rank)
+        return LoadedCheckpoint(step=int(meta["step"]), path=ckpt, components=components, extra=extra,
+                                rank_state=rank_state, meta=meta)
+
+    # ----------------------------------------------------------------------------------------------- rollback
+    def discard_after(self, step: int) -> None:
+        """Delete checkpoints newer than `step` (local and remote) and point `latest` at `step` — for rollback.
+
+        Without this, a crash after a rollback would resume from the abandoned branch's newer checkpoints.
+        """
+        self.wait()
+        if self.rank == 0:
+            for s, path in atomic.list_complete(self.root):
+                if s > step:
+                    _remove_checkpoint(path)
+            atomic.write_latest(self.root, atomic.step_dirname(step))
+            if self.mirror is not None:
+                for s, name in self.mirror.list_complete():
+                    if s > step:
+                        self.mirror.delete(name)
+        collective.barrier(self._group)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    # Rename first: a half-deleted directory that still holds its marker would look complete after a crash.
+    trash = path.parent / f"{atomic.TRASH_PREFIX}{path.name}"
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    logger.info("removed old checkpoint %s", path)
+
+
+def _to_json(obj: dict[str, Any], what: str) -> str:
+    try:
+        return json.dumps(obj, indent=1, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"checkpoint {what} must be JSON-serialisable (dict of str/int/float/bool/None/lists): "
+                        f"{err}") from err

@@ -1,0 +1,112 @@
+"""Resume: pick the checkpoint to start from (`trainer.resume_mode` auto|disable|path) and where in the data.
+
+Auto takes the newest complete local checkpoint, else the newest complete remote one (downloaded into the
+local dir first, so loading has one code path). The data position is (epoch, batches consumed in it); a save
+taken after the last batch of an epoch normalises to (epoch + 1, 0), so resuming at an epoch boundary trains
+the remaining epochs instead of zero steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.checkpoint import atomic, collective
+from hybridflow.checkpoint.remote import is_remote_url, join_url
+
+logger = logging.getLogger(__name__)
+
+
+def find_resume_checkpoint(manager: Any, mode: str, resume_path: str | None = None) -> Path | None:
+    """The checkpoint directory to resume from, or None to start fresh. Collective when distributed.
+
+    `manager` is a `CheckpointManager` (its local root, remote mirror and rank group are used). A remote
+    checkpoint is downloaded by rank 0 into the local root.
+    """
+    if mode == "disable":
+        return None
+    if mode == "path":
+        if not resume_path:
+            raise ValueError("trainer.resume_mode=path needs trainer.resume_path=<checkpoint dir or URL>")
+        return _resolve_explicit(manager, resume_path)
+    if mode != "auto":
+        raise ValueError(f"trainer.resume_mode={mode!r}: must be one of 'auto', 'disable', 'path'")
+    local = atomic.find_latest(manager.root)
+    if local is not None:
+        logger.info("resuming from local checkpoint %s", local)
+        return local
+    if manager.mirror is None:
+        logger.info("no checkpoint under %s; starting fresh", manager.root)
+        return None
+    name = manager.mirror.find_latest()
+    if name is None:
+        logger.info("no checkpoint under %s or %s; starting fresh", manager.root, manager.mirror.base_url)
+        return None
+    return _download(manager, name)
+
+
+def _resolve_explicit(manager: Any, resume_path: str) -> Path:
+    if is_remote_url(resume_path):
+        base, _, name = resume_path.rstrip("/").rpartition("/")
+        from hybridflow.checkpoint.remote import RemoteMirror
+        mirror = RemoteMirror(base)
+        if not mirror.is_complete(name):
+            raise ValueError(f"trainer.resume_path={resume_path!r} is not a complete checkpoint (no "
+                             f"{join_url(resume_path, atomic.MARKER)})")
+        return _download(manager, name, mirror)
+    path = Path(resume_path.removeprefix("file://"))
+    if not atomic.is_complete(path):
+        latest = atomic.find_latest(path)  # a checkpoint root was given: take its latest
+        if latest is None:
+            raise ValueError(f"trainer.resume_path={resume_path!r} is neither a complete checkpoint "
+                             f"(global_step_<N> with {atomic.MARKER}) nor a directory holding one")
+        path = latest
+    logger.info("resuming from %s", path)
+    return path
+
+
+def _download(manager: Any, name: str, mirror: Any = None) -> Path:
+    mirror = mirror or manager.mirror
+    target = manager.root / name
+    group = getattr(manager, "_group", None)
+    if manager.rank == 0 and not atomic.is_complete(target):
+        logger.info("no local copy of %s; downloading from %s", name, mirror.url(name))
+        collective.phase("download", lambda: mirror.download(name, manager.root), group)
+    else:
+        collective.phase("download", lambda: None, group)
+    return target
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the dataloader resumes: `batch` batches of epoch `epoch` were consumed."""
+
+    epoch: int
+    batch: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], steps_per_epoch: int) -> DataPosition:
+        return cls(int(d["epoch"]), int(d["batch"])).normalized(steps_per_epoch)
+
+    def normalized(self, steps_per_epoch: int) -> DataPosition:
+        """Carry whole epochs: (e, steps_per_epoch) → (e + 1, 0) — the epoch-boundary resume fix."""
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch}: must be >= 1 (is the dataset empty?)")
+        extra, batch = divmod(self.batch, steps_per_epoch)
+        return DataPosition(self.epoch + extra, batch)
+
+
+def position_from_step(global_step: int, steps_per_epoch: int) -> DataPosition:
+    """Data position after `global_step` optimizer steps with one batch per step."""
+    return DataPosition(0, global_step).normalized(steps_per_epoch)
+
+
+def remaining_batches(pos: DataPosition, steps_per_epoch: int, total_epochs: int) -> int:
+    """Batches still to train after resuming at `pos` (0 only when every epoch is done)."""
+    pos = pos.normalized(steps_per_epoch)
+    return max(0, (total_epochs - pos.epoch) * steps_per_epoch - pos.batch)

@@ -1,0 +1,213 @@
+"""Write and read one checkpoint component: JSON skeleton + tensors in safetensors (plain) or DCP (DTensors).
+
+Format choice: a component with any DTensor goes through torch.distributed.checkpoint (every rank writes its
+shards; loading reshards into the caller's templates); a component of plain tensors is assumed replicated and is
+written once by rank 0 as safetensors. Only tensors reach DCP, so its pickled byte items never appear, and DCP's
+`.metadata` is read with an allow-list unpickler — loading never runs arbitrary pickled code.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from hybridflow.checkpoint.atomic import read_json, write_json
+from hybridflow.checkpoint.flatten import unflatten_state
+
+logger = logging.getLogger(__name__)
+
+SKELETON = "skeleton.json"
+SAFETENSORS = "tensors.safetensors"
+DCP_DIR = "dcp"
+
+
+def choose_format(tensors: Mapping[str, torch.Tensor]) -> str:
+    return "dcp" if any(isinstance(t, DTensor) for t in tensors.values()) else "safetensors"
+
+
+# ----------------------------------------------------------------------------------------------------- staging
+class CpuStager:
+    """Copies tensors to CPU for an async save, reusing (pinned, when CUDA is used) buffers between saves.
+
+    Reuse is safe because the manager waits for the previous write before staging again. DTensors keep their
+    mesh and placements (the local shard moves to CPU), as torch's own async staging does.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                              pin_memory=like.is_cuda and torch.cuda.is_available())
+            self._buffers[key] = buf
+        return buf
+
+    def stage(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        any_cuda = False
+        for key, t in tensors.items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            any_cuda |= local.is_cuda
+            buf = self._buffer(f"{prefix}/{key}", local)
+            buf.copy_(local.detach(), non_blocking=local.is_cuda)
+            if isinstance(t, DTensor):
+                staged = DTensor.__new__(DTensor, buf, t._spec, requires_grad=False)
+                out[key] = staged
+            else:
+                out[key] = buf
+        if any_cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def _dedup_for_safetensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses tensors sharing storage (tied embeddings) and wants contiguous CPU tensors.
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for key, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and ident in seen:
+            t = t.clone()
+        seen.add(ident)
+        out[key] = t
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- safe unpickle
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+            ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP `.metadata` allowing only DCP's metadata classes, torch dtypes/Size and a few builtins."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name) if (module, name) in _ALLOWED or module in _DCP_MODULES else None
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if obj is None or (module in _DCP_MODULES and not isinstance(obj, type)):
+            raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}, which is not allowed; "
+                                         "refusing to unpickle it (the file may be corrupted or malicious)")
+        return obj
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ------------------------------------------------------------------------------------------------------- io
+def write_component(comp_dir: Path, tensors: Mapping[str, torch.Tensor], skeleton: dict[str, Any], fmt: str,
+                    rank: int, group: dist.ProcessGroup | None) -> None:
+    """Write one component; every rank calls it (DCP is collective), rank 0 writes the replicated files."""
+    comp_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        write_json(comp_dir / SKELETON, skeleton, fsync=False)
+    if fmt == "safetensors":
+        if rank == 0:
+            save_file(_dedup_for_safetensors(tensors), str(comp_dir / SAFETENSORS))
+    elif fmt == "dcp":
+        writer = dcp.FileSystemWriter(str(comp_dir / DCP_DIR), sync_files=True)
+        dcp.save(dict(tensors), storage_writer=writer, process_group=group, no_dist=group is None
+                 and not dist.is_initialized())
+    else:
+        raise AssertionError(f"unknown component format {fmt!r}")
+
+
+def _full_tensors_from_dcp(dcp_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Load a DCP directory as full (unsharded) CPU tensors in one process, e.g. for export."""
+    reader = SafeFileSystemReader(str(dcp_dir))
+    meta = reader.read_metadata()
+    template = {}
+    for key, md in meta.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{dcp_dir}: item {key!r} is not a tensor; hybridflow checkpoints hold only tensors in DCP")
+        template[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    if template:
+        dcp.load(template, storage_reader=SafeFileSystemReader(str(dcp_dir)), no_dist=True)
+    return template
+
+
+def read_flat_tensors(comp_dir: Path, fmt: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Full CPU tensors of a component whose path starts with `prefix` (e.g. "model/"), keys as stored."""
+    if fmt == "dcp":
+        return _full_tensors_from_dcp(comp_dir / DCP_DIR, prefix)
+    if fmt == "safetensors":
+        from safetensors import safe_open
+        with safe_open(str(comp_dir / SAFETENSORS), framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    raise ValueError(f"{comp_dir}: unknown component format {fmt!r}")
+
+
+def read_component(comp_dir: Path, fmt: str, template: Mapping[str, torch.Tensor] | None,
+                   group: dist.ProcessGroup | None) -> Any:
+    """Read one component back into its nested form.
+
+    With `template` (flat tensors of the caller's current state, e.g. DTensor shards), values are loaded into
+    those tensors in place (DCP reshards); without, full CPU tensors are returned.
+    """
+    skeleton = read_json(comp_dir / SKELETON)
+    if fmt == "safetensors":
+        loaded = load_file(str(comp_dir / SAFETENSORS), device="cpu")
+        if template is not None:
+            # Tensors the template has are filled in place; ones it lacks (e.g. a fresh optimizer's state) come
+            # back as new CPU tensors.
+            present = {k: t for k, t in template.items() if k in loaded}
+            _copy_into(present, loaded, comp_dir)
+            loaded = {**loaded, **present}
+    elif fmt == "dcp":
+        if template is None:
+            loaded = _full_tensors_from_dcp(comp_dir / DCP_DIR)
+        else:
+            loaded = dict(template)
+            dcp.load(loaded, storage_reader=SafeFileSystemReader(str(comp_dir / DCP_DIR)), process_group=group,
+                     no_dist=group is None and not dist.is_initialized())
+    else:
+        raise ValueError(f"{comp_dir}: unknown component format {fmt!r} (written by a newer hybridflow?)")
+    return unflatten_state(skeleton, loaded)
+
+
+@torch.no_grad()
+def _copy_into(template: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor], where: Path) -> None:
+    missing = sorted(set(template) - set(loaded))
+    if missing:
+        raise KeyError(f"{where}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for key, dst in template.items():
+        src = loaded[key]
+        if dst.shape != src.shape:
+            raise ValueError(f"{where}: tensor {key!r} has shape {tuple(src.shape)} in the checkpoint but "
+                             f"{tuple(dst.shape)} in the model; was the model config changed since saving?")
+        if isinstance(dst, DTensor):
+            # Saved unsharded (one rank), loaded sharded: take this rank's shard of the full tensor.
+            from torch.distributed.tensor import distribute_tensor
+            src = distribute_tensor(src.to(dst.device), dst.device_mesh, dst.placements)
+            dst.to_local().copy_(src.to_local())
+        else:
+            dst.copy_(src)

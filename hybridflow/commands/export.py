@@ -1,0 +1,33 @@
+"""`hybridflow export --checkpoint DIR --out HF_DIR [CONFIG.yaml ...] [a.b=c ...]`: checkpoint → HF model dir."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="a global_step_<N> directory, or a checkpoint root (its latest is used)")
+    parser.add_argument("--out", required=True, help="output Hugging Face model directory")
+    parser.add_argument("--component", default="actor", help="checkpoint component holding the model (default actor)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="cast floating weights (default: as saved)")
+    add_config_args(parser)  # only needed when the checkpoint does not carry the run's config
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridflow.checkpoint.export import export_hf
+    try:
+        model_cfg = load_from_args(args.args).model if args.args else None
+        out = export_hf(args.checkpoint, args.out, component=args.component, model_cfg=model_cfg,
+                        dtype=_DTYPES[args.dtype] if args.dtype else None)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        return fail(err)
+    print(f"wrote Hugging Face model to {out}")
+    return 0

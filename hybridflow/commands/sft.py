@@ -1,0 +1,27 @@
+"""`hybridflow sft [CONFIG.yaml ...] [a.b=c ...]`: supervised fine-tuning, then an HF export of the model."""
+
+from __future__ import annotations
+
+import argparse
+
+from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.sft import SFTTrainer
+    from hybridflow.trainer.supervised import run_supervised
+
+    try:
+        cfg = load_from_args(args.args)
+        path, history = run_supervised(SFTTrainer, cfg)
+    except (ConfigError, ValueError, KeyError) as err:
+        return fail(err)
+    last = history[-1] if history else {}
+    val = ", ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("val/"))
+    print(f"SFT done: {len(history)} logged steps{', ' + val if val else ''}; HF model in {path}")
+    print(f"use it with: hybridflow train model.path={path}")
+    return 0

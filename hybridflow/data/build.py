@@ -1,0 +1,45 @@
+"""Build the datasets a run needs from `DataConfig`: parquet files when given, else the built-in `data.task`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.data.rl_dataset import RLHFDataset
+from hybridflow.data.sft_dataset import SFTDataset
+from hybridflow.data.tasks import task_splits
+
+
+def _rows(data_cfg: Any) -> tuple[list[dict] | None, list[dict] | None]:
+    """Rows of the built-in task, or (None, None) when parquet files are configured."""
+    if data_cfg.train_files:
+        return None, None
+    if not data_cfg.task:
+        raise ValueError("data.train_files is empty and data.task is not set; give one of them")
+    return task_splits(data_cfg.task, data_cfg.train_size, data_cfg.val_size, data_cfg.seed)
+
+
+def build_rl_datasets(data_cfg: Any, tokenizer: Any) -> tuple[RLHFDataset, RLHFDataset | None]:
+    """(train, val) prompt datasets; val is None when parquet training files come without data.val_files."""
+    kwargs = dict(max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
+                  prompt_key=data_cfg.prompt_key, strict=data_cfg.strict, chat_template=data_cfg.chat_template)
+    train_rows, val_rows = _rows(data_cfg)
+    if train_rows is not None:
+        val = RLHFDataset(val_rows, tokenizer, name="val", **kwargs) if val_rows else None
+        return RLHFDataset(train_rows, tokenizer, name="train", **kwargs), val
+    train = RLHFDataset.from_files(data_cfg.train_files, tokenizer, name="train", **kwargs)
+    val = RLHFDataset.from_files(data_cfg.val_files, tokenizer, name="val", **kwargs) if data_cfg.val_files else None
+    return train, val
+
+
+def build_sft_datasets(data_cfg: Any, tokenizer: Any,
+                       max_length: int | None = None) -> tuple[SFTDataset, SFTDataset | None]:
+    """(train, val) SFT datasets from the same files/task; max_length defaults to prompt + response length."""
+    kwargs = dict(max_length=max_length or data_cfg.max_prompt_length + data_cfg.max_response_length,
+                  prompt_key=data_cfg.prompt_key, strict=data_cfg.strict, chat_template=data_cfg.chat_template)
+    train_rows, val_rows = _rows(data_cfg)
+    if train_rows is not None:
+        val = SFTDataset(val_rows, tokenizer, name="sft-val", **kwargs) if val_rows else None
+        return SFTDataset(train_rows, tokenizer, name="sft-train", **kwargs), val
+    train = SFTDataset.from_files(data_cfg.train_files, tokenizer, name="sft-train", **kwargs)
+    val = SFTDataset.from_files(data_cfg.val_files, tokenizer, name="sft-val", **kwargs) if data_cfg.val_files else None
+    return train, val

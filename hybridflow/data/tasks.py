@@ -1,0 +1,90 @@
+"""Built-in synthetic tasks, generated on the fly (quickstart and tests; no files needed).
+
+Each task enumerates its whole problem space, shuffles it with `seed`, takes validation from the front and
+training from the rest (so the splits are disjoint; training repeats problems only when asked for more than
+remain). Problems are tiny on purpose — a ~1M-parameter character model must learn them in minutes on a CPU.
+Rows follow verl's schema and also carry `response` (the correct answer) for the SFT warm start. Answers come
+after `####`, as in GSM8K; the scorers are `hybridflow.rewards.synthetic`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str  # ground truth, without the "#### " prefix
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    ability: str
+    space: Callable[[], Iterable[Problem]]  # every problem, in a fixed order
+
+    @property
+    def data_source(self) -> str:
+        return f"hybridflow/{self.name}"
+
+
+def _arithmetic() -> Iterable[Problem]:
+    for a, b in itertools.product(range(100), range(100)):
+        yield Problem(f"What is {a}+{b}? Answer after ####.", str(a + b))
+
+
+def _sort() -> Iterable[Problem]:
+    for digits in itertools.product(range(10), repeat=4):
+        yield Problem(f"Sort {' '.join(map(str, digits))}. Answer after ####.", " ".join(map(str, sorted(digits))))
+
+
+TASKS: dict[str, Task] = {
+    "arithmetic": Task("arithmetic", "arithmetic", _arithmetic),  # 2-digit addition, 10,000 problems
+    "sort": Task("sort", "sorting", _sort),  # sort 4 digits, 10,000 problems
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"data.task={name!r} is not a built-in task; choose one of {', '.join(TASKS)} "
+                         "or give parquet files in data.train_files")
+    return TASKS[name]
+
+
+def _row(task: Task, problem: Problem, split: str, index: int) -> dict[str, Any]:
+    return {
+        "data_source": task.data_source,
+        "prompt": [{"role": "user", "content": problem.question}],
+        "ability": task.ability,
+        "reward_model": {"style": "rule", "ground_truth": problem.answer},
+        "extra_info": {"split": split, "index": index},
+        "response": f"#### {problem.answer}",
+    }
+
+
+def task_splits(name: str, train_size: int, val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train_rows, val_rows) of a built-in task: deterministic in `seed`, disjoint problems."""
+    task = get_task(name)
+    problems = list(task.space())
+    if val_size >= len(problems):
+        raise ValueError(f"data.val_size={val_size} leaves no training problems for task {name!r} "
+                         f"({len(problems)} problems in all); lower data.val_size")
+    rng = random.Random(seed)
+    rng.shuffle(problems)
+    val, pool = problems[:val_size], problems[val_size:]
+    if train_size <= len(pool):
+        train = pool[:train_size]
+    else:
+        logger.info("task %s: data.train_size=%d > %d distinct training problems; repeating problems",
+                    name, train_size, len(pool))
+        train = pool + [rng.choice(pool) for _ in range(train_size - len(pool))]
+    return ([_row(task, p, "train", i) for i, p in enumerate(train)],
+            [_row(task, p, "val", i) for i, p in enumerate(val)])

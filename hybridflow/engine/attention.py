@@ -1,0 +1,105 @@
+"""Packed (padding-free) attention for HF models: one registered implementation, `hybridflow_packed`.
+
+Decision: with `cu_seqlens` in the forward kwargs, each packed sequence attends causally to itself only —
+via PyTorch's built-in varlen flash attention (`torch.nn.attention.varlen`, CUDA, bf16/fp16) or, elsewhere, one
+SDPA call per sequence. Without `cu_seqlens` (padded batches) it is exactly HF's SDPA path with HF's mask, so
+one model serves both layouts. No [T, T] mask is ever built for packed batches.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "hybridflow_packed"
+# Forward kwargs carrying the packing (names of our own, so HF's flash-attention logic never sees them).
+CU_SEQLENS, MAX_SEQLEN = "hf_cu_seqlens", "hf_max_seqlen"
+
+try:  # torch >= 2.9
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # pragma: no cover - depends on the torch build
+    _varlen_attn = None
+    _VARLEN_PARAMS = set()
+
+
+def varlen_supported(q: torch.Tensor) -> bool:
+    return _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+            scale: float | None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D] through the flash varlen kernel (API differs across torch)."""
+    kw: dict[str, Any] = {}
+    if "window_size" in _VARLEN_PARAMS:
+        kw["window_size"] = (-1, 0)  # causal
+    else:
+        kw["is_causal"] = True
+    if "scale" in _VARLEN_PARAMS:
+        kw["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"this torch's varlen_attn has no `scale` argument; model scaling {scale} is not 1/sqrt(d)")
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cu = cu.to(torch.int32)
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                       scale: float | None) -> torch.Tensor:
+    """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D]: causal SDPA per packed sequence (CPU / fp32 path)."""
+    bounds = cu.tolist()
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function: varlen when `hf_cu_seqlens` is given, else HF SDPA."""
+    cu = kwargs.pop(CU_SEQLENS, None)
+    max_len = kwargs.pop(MAX_SEQLEN, None)
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
+    if dropout:
+        raise ValueError("packed attention does not support attention dropout; set attention_dropout=0")
+    if varlen_supported(query):
+        out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+                      int(max_len), scaling)
+        return out.unsqueeze(0), None
+    return _per_sequence_sdpa(query, key, value, cu, scaling), None
+
+
+def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """HF mask for padded batches; none at all for packed ones (they carry `cu_seqlens` instead)."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> str:
+    """Register the implementation with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,74 @@
+"""Engine state for checkpoints: sharded model + optimizer via torch.distributed.checkpoint, extras as JSON.
+
+Decision: tensors go through DCP (each rank writes its shards; any world size can load them); the small
+non-tensor extras (step counter, LR-scheduler counters) are a JSON file written by rank 0 — nothing is pickled.
+`export_hf` gathers a full state dict on rank 0 and writes the HF format (safetensors + config + tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from transformers import PreTrainedTokenizerBase
+
+from hybridflow.models.loader import save_model
+
+logger = logging.getLogger(__name__)
+
+EXTRA_FILE = "engine_extra.json"
+
+
+def get_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """{"model": sharded state, "optimizer": sharded state (trainable roles)}: DCP-ready."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def set_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        return
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def save_dir(path: str | Path, state: dict[str, Any], extra: dict[str, Any]) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        (path / EXTRA_FILE).write_text(json.dumps(extra, indent=2))
+    dist.barrier()
+
+
+def load_dir(path: str | Path, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load into `template` (the current engine state, which fixes shapes and sharding); returns (state, extra)."""
+    path = Path(path)
+    if not (path / EXTRA_FILE).is_file():
+        raise ValueError(f"{path} is not an engine checkpoint (no {EXTRA_FILE}); give a directory from engine.save")
+    dcp.load(template, checkpoint_id=str(path))
+    return template, json.loads((path / EXTRA_FILE).read_text())
+
+
+def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None,
+              dtype: torch.dtype | None = None) -> None:
+    """Full (unsharded) weights in HF format, written by rank 0; all ranks must call it."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        config = model.config.__class__.from_dict(model.config.to_dict())
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
+        save_model(out_dir, config, full, tokenizer, dtype)
+    dist.barrier()

@@ -1,0 +1,52 @@
+"""FLOP counts for MFU: 6·N·tokens for the dense matmuls plus the causal attention term, per sequence length.
+
+Assumptions (stated so MFU numbers are comparable): N counts the decoder matmul weights and the output head but
+not the embedding lookup; attention adds 6·layers·(heads·head_dim)·s² per sequence of length s for forward +
+backward (half of 12·L·d·s², since the mask is causal); recomputation (activation checkpointing) is not counted.
+Peak: 989 TFLOP/s bf16 dense for H100/H200 (override with HYBRIDFLOW_PEAK_TFLOPS); none on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from transformers import PretrainedConfig
+
+H100_H200_BF16_DENSE = 989e12
+
+
+def matmul_params(cfg: PretrainedConfig, with_lm_head: bool = True) -> int:
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * head_dim
+    kv = cfg.num_key_value_heads * head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    return layers * per_layer + (cfg.vocab_size * h if with_lm_head else 0)
+
+
+class FlopsCounter:
+    """Training and forward FLOPs of a batch given its sequence lengths."""
+
+    def __init__(self, cfg: PretrainedConfig, with_lm_head: bool = True) -> None:
+        self.n = matmul_params(cfg, with_lm_head)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+
+    def train_flops(self, seqlens: Sequence[int]) -> float:
+        tokens = sum(seqlens)
+        return 6.0 * self.n * tokens + 6.0 * self.attn_width * sum(s * s for s in seqlens)
+
+    def forward_flops(self, seqlens: Sequence[int]) -> float:
+        return self.train_flops(seqlens) / 3.0
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of one device, or None when unknown (CPU)."""
+    env = os.environ.get("HYBRIDFLOW_PEAK_TFLOPS")
+    if env:
+        return float(env) * 1e12
+    if device.type != "cuda":
+        return None
+    return H100_H200_BF16_DENSE

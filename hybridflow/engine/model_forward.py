@@ -1,0 +1,63 @@
+"""The engine's forward: backbone → hidden states → (chunked log-probs | scalar values) at response positions.
+
+Decision: it runs *inside* the root module's forward (installed as an instance-level `forward` that falls back to
+HF's forward unless `hf_request` is given), so FSDP2's root hooks unshard/reshard lm_head and embeddings and
+reduce their gradients as usual, while the full [tokens, vocab] logits are never built (like verl's fused path).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.engine.attention import CU_SEQLENS, MAX_SEQLEN
+from hybridflow.engine.logprobs import chunked_logprobs
+from hybridflow.engine.packing import ModelInputs
+
+HEADS = ("lm", "value", "score")
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    kind: str  # lm: log-probs (+entropy) of labels; value: scalar head at src positions; score: at last tokens
+    temperature: float = 1.0
+    chunk_size: int = 1024
+    with_entropy: bool = False
+
+
+def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest) -> dict[str, torch.Tensor]:
+    kwargs: dict[str, Any] = {}
+    if inputs.cu_seqlens is not None:
+        kwargs = {CU_SEQLENS: inputs.cu_seqlens, MAX_SEQLEN: inputs.max_seqlen}
+    out = self.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                          position_ids=inputs.position_ids, use_cache=False, **kwargs)
+    hidden = out.last_hidden_state
+    hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+    if req.kind == "lm":
+        logp, ent = chunked_logprobs(hidden_NH.index_select(0, inputs.src_K), self.get_output_embeddings(),
+                                     inputs.labels_K, temperature=req.temperature, chunk_size=req.chunk_size,
+                                     with_entropy=req.with_entropy)
+        return {"log_probs": logp} if ent is None else {"log_probs": logp, "entropy": ent}
+    idx = inputs.src_K if req.kind == "value" else inputs.last_K
+    return {"values": self.score(hidden_NH.index_select(0, idx)).squeeze(-1).float()}
+
+
+def install_engine_forward(model: torch.nn.Module) -> None:
+    """Make `model(hf_inputs=..., hf_request=...)` run `_engine_forward`; any other call is HF's forward."""
+    if getattr(model, "_hf_engine_forward", False):
+        return
+    original = model.forward
+
+    def forward(self: torch.nn.Module, *args: Any, hf_inputs: ModelInputs | None = None,
+                hf_request: HeadRequest | None = None, **kwargs: Any) -> Any:
+        if hf_request is None:
+            return original(*args, **kwargs)
+        if hf_request.kind not in HEADS:
+            raise ValueError(f"head kind {hf_request.kind!r} must be one of {HEADS}")
+        return _engine_forward(self, hf_inputs, hf_request)
+
+    model.forward = types.MethodType(forward, model)
+    model._hf_engine_forward = True

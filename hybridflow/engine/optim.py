@@ -1,0 +1,50 @@
+"""AdamW and the learning-rate schedule: linear warmup, then constant or cosine decay to `min_lr_ratio`.
+
+Decision: the schedule advances once per training step (one `train_step` call), as in verl, so warmup and
+cosine lengths are counted in trainer steps, not in optimizer (mini-batch) steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from hybridflow.config.schema import OptimConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, foreach=True)
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int | None) -> int:
+    if cfg.lr_warmup_steps >= 0:
+        return cfg.lr_warmup_steps
+    if cfg.lr_warmup_steps_ratio == 0:
+        return 0
+    if total_steps is None:
+        raise ValueError(f"optim.lr_warmup_steps_ratio={cfg.lr_warmup_steps_ratio} needs the total number of "
+                         "training steps; pass total_training_steps to the engine or set optim.lr_warmup_steps")
+    return int(cfg.lr_warmup_steps_ratio * total_steps)
+
+
+def lr_factor(step: int, cfg: OptimConfig, warmup: int, total_steps: int | None) -> float:
+    """Multiplier of `cfg.lr` for the optimizer steps of training step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.lr_scheduler == "constant":
+        return 1.0
+    assert total_steps is not None, "cosine schedule needs total_steps"
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int | None) -> LambdaLR:
+    if cfg.lr_scheduler == "cosine" and total_steps is None:
+        raise ValueError("optim.lr_scheduler=cosine needs the total number of training steps; pass "
+                         "total_training_steps to the engine or use optim.lr_scheduler=constant")
+    warmup = warmup_steps(cfg, total_steps)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, warmup, total_steps))

@@ -1,0 +1,353 @@
+"""`TrainEngine`: one FSDP2 model (actor, critic, reference or reward model) with its optimizer and schedule.
+
+Decisions: inputs use verl's layout (see `packing.py`) and outputs are [B, R] aligned with `responses`;
+forward passes are packed by default (`data.use_packed_dataset`); training runs PPO epochs × mini-batches ×
+micro-batches with the caller's `loss_fn` returning each micro-batch's share of the mini-batch loss (global token
+normaliser), so gradients are summed — never averaged — over micro-batches and data-parallel ranks. A
+non-finite gradient norm skips the optimizer step. torch.distributed must be initialised (world size 1 is fine).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, loss_normalizer
+from hybridflow.config.schema import DataConfig, ModelConfig
+from hybridflow.engine import checkpoint as ckpt
+from hybridflow.engine.attention import register as register_attention
+from hybridflow.engine.flops import FlopsCounter, peak_flops
+from hybridflow.engine.fsdp import DTYPES, apply_fsdp2, build_mesh, move_model, move_optimizer, resolve_dtype
+from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
+from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
+from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.packing import build_inputs, scatter_to_responses
+from hybridflow.engine.settings import RoleConfig, role_settings
+from hybridflow.models.loader import load_model, load_tokenizer
+from hybridflow.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[dict[str, torch.Tensor], DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
+MODES = ("train", "generate", "offload")
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class TrainEngine:
+    """FSDP2 training/inference engine for one role. `module` is the FSDP2-wrapped HF model."""
+
+    def __init__(self, model_cfg: ModelConfig, role_cfg: RoleConfig, *, role: str,
+                 device: str | torch.device | None = None, data_cfg: DataConfig | None = None,
+                 total_training_steps: int | None = None, model_path: str | None = None, seed: int = 0) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("TrainEngine needs torch.distributed initialised (world size 1 is fine: "
+                               "dist.init_process_group('gloo' or 'nccl', ...))")
+        self.role = role
+        self.settings = s = role_settings(role_cfg, role)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.packed = True if data_cfg is None else data_cfg.use_packed_dataset
+        self.compute_dtype = resolve_dtype(model_cfg.dtype, self.device)
+        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        self.seed = seed
+        self.global_step = 0
+
+        model = load_model(model_cfg, role, path=model_path, dtype=DTYPES[s.fsdp.param_dtype],
+                           attn_implementation=register_attention())
+        model.config.use_cache = False
+        if s.trainable and model_cfg.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not s.trainable:
+            model.requires_grad_(False)
+        model.to(self.device)
+        apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, DTYPES[s.fsdp.reduce_dtype],
+                    s.fsdp.reshard_after_forward)
+        install_engine_forward(model)
+        self.module = model
+        self.tokenizer = load_tokenizer(model_cfg)
+        self.flops = FlopsCounter(model.config, with_lm_head=role in ("actor", "ref"))
+        self.optimizer = self.lr_scheduler = None
+        if s.trainable:
+            self.optimizer = build_optimizer(model.parameters(), s.optim)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, s.optim, total_training_steps)
+        self._params_on_device = self._optim_on_device = True
+        if s.fsdp.param_offload or s.fsdp.optimizer_offload:
+            self.to_mode("offload")
+
+    # ----------------------------------------------------------------------------------------- placement
+    def to_mode(self, mode: str) -> None:
+        """train: weights + optimizer on the device; generate: weights on the device, gradients freed, optimizer
+        state on CPU if `optimizer_offload`; offload: everything on CPU."""
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
+        if self.optimizer is not None and mode != "train":
+            self.optimizer.zero_grad(set_to_none=True)
+        self._place(params=mode != "offload",
+                    optim=mode == "train" or (mode == "generate" and not self.settings.fsdp.optimizer_offload))
+
+    def _place(self, params: bool, optim: bool) -> None:
+        if self.device.type == "cpu":
+            return
+        cpu = torch.device("cpu")
+        if params != self._params_on_device:
+            move_model(self.module, self.device if params else cpu)
+            self._params_on_device = params
+        if self.optimizer is not None and optim != self._optim_on_device:
+            move_optimizer(self.optimizer, self.device if optim else cpu)
+            self._optim_on_device = optim
+        if not (params and optim):
+            torch.cuda.empty_cache()
+
+    def _enter(self, optim: bool) -> None:
+        self._place(params=True, optim=optim or self._optim_on_device)
+
+    def _exit(self) -> None:
+        f = self.settings.fsdp
+        self._place(params=not f.param_offload, optim=self._optim_on_device and not f.optimizer_offload)
+
+    # ----------------------------------------------------------------------------------------- forward
+    def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest) -> tuple[dict[str, torch.Tensor], int]:
+        """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens."""
+        ids = batch["input_ids"].to(self.device)
+        b, r = ids.shape[0], batch["responses"].shape[1]
+        inputs = build_inputs(ids, batch["attention_mask"].to(self.device), batch["position_ids"].to(self.device),
+                              r, self.packed)
+        out = self.module(hf_inputs=inputs, hf_request=req)
+        if req.kind == "score":
+            return {"scores": out["values"]}, inputs.num_tokens
+        return {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()}, inputs.num_tokens
+
+    def _micro_batches(self, data: DataProto, training: bool) -> list[list[int]]:
+        s = self.settings
+        if s.use_dynamic_bsz:
+            lengths = data.batch["attention_mask"].sum(-1).tolist()
+            return token_budget_micro_batches(lengths, s.max_token_len if training else s.infer_max_token_len)
+        return fixed_micro_batches(len(data), s.micro_batch_size if training else s.infer_micro_batch_size)
+
+    @torch.no_grad()
+    def _infer(self, data: DataProto, req: HeadRequest) -> dict[str, torch.Tensor]:
+        missing = [k for k in INPUT_KEYS if k not in data.batch]
+        if missing:
+            raise ValueError(f"batch lacks {missing}; the engine needs {list(INPUT_KEYS)} (verl layout)")
+        self._enter(optim=False)
+        self.module.eval()
+        results: dict[str, torch.Tensor] = {}
+        try:
+            for idx in self._micro_batches(data, training=False):
+                index = torch.tensor(idx)
+                out, _ = self._forward_micro({k: data.batch[k][index] for k in INPUT_KEYS}, req)
+                for k, v in out.items():
+                    if k not in results:
+                        results[k] = torch.zeros((len(data), *v.shape[1:]), dtype=v.dtype)
+                    results[k][index] = v.float().cpu()
+        finally:
+            self._exit()
+        return results
+
+    def forward_logprobs(self, data: DataProto, temperature: float | None = None,
+                         calculate_entropy: bool = False) -> DataProto:
+        """`log_probs` [B, R] (and `entropys` [B, R]) of `responses` under softmax(logits / temperature)."""
+        temperature = data.meta_info.get("temperature", 1.0) if temperature is None else temperature
+        req = HeadRequest("lm", temperature, self.settings.logprob_chunk_size, calculate_entropy)
+        out = self._infer(data, req)
+        tensors = {"log_probs": out["log_probs"]}
+        if calculate_entropy:
+            tensors["entropys"] = out["entropy"]
+        return DataProto.from_dict(tensors=tensors)
+
+    def forward_values(self, data: DataProto) -> DataProto:
+        """`values` [B, R]: the scalar head at the position before each response token (critic convention)."""
+        self._require_scalar_head()
+        return DataProto.from_dict(tensors={"values": self._infer(data, HeadRequest("value"))["values"]})
+
+    def forward_scores(self, data: DataProto) -> DataProto:
+        """`rm_scores` [B]: the scalar head at each sequence's last valid token (reward-model convention)."""
+        self._require_scalar_head()
+        return DataProto.from_dict(tensors={"rm_scores": self._infer(data, HeadRequest("score"))["scores"]})
+
+    def _require_scalar_head(self) -> None:
+        if self.role not in ("critic", "reward"):
+            raise ValueError(f"values need a scalar head; this engine's role is {self.role!r} (use critic/reward)")
+
+    # ----------------------------------------------------------------------------------------- training
+    def mini_batch_size_per_gpu(self, n: int) -> int:
+        """SAMPLES per optimizer step on this rank: ppo_mini_batch_size (prompts) × n / world size."""
+        samples = self.settings.mini_batch_prompts * n
+        if samples % self.dp_size:
+            raise ValueError(f"ppo_mini_batch_size={self.settings.mini_batch_prompts} prompts × rollout.n={n} = "
+                             f"{samples} samples is not divisible by the world size {self.dp_size}")
+        return samples // self.dp_size
+
+    def _global_norms(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        local = torch.stack([loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES]).to(torch.float64)
+        if self.dp_size > 1:
+            local = local.to(self.device)
+            dist.all_reduce(local)
+        return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
+
+    def train_step(self, data: DataProto, loss_fn: LossFn, *, mini_batch_size: int | None = None,
+                   calculate_entropy: bool | None = None, temperature: float | None = None) -> dict[str, float]:
+        """PPO epochs over mini-batches of this rank's `data`; one LR-schedule step. Returns averaged metrics.
+
+        `mini_batch_size`: SAMPLES per optimizer step on this rank; default from `ppo_mini_batch_size` and
+        `data.meta_info["n"]` (responses per prompt, default 1). `loss_fn(outputs, micro_batch, global_norm)`
+        gets `global_norm[mode]` = the whole mini-batch's normaliser over all ranks for each loss_agg_mode.
+        """
+        if self.optimizer is None:
+            raise ValueError(f"role {self.role!r} is not trainable (no optimizer)")
+        s = self.settings
+        per_gpu = mini_batch_size or self.mini_batch_size_per_gpu(int(data.meta_info.get("n", 1)))
+        per_gpu = min(per_gpu, len(data))
+        if len(data) % per_gpu:
+            raise ValueError(f"{len(data)} samples on this rank are not divisible by the per-GPU mini-batch "
+                             f"{per_gpu}; make data.train_batch_size a multiple of ppo_mini_batch_size")
+        temperature = data.meta_info.get("temperature", 1.0) if temperature is None else temperature
+        entropy = s.entropy_coeff != 0 if calculate_entropy is None else calculate_entropy
+        req = (HeadRequest("lm", temperature, s.logprob_chunk_size, entropy) if self.role == "actor"
+               else HeadRequest("value"))
+        self._enter(optim=True)
+        self.module.train()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        flops = 0.0
+        try:
+            minis = self._mini_batches(data, per_gpu)
+            for mini in minis:
+                metrics, mini_flops = self._train_mini_batch(mini, loss_fn, req)
+                flops += mini_flops
+                for k, v in metrics.items():
+                    sums[k] += v
+                    counts[k] += 1
+            self.lr_scheduler.step()
+            self.global_step += 1
+        finally:
+            self._exit()
+        sync()
+        elapsed = time.perf_counter() - start
+        out = {k: sums[k] / counts[k] for k in sums}
+        out = self._mean_over_ranks(out)
+        out.update(self._perf_metrics(sums["num_tokens"], flops, elapsed))
+        out["skipped"] = sums["skipped"]
+        out["lr"] = self.lr_scheduler.get_last_lr()[0]
+        return out
+
+    def _mini_batches(self, data: DataProto, per_gpu: int) -> Iterator[DataProto]:
+        s = self.settings
+        seed = self.seed * 100_003 + self.global_step
+        return data.make_iterator(per_gpu, s.ppo_epochs, seed=seed, shuffle=s.shuffle)
+
+    def _train_mini_batch(self, mini: DataProto, loss_fn: LossFn, req: HeadRequest) -> tuple[dict[str, float], float]:
+        global_norm = self._global_norms(mini.batch["response_mask"])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = torch.zeros((), device=self.device)
+        sums: dict[str, float] = defaultdict(float)
+        micro = self._micro_batches(mini, training=True)
+        tokens, flops = 0, 0.0
+        for idx in micro:
+            mb = mini.select_idxs(idx)
+            mb_dev = mb.to(self.device)
+            outputs, n_tok = self._forward_micro(mb_dev.batch, req)
+            loss, metrics = loss_fn(outputs, mb_dev, global_norm)
+            # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
+            # ranks, so scale by the DP size to get the sum.
+            (loss * self.dp_size).backward()
+            loss_total += loss.detach()
+            for k, v in metrics.items():
+                sums[k] += float(v)
+            tokens += n_tok
+            flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist())
+        grad_norm = self._clip_grad_norm()
+        skipped = not (torch.isfinite(grad_norm) and torch.isfinite(loss_total))
+        if skipped:
+            logger.warning("non-finite loss %s or grad norm %s at step %d: optimizer step skipped",
+                           float(loss_total), float(grad_norm), self.global_step)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        if self.dp_size > 1:
+            dist.all_reduce(loss_total)
+        out = {k: v / len(micro) for k, v in sums.items()}
+        out.update(loss=float(loss_total), grad_norm=float(grad_norm), skipped=float(skipped),
+                   num_tokens=float(tokens))
+        return out, flops
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.settings.grad_clip, norm, foreach=True)
+        return norm
+
+    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.dp_size == 1 or not metrics:
+            return metrics
+        keys = sorted(k for k in metrics if k not in ("loss", "grad_norm", "num_tokens", "skipped"))
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        out = dict(metrics)
+        out.update({k: float(v) / self.dp_size for k, v in zip(keys, t.tolist())})
+        return out
+
+    def _perf_metrics(self, local_tokens: float, flops: float, elapsed: float) -> dict[str, float]:
+        out = {"tokens_per_s_per_gpu": local_tokens / max(elapsed, 1e-9), "step_time_s": elapsed}
+        peak = peak_flops(self.device)
+        if peak is not None:
+            out["mfu"] = flops / (elapsed * peak)
+        return out
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer" (sharded, DCP-ready), "extra" (JSON-safe counters)}."""
+        self._enter(optim=True)
+        state = ckpt.get_engine_state(self.module, self.optimizer)
+        state["extra"] = {"global_step": self.global_step,
+                          "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._enter(optim=True)
+        ckpt.set_engine_state(self.module, self.optimizer, state)
+        extra = state.get("extra") or {}
+        self.global_step = int(extra.get("global_step", 0))
+        if self.lr_scheduler is not None and extra.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self._exit()
+
+    def save(self, path: str | Path) -> None:
+        """Sharded checkpoint into directory `path` (all ranks call it)."""
+        state = self.state_dict()
+        extra = state.pop("extra")
+        ckpt.save_dir(path, state, extra)
+        self._exit()
+
+    def load(self, path: str | Path) -> None:
+        state = self.state_dict()
+        state.pop("extra")
+        state, extra = ckpt.load_dir(path, state)
+        state["extra"] = extra
+        self.load_state_dict(state)
+
+    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Export full weights + config + tokenizer in HF format (all ranks call it; rank 0 writes)."""
+        self._enter(optim=False)
+        ckpt.export_hf(self.module, path, self.tokenizer, dtype)
+        self._exit()
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) per parameter, gathered across ranks (for weight sync to another engine)."""
+        for name, p in self.module.named_parameters():
+            yield name, (p.full_tensor() if isinstance(p, DTensor) else p.data)

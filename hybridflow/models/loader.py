@@ -1,0 +1,140 @@
+"""Load HF causal LMs (or scalar-head critics / reward models) and tokenizers from local dirs or presets; save back.
+
+Decision: only local directories (config.json + safetensors), never a hub download; presets are random-init
+from `presets.py` with a fixed seed. Weights load in float32 (master weights); compute dtype is the engine's
+business. Saving writes safetensors + config.json + the tokenizer so HF `from_pretrained` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from hybridflow.config.schema import ModelConfig
+from hybridflow.models.heads import SCALAR_HEAD_ROLES, scalar_head_from_config, scalar_head_from_pretrained
+from hybridflow.models.presets import preset_config
+from hybridflow.models.tokenizer import builtin_tokenizer
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "ref", "critic", "reward")
+
+
+def _check_dir(path: str, key: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{key}={path!r} is not a local HF model directory (no config.json); give a directory "
+                         "holding config.json + *.safetensors, or set model.path=null to use model.preset")
+    return p
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """`model.tokenizer_path`, else `model.path`, else the built-in tokenizer (presets)."""
+    path = cfg.tokenizer_path or cfg.path
+    if path is None:
+        return builtin_tokenizer()
+    tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+        logger.warning("tokenizer at %s has no pad token; using eos %r", path, tok.eos_token)
+    return tok
+
+
+def model_config(cfg: ModelConfig, path: str | None = None) -> PretrainedConfig:
+    """The HF config of `path` (or `cfg.path`) or of `cfg.preset`, with `cfg.override_config` applied."""
+    path = path or cfg.path
+    if path is None:
+        return preset_config(cfg.preset, **cfg.override_config)
+    hf = AutoConfig.from_pretrained(str(_check_dir(path, "model.path")), trust_remote_code=cfg.trust_remote_code)
+    for key, value in cfg.override_config.items():
+        if not hasattr(hf, key):
+            raise ValueError(f"model.override_config.{key}: {type(hf).__name__} has no such field")
+        setattr(hf, key, value)
+    return hf
+
+
+def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None,
+               dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> PreTrainedModel:
+    """The model for `role`: a causal LM (actor/ref) or backbone + scalar head (critic/reward).
+
+    `path` overrides `cfg.path` (critic.model_path, reward_model.path). Presets are initialised from `cfg.seed`,
+    so the actor and reference start identical.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: must be one of {', '.join(ROLES)}")
+    path = path or cfg.path
+    hf_cfg = model_config(cfg, path)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if path is None:
+        with _seeded(cfg.seed):
+            if role in SCALAR_HEAD_ROLES:
+                model = scalar_head_from_config(hf_cfg, dtype)
+            else:
+                model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kwargs)
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
+    elif role in SCALAR_HEAD_ROLES:
+        model = scalar_head_from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(Path(path).expanduser()), config=hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+            **kwargs,
+        )
+    logger.info("loaded %s for role %s from %s (%.1fM params)", type(model).__name__, role, path or cfg.preset,
+                sum(p.numel() for p in model.parameters()) / 1e6)
+    return model
+
+
+class _seeded:
+    """Fork the RNG so random init is reproducible without disturbing the caller's RNG stream."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self._ctx = torch.random.fork_rng(devices=[])
+        self._ctx.__enter__()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def save_model(out_dir: str | Path, config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
+               tokenizer: PreTrainedTokenizerBase | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write `state_dict` (full, unsharded) as model.safetensors + config.json (+ tokenizer) into `out_dir`.
+
+    Tied weights are written once (HF convention: the output embedding is dropped when tied).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in state_dict.items():
+        if getattr(config, "tie_word_embeddings", False) and name == "lm_head.weight":
+            continue
+        t = t.detach().to("cpu")
+        tensors[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    logger.info("saved %d tensors to %s", len(tensors), out)
+    return out
+
+
+def save_pretrained(model: PreTrainedModel, out_dir: str | Path,
+                    tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+    """Save an unsharded HF model (tests, exports of a single-process model)."""
+    out = save_model(out_dir, model.config, model.state_dict(), tokenizer)
+    # Record the architecture so AutoModel picks the right class.
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data["architectures"] = [type(model).__name__.removeprefix("FSDP")]
+    cfg_path.write_text(json.dumps(data, indent=2))
+    return out

@@ -1,0 +1,46 @@
+"""`code` scorer: runs the response's last ```python block in the sandbox against the ground-truth tests.
+
+ground_truth is a dict (or its JSON string) with either `inputs` + `outputs` (stdin → expected stdout, compared
+after stripping trailing whitespace) or `test_code` (appended to the program; passes when it exits 0). The score
+is the fraction of tests passed (1.0 = all); `extra_info` may set `timeout_s` and `memory_mb` per test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from hybridflow.rewards.registry import REWARD_FUNCTIONS
+from hybridflow.rewards.sandbox import run_python
+
+_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
+
+
+def extract_code(solution: str) -> str | None:
+    blocks = _BLOCK.findall(solution)
+    return blocks[-1] if blocks else None
+
+
+def _same_output(got: str, want: str) -> bool:
+    return [line.rstrip() for line in got.strip().splitlines()] == [line.rstrip() for line in want.strip().splitlines()]
+
+
+@REWARD_FUNCTIONS.register("code")
+def code(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, Any]:
+    tests = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
+    if not isinstance(tests, dict):
+        raise ValueError(f"code ground_truth must be a dict with inputs/outputs or test_code, got {type(tests)}")
+    program = extract_code(solution_str)
+    if program is None:
+        return {"score": 0.0, "passed": 0, "total": 0}
+    limits = {k: (extra_info or {})[k] for k in ("timeout_s", "memory_mb") if k in (extra_info or {})}
+    if "test_code" in tests:
+        ok = run_python(program + "\n\n" + tests["test_code"], **limits).ok
+        return {"score": float(ok), "passed": int(ok), "total": 1}
+    pairs = list(zip(tests["inputs"], tests["outputs"]))
+    passed = 0
+    for stdin, want in pairs:
+        result = run_python(program, stdin=stdin, **limits)
+        passed += int(result.ok and _same_output(result.stdout, want))
+    return {"score": passed / max(1, len(pairs)), "passed": passed, "total": len(pairs)}

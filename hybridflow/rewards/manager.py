@@ -1,0 +1,211 @@
+"""`RewardManager`: responses in a DataProto → token-level rewards (the sequence reward on the last response token).
+
+Sources are mixed by weight (`reward.sources`): `rule` (the scorer chosen by each row's data_source), `custom`
+(`reward.custom.path` + `name`), `model` (precomputed `rm_scores` [B] or [B, R] in the batch, from the reward
+model worker) or any REWARD_FUNCTIONS name. Scorers run in a `ScoringPool` kept alive between calls; a scorer that
+raises, times out or returns NaN gets `reward.error_score` and is counted — training never stops for it.
+Length and DAPO overlong penalties are added after mixing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.rewards.custom import Spec, resolve
+from hybridflow.rewards.penalties import length_penalty, overlong_penalty
+from hybridflow.rewards.pool import InlineScorer, Item, ItemResult, ScoringPool
+from hybridflow.rewards.registry import reward_fn_name
+
+logger = logging.getLogger(__name__)
+
+MODEL_SOURCE = "model"
+
+
+@dataclass
+class RewardOutput:
+    """Everything one scoring call produced. Arrays are per row ([B])."""
+
+    token_level_scores: torch.Tensor  # [B, R] float32, the final reward on the last valid response token
+    scores: np.ndarray  # final sequence reward (mixed + penalties)
+    raw_scores: np.ndarray  # mixed score before penalties (validation accuracy for 0/1 scorers)
+    source_scores: dict[str, np.ndarray]  # per source, before weighting
+    data_sources: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # "<source>/<key>" from scorers returning dicts
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def last_token_index(mask_BR: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row (0 for an all-zero row)."""
+    positions = torch.arange(mask_BR.shape[1], device=mask_BR.device).expand_as(mask_BR)
+    return (positions * (mask_BR > 0)).amax(dim=1)
+
+
+class RewardManager:
+    """`manager(batch) -> (token_level_scores [B, R], metrics)`; `manager.score(batch)` → `RewardOutput` with
+    per-row arrays (what validation needs). Call `close()` (or use as a context manager) to stop the pool."""
+
+    def __init__(self, reward_cfg: Any, tokenizer: Any, max_response_length: int) -> None:
+        self.cfg = reward_cfg
+        self.tokenizer = tokenizer
+        self.max_response_length = max_response_length
+        self.sources = [(s.name, float(s.weight)) for s in reward_cfg.sources]
+        self._fixed_specs: dict[str, Spec] = {}
+        for name, _ in self.sources:
+            if name == "custom":
+                if not reward_cfg.custom.path:
+                    raise ValueError("reward.sources names 'custom' but reward.custom.path is null; set it to a .py "
+                                     "file defining compute_score(data_source, solution_str, ground_truth, extra_info)")
+                self._fixed_specs[name] = ("file", reward_cfg.custom.path, reward_cfg.custom.name)
+            elif name not in ("rule", MODEL_SOURCE):
+                self._fixed_specs[name] = ("fn", name)
+        for spec in self._fixed_specs.values():
+            resolve(spec)  # fail now with the fix, and forked workers inherit the loaded function (no cold start)
+        if reward_cfg.overlong_buffer.enable:
+            overlong_penalty(np.zeros(1), max_response_length, reward_cfg.overlong_buffer.len, 1.0)  # validates
+        n = reward_cfg.num_workers
+        self._scorer = ScoringPool(n, reward_cfg.timeout_s) if n > 0 else InlineScorer(reward_cfg.timeout_s)
+        self._logged_failure = False
+        self.total_errors = 0
+        self.total_timeouts = 0
+
+    # --------------------------------------------------------------------------------------------- public
+    def __call__(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        out = self.score(batch)
+        return out.token_level_scores, out.metrics
+
+    def score(self, batch: DataProto) -> RewardOutput:
+        responses = batch.batch["responses"]
+        if responses.shape[0] == 0:
+            raise ValueError("RewardManager.score got an empty batch (0 responses)")
+        mask = self._response_mask(batch)
+        last = last_token_index(mask)
+        n = responses.shape[0]
+        data_sources = batch.non_tensor_batch.get("data_source", np.array(["unknown"] * n, dtype=object))
+        solutions = self._decode(responses, last, mask)
+        source_scores: dict[str, np.ndarray] = {}
+        extras: dict[str, np.ndarray] = {}
+        metrics: dict[str, float] = {}
+        if any(name != MODEL_SOURCE for name, _ in self.sources):
+            fn_scores, extras, metrics = self._run_functions(batch, solutions, data_sources)
+            source_scores.update(fn_scores)
+        if any(name == MODEL_SOURCE for name, _ in self.sources):
+            source_scores[MODEL_SOURCE] = self._model_scores(batch)
+        raw = sum(w * source_scores[name] for name, w in self.sources)
+        lengths = mask.sum(-1).cpu().numpy()
+        final = raw + self._penalties(lengths, metrics)
+        token_scores = torch.zeros(responses.shape, dtype=torch.float32)
+        token_scores[torch.arange(n), last.cpu()] = torch.as_tensor(final, dtype=torch.float32)
+        metrics.update(self._summary(final, raw, source_scores, data_sources))
+        return RewardOutput(token_scores.to(responses.device), final, raw, source_scores, data_sources, extras,
+                            metrics)
+
+    def check_data_sources(self, data_sources: Iterable[str]) -> None:
+        """Raise now (e.g. at trainer start-up) if a `rule` source has no scorer for one of these data sources."""
+        if any(name == "rule" for name, _ in self.sources):
+            for ds in set(data_sources):
+                reward_fn_name(ds)
+
+    def close(self) -> None:
+        self._scorer.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def _response_mask(self, batch: DataProto) -> torch.Tensor:
+        if "response_mask" in batch.batch:
+            return batch.batch["response_mask"]
+        r = batch.batch["responses"].shape[1]
+        if "attention_mask" in batch.batch:
+            return batch.batch["attention_mask"][:, -r:]
+        return torch.ones_like(batch.batch["responses"])
+
+    def _decode(self, responses: torch.Tensor, last: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        valid = mask.sum(-1) > 0
+        rows, ends = responses.cpu().tolist(), (last + 1).mul(valid).tolist()
+        ids = [row[:k] for row, k in zip(rows, ends)]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            # Same text as batch_decode without its per-token Python type checks (10x faster on 4k responses);
+            # one call per row: decode_batch's thread pool would make every later fork warn and disable it.
+            return [backend.decode(row, skip_special_tokens=True) for row in ids]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def _run_functions(self, batch: DataProto, solutions: list[str], data_sources: np.ndarray
+                       ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float]]:
+        n = len(solutions)
+        reward_model = batch.non_tensor_batch.get("reward_model", np.array([None] * n, dtype=object))
+        extra_info = batch.non_tensor_batch.get("extra_info", np.array([None] * n, dtype=object))
+        truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in reward_model]
+        names = [name for name, _ in self.sources if name != MODEL_SOURCE]
+        rule_specs = {ds: ("fn", reward_fn_name(ds)) for ds in set(data_sources)} if "rule" in names else {}
+        items: list[Item] = []
+        for name in names:
+            for i in range(n):
+                spec = rule_specs[data_sources[i]] if name == "rule" else self._fixed_specs[name]
+                items.append((spec, str(data_sources[i]), solutions[i], truths[i], extra_info[i]))
+        results = self._scorer.run(items)
+        scores, extras, metrics = {}, {}, {}
+        for k, name in enumerate(names):
+            chunk = results[k * n:(k + 1) * n]
+            scores[name] = np.array([r.score if r.status == "ok" else self.cfg.error_score for r in chunk])
+            for key in sorted({key for r in chunk for key in r.extras}):
+                extras[f"{name}/{key}"] = np.array([r.extras.get(key) for r in chunk], dtype=object)
+        metrics.update(self._failures(results))
+        return scores, extras, metrics
+
+    def _failures(self, results: list[ItemResult]) -> dict[str, float]:
+        errors = [r for r in results if r.status == "error"]
+        timeouts = [r for r in results if r.status == "timeout"]
+        self.total_errors += len(errors)
+        self.total_timeouts += len(timeouts)
+        failed = errors + timeouts
+        if failed and not self._logged_failure:
+            self._logged_failure = True
+            logger.warning("reward scorer failed (%s); it scores reward.error_score=%s and training continues. "
+                           "Only this first failure is logged; see reward/errors and reward/timeouts.\n%s",
+                           failed[0].status, self.cfg.error_score, failed[0].error)
+        return {"reward/errors": float(len(errors)), "reward/timeouts": float(len(timeouts))}
+
+    def _model_scores(self, batch: DataProto) -> np.ndarray:
+        if "rm_scores" not in batch.batch:
+            raise ValueError("reward.sources includes 'model' but the batch has no 'rm_scores'; enable "
+                             "reward.reward_model so the reward-model worker scores responses before the reward "
+                             "stage, or remove 'model' from reward.sources")
+        rm = batch.batch["rm_scores"].float()
+        rm = rm.sum(-1) if rm.ndim == 2 else rm  # token-level RM output has the score on one token
+        return torch.nan_to_num(rm, nan=self.cfg.error_score).cpu().numpy().astype(np.float64)
+
+    def _penalties(self, lengths: np.ndarray, metrics: dict[str, float]) -> np.ndarray:
+        total = np.zeros(len(lengths))
+        if self.cfg.length_penalty.enable:
+            pen = length_penalty(lengths, self.cfg.length_penalty.coef, self.max_response_length)
+            metrics["reward/length_penalty/mean"] = float(pen.mean())
+            total += pen
+        ob = self.cfg.overlong_buffer
+        if ob.enable:
+            pen = overlong_penalty(lengths, self.max_response_length, ob.len, ob.penalty_factor)
+            metrics["reward/overlong_penalty/mean"] = float(pen.mean())
+            metrics["reward/overlong_frac"] = float((pen < 0).mean())
+            total += pen
+        return total
+
+    def _summary(self, final: np.ndarray, raw: np.ndarray, source_scores: dict[str, np.ndarray],
+                 data_sources: np.ndarray) -> dict[str, float]:
+        out = {"reward/mean": float(final.mean()), "reward/max": float(final.max()),
+               "reward/min": float(final.min())}
+        for name, values in source_scores.items():
+            out[f"reward/{name}/mean"] = float(values.mean())
+        for ds in sorted(set(data_sources)):
+            out[f"reward/{ds}/score"] = float(raw[data_sources == ds].mean())
+        return out

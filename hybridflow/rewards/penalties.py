@@ -1,0 +1,24 @@
+"""Length-based reward shaping, as pure functions of response lengths (tokens).
+
+* length penalty: `-coef * length / max_response_length` (a linear cost per token).
+* DAPO overlong buffer: no penalty up to `max_response_length - buffer_len`, then a linear ramp to
+  `-penalty_factor` at `max_response_length` (soft overlong punishment, DAPO eq. 13).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def length_penalty(lengths: np.ndarray, coef: float, max_response_length: int) -> np.ndarray:
+    return -coef * lengths.astype(np.float64) / max_response_length
+
+
+def overlong_penalty(lengths: np.ndarray, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> np.ndarray:
+    if not 0 < buffer_len <= max_response_length:
+        raise ValueError(f"reward.overlong_buffer.len={buffer_len}: must be in [1, data.max_response_length="
+                         f"{max_response_length}]")
+    expected = max_response_length - buffer_len
+    exceed = lengths.astype(np.float64) - expected
+    return np.minimum(-exceed / buffer_len * penalty_factor, 0.0)

@@ -1,0 +1,195 @@
+"""`RolloutEngine`: generation on the actor's own parameters (hybrid engine) behind the DataProto contract.
+
+In: `input_ids`/`attention_mask`/`position_ids` [B, P], left-padded; meta_info may override sampling (`n`,
+`do_sample`, `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seeds`, `validate`). Out (B*n rows, prompt i's
+samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout_log_probs`, `input_ids`,
+`attention_mask`, `position_ids`. Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
+only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.forward import DecodeOps, RopeTable
+from hybridflow.rollout.hf_fallback import HFGenerate
+from hybridflow.rollout.kv_cache import KVCache, plan_slots
+from hybridflow.rollout.model_runner import ModelRunner
+from hybridflow.rollout.sampling import SamplingParams, row_seed
+from hybridflow.rollout.scheduler import GenerateResult, Scheduler
+from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
+
+logger = logging.getLogger(__name__)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    p = next(module.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+class RolloutEngine:
+    """Continuous-batching generation over `module`'s parameters; falls back to HF generate when unsupported."""
+
+    def __init__(self, module: nn.Module, rollout_cfg: Any, *, eos_token_id: int | Sequence[int], pad_token_id: int,
+                 max_prompt_length: int, max_response_length: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, compile_decode: bool | None = None,
+                 check_every: int | None = None) -> None:
+        self.cfg = rollout_cfg
+        self.eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+        self.pad_id, self.P, self.R = int(pad_token_id), int(max_prompt_length), int(max_response_length)
+        self.device = torch.device(device) if device is not None else _module_device(module)
+        self._dtype_arg = dtype
+        on_gpu = self.device.type == "cuda"
+        self.use_graphs = on_gpu and not rollout_cfg.enforce_eager
+        self.compile_decode = (on_gpu and not rollout_cfg.enforce_eager) if compile_decode is None else compile_decode
+        self.check_every = check_every or (8 if on_gpu else 1)
+        self._calls = 0
+        self.timing: dict[str, float] = {}
+        self.bind(module)
+
+    # ------------------------------------------------------------------------------------------- hybrid engine
+    def bind(self, module: nn.Module) -> None:
+        """Point the engine at a (possibly FSDP2-wrapped) HF causal LM; drops any previous cache and views."""
+        self.release_cache()
+        self.module = module
+        self._view: WeightView | None = None
+        reason = "rollout.name=hf" if self.cfg.name == "hf" else unsupported_reason(module, self.P + self.R)
+        self._fallback = HFGenerate(module, reason, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                    max_new_tokens=self.R) if reason else None
+        if self._fallback is None:
+            param_dtype = next(module.parameters()).dtype
+            self.dtype = self._dtype_arg or (torch.bfloat16 if self.device.type == "cuda" else param_dtype)
+            if self.dtype != param_dtype:
+                logger.info("rollout: generation in %s from %s parameters (cast into reused buffers at each "
+                            "sync_weights)", self.dtype, param_dtype)
+            self.spec = arch_spec(module)
+            self._view = WeightView(module, self.dtype, self.device)
+        self._weights: ModelWeights | None = None
+        self._runner: ModelRunner | None = None
+
+    def sync_weights(self) -> float:
+        """Make the next generate use the module's current parameters; returns seconds spent (timing/switch)."""
+        if self._fallback is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self._weights = self._view.build()
+        if self._runner is not None:
+            self._runner.set_weights(self._weights)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timing["timing/switch"] = time.perf_counter() - t0
+        return self.timing["timing/switch"]
+
+    def release_cache(self) -> None:
+        """Free the KV cache, CUDA graphs, cast/gather buffers and our references to the parameters (so an
+        offloaded or resharded actor really frees its memory); the next generate rebuilds them."""
+        if getattr(self, "_runner", None) is None and getattr(self, "_weights", None) is None:
+            return
+        self._runner = None
+        self._weights = None
+        if getattr(self, "_view", None) is not None:
+            self._view.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _prepare(self) -> ModelRunner:
+        if self._weights is None:
+            self.sync_weights()
+        if self._runner is None:
+            t0 = time.perf_counter()
+            max_len = self.P + self.R
+            slots = plan_slots(self.spec, max_len, self.dtype, self.device, max_num_seqs=self.cfg.max_num_seqs,
+                               kv_cache_tokens=self.cfg.kv_cache_tokens,
+                               gpu_memory_utilization=self.cfg.gpu_memory_utilization)
+            cache = KVCache(self.spec, slots, max_len, self.dtype, self.device)
+            rope = RopeTable(self.module, cache.max_len, self.dtype, self.device)
+            ops = DecodeOps.compiled() if self.compile_decode else DecodeOps()
+            self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
+                                       use_graphs=self.use_graphs, ops=ops)
+            self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
+        return self._runner
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def sampling_for(self, meta: dict[str, Any], sampling: SamplingParams | None) -> SamplingParams:
+        base = sampling or SamplingParams.from_config(self.cfg, validate=bool(meta.get("validate", False)))
+        return base.with_overrides(meta)
+
+    def _row_seeds(self, meta: dict[str, Any], params: SamplingParams, B: int) -> list[int]:
+        n = params.n
+        seeds = meta.get("seeds")
+        if seeds is None:
+            return [row_seed(row_seed(params.seed, self._calls), i * n + j) for i in range(B) for j in range(n)]
+        seeds = [int(s) for s in (seeds.tolist() if hasattr(seeds, "tolist") else seeds)]
+        if len(seeds) == B * n and n > 1:  # one seed per output row; equals per-prompt seeds when n == 1
+            return [row_seed(s, 0) for s in seeds]
+        if len(seeds) != B:
+            raise ValueError(f"meta_info['seeds'] has {len(seeds)} entries; give one per prompt ({B}) "
+                             f"or one per output row ({B * n})")
+        return [row_seed(s, j) for s in seeds for j in range(n)]
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
+        meta = dict(prompts.meta_info)
+        params = self.sampling_for(meta, sampling)
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        pos = prompts.batch.get("position_ids")
+        if pos is None:
+            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        B, P = ids.shape
+        if P > self.P:
+            raise ValueError(f"prompts are {P} tokens wide > max_prompt_length={self.P}; raise "
+                             "data.max_prompt_length or truncate the prompts")
+        max_new = min(params.max_new_tokens or self.R, self.R)
+        seeds = self._row_seeds(meta, params, B)
+        self._calls += 1
+        dev_in = ids.device
+        ids_d, mask_d, pos_d = (t.to(self.device) for t in (ids, mask, pos))
+        t0 = time.perf_counter()
+        if self._fallback is not None:
+            res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new)
+        else:
+            runner = self._prepare()
+            runner.set_sampling(params, self.eos_ids)
+            sched = Scheduler(runner, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                              check_every=self.check_every)
+            runner.capture_s = 0.0
+            res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new)
+            self.timing["timing/rollout_graph_capture"] = runner.capture_s
+        self.timing["timing/generate"] = time.perf_counter() - t0
+        out = self._assemble(ids_d, mask_d, pos_d, params.n, res).to(dev_in)
+        out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        out.meta_info = {**meta, "metrics": {**self.timing, "rollout/decode_steps": res.decode_steps,
+                                             "rollout/prefills": res.prefills}}
+        if self.cfg.free_cache_engine:
+            self.release_cache()
+        return out
+
+    def _assemble(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, n: int,
+                  res: GenerateResult) -> DataProto:
+        R = self.R
+        ids_n, mask_n, pos_n = (t.repeat_interleave(n, 0) for t in (ids, mask, pos))
+        resp_mask = (torch.arange(R, device=ids.device)[None] < res.lengths[:, None]).to(mask.dtype)
+        resp_pos = pos_n[:, -1:] + torch.arange(1, R + 1, device=ids.device)[None]
+        return DataProto.from_single_dict({
+            "prompts": ids_n,
+            "responses": res.tokens,
+            "response_mask": resp_mask,
+            "rollout_log_probs": res.log_probs * resp_mask,
+            "input_ids": torch.cat([ids_n, res.tokens], dim=1),
+            "attention_mask": torch.cat([mask_n, resp_mask], dim=1),
+            "position_ids": torch.cat([pos_n, resp_pos], dim=1),
+        })
+
+
+def build_rollout(module: nn.Module, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:
+    """Factory the workers call; keyword arguments as `RolloutEngine`."""
+    return RolloutEngine(module, rollout_cfg, **kwargs)

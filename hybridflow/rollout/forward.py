@@ -1,0 +1,137 @@
+"""Llama-family forward (Llama, Qwen2, Qwen3, Mistral) over `ModelWeights`: batched prefill and one decode step.
+
+Numerics follow the HF modules op for op (fp32 RMSNorm statistics, RoPE in the activation dtype, SDPA), so greedy
+decoding matches `generate` token for token in fp32. Decode folds the GQA group into SDPA's query axis
+(q [b, Hkv, G, D] against the cache's [b, Hkv, T, D]) so the KV cache is read once, never expanded.
+The pure per-layer pieces (`qkv`, `mlp_block`) are separate so the GPU path can `torch.compile` them for fusion
+while cache writes and attention stay eager (no compiled mutation of the cache).
+
+Legend: B prompts, P prompt length, b decode rows, T cache length, H heads, Hkv kv heads, G = H / Hkv, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.rollout import sampling
+from hybridflow.rollout.kv_cache import KVCache
+from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def qkv(x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, heads: tuple[int, int, int],
+        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., hidden] (pre-norm residual) → q [..., H, D], k, v [..., Hkv, D] with RoPE applied."""
+    h, hkv, d = heads
+    xn = rms_norm(x, lw.ln1, eps)
+    q = F.linear(xn, lw.q, lw.q_bias).unflatten(-1, (h, d))
+    k = F.linear(xn, lw.k, lw.k_bias).unflatten(-1, (hkv, d))
+    v = F.linear(xn, lw.v, lw.v_bias).unflatten(-1, (hkv, d))
+    if lw.q_norm is not None:
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
+    """Residual stream after o_proj and the SwiGLU MLP; attn [..., H*D]."""
+    x = x + F.linear(attn, lw.o, lw.o_bias)
+    xn = rms_norm(x, lw.ln2, eps)
+    return x + F.linear(F.silu(F.linear(xn, lw.gate)) * F.linear(xn, lw.up), lw.down)
+
+
+@dataclass
+class DecodeOps:
+    """The pure pieces of a decode step; eager by default, `torch.compile`d on GPU when asked (fuses the norms,
+    RoPE, SwiGLU and the sampler's passes over the vocab)."""
+
+    qkv: Callable = qkv
+    mlp_block: Callable = mlp_block
+    sample: Callable = sampling.sample
+    is_compiled: bool = False
+
+    @classmethod
+    def compiled(cls) -> DecodeOps:
+        return cls(qkv=torch.compile(qkv, dynamic=True), mlp_block=torch.compile(mlp_block, dynamic=True),
+                   sample=torch.compile(sampling.sample, dynamic=True), is_compiled=True)
+
+
+class RopeTable:
+    """cos/sin for positions [0, max_len) from the module's own rotary embedding (handles every rope_type)."""
+
+    def __init__(self, module: nn.Module, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        rotary = module.model.rotary_emb
+        pos = torch.arange(max_len, device=device)[None]
+        dummy = torch.zeros(1, dtype=dtype, device=device)
+        with torch.no_grad():
+            cos, sin = rotary(dummy, pos)
+        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [max_len, D]
+        self.max_len = max_len
+
+
+def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
+            pos_BP: torch.Tensor, cache: KVCache, slots_M: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
+    """Run left-padded prompts, copy prompt b's K/V into cache slots where src == b; return last logits [B, V]."""
+    B, P = ids_BP.shape
+    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    group = spec.num_heads // spec.num_kv_heads
+    x = F.embedding(ids_BP, w.embed)
+    cos, sin = rope.cos[pos_BP], rope.sin[pos_BP]
+    causal = torch.ones(P, P, dtype=torch.bool, device=ids_BP.device).tril()
+    # Pad query rows see only themselves (no NaN from all-masked rows); real rows see real keys up to themselves.
+    attn_mask = (causal & mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids_BP.device)
+    attn_mask = attn_mask[:, None]
+    for layer, lw in enumerate(w.layers):
+        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
+        cache.write_prompt(layer, k, v, slots_M, src_M)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
+    last = rms_norm(x[:, -1], w.norm, spec.eps)
+    return F.linear(last, w.lm_head)
+
+
+def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok_b: torch.Tensor,
+           pos_b: torch.Tensor, cidx_b: torch.Tensor, valid_bT: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One token per row: write its K/V at column cidx, attend over the row's valid columns; logits [b, V].
+
+    Mutates `valid_bT` (marks cidx) and the cache; shapes are static so the call can be captured in a CUDA graph.
+    """
+    b = tok_b.shape[0]
+    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    rows = torch.arange(b, device=tok_b.device)
+    valid_bT.scatter_(1, cidx_b[:, None], True)
+    x = F.embedding(tok_b, w.embed)
+    # Additive mask built once per step (not converted from bool inside every layer's SDPA call).
+    attn_mask = torch.zeros(valid_bT.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid_bT, float("-inf"))
+    attn_mask = attn_mask[:, None, None, :]
+    cos, sin = rope.cos[pos_b], rope.sin[pos_b]
+    for layer, lw in enumerate(w.layers):
+        q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
+        kc, vc = cache.k[layer][:b], cache.v[layer][:b]
+        kc[rows, :, cidx_b] = k
+        vc[rows, :, cidx_b] = v
+        qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=attn_mask)
+        x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
+    return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)

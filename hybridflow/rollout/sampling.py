@@ -1,0 +1,151 @@
+"""Sampling parameters and the on-device sampler.
+
+Decision: sampling is *inverse-CDF with one counter-based uniform per row*: u = hash(seed, step) in [0, 1), token =
+first index whose cumulative probability exceeds u. One hashed scalar per row (not a Gumbel tensor over the vocab)
+keeps the sampler at a few passes over the logits, needs no torch.Generator (so it lives inside a CUDA graph), and
+makes a request's tokens depend only on its own seed and logits — never on which other requests share the batch.
+
+Legend: N rows being sampled, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**27, so a 32-bit value times it never overflows int64
+_GOLDEN = 0x9E3779B1
+MODES = ("greedy", "sample", "filtered")  # filtered = top-k and/or top-p active (needs a sort over the vocab)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one generate call. `max_new_tokens=None` = the engine's max_response_length."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_new_tokens: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling n={self.n} must be >= 1 (responses per prompt)")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(f"sampling temperature={self.temperature} must be > 0; use do_sample=False for greedy")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling top_k={self.top_k} must be -1 (off) or >= 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens={self.max_new_tokens} must be >= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def mode(self) -> str:
+        if not self.do_sample:
+            return "greedy"
+        return "filtered" if (self.top_k > 0 or self.top_p < 1.0) else "sample"
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, validate: bool = False) -> SamplingParams:
+        """From a `RolloutConfig`; `validate=True` uses `rollout.val_kwargs` (greedy by default)."""
+        src = rollout_cfg.val_kwargs if validate else rollout_cfg
+        return cls(n=src.n, temperature=src.temperature, top_k=src.top_k, top_p=src.top_p, do_sample=src.do_sample,
+                   ignore_eos=rollout_cfg.ignore_eos, stop_token_ids=tuple(rollout_cfg.stop_token_ids),
+                   seed=rollout_cfg.seed)
+
+    def with_overrides(self, meta: Mapping[str, Any]) -> SamplingParams:
+        """Apply the sampling keys present in a DataProto's meta_info (unknown keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        upd = {k: v for k, v in meta.items() if k in names}
+        return dataclasses.replace(self, **upd) if upd else self
+
+
+# ------------------------------------------------------------------------------------------- counter-based noise
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2**32); no overflow anywhere."""
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_from_counter(seeds_N: torch.Tensor, steps_N: torch.Tensor) -> torch.Tensor:
+    """u[i] in [0, 1) (float32, 24 random bits) from (seed[i], step[i]) only — batch-invariant by construction."""
+    h = _mix32(seeds_N & _M32)
+    h = _mix32(h ^ ((seeds_N >> 32) & _M32))
+    h = _mix32((h + (steps_N & 0x7FFFFFFF) * _GOLDEN) & _M32)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def row_seed(seed: int, sample_index: int) -> int:
+    """Seed of sample j of a prompt whose seed is `seed` (host-side 64-bit mix; positive int63)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + (int(sample_index) + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    x ^= x >> 29
+    return x & ((1 << 63) - 1)
+
+
+# ------------------------------------------------------------------------------------------------------ sampler
+def _inverse_cdf(probs_NV: torch.Tensor, u_N: torch.Tensor) -> torch.Tensor:
+    """Index j with cdf[j-1] <= u*total < cdf[j]; never lands on a zero-probability entry (except by clamp)."""
+    cdf = torch.cumsum(probs_NV, dim=-1)
+    target = (u_N * cdf[:, -1]).unsqueeze(-1)
+    idx = (cdf <= target).sum(dim=-1)
+    return idx.clamp_(max=probs_NV.shape[-1] - 1)
+
+
+def sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds_N: torch.Tensor, steps_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [N] int64, log-prob of each token under the sampling distribution [N] float32).
+
+    `temperature`, `top_k` (V = off), `top_p` are 0-d device tensors so a captured CUDA graph serves any value.
+    Greedy returns argmax and its log-prob under softmax(logits / temperature).
+    """
+    scaled = logits_NV.float() / temperature
+    if mode == "greedy":
+        tok = scaled.argmax(dim=-1)
+        logp = torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok, logp
+    u = uniform_from_counter(seeds_N, steps_N)
+    if mode == "sample":
+        logp_all = torch.log_softmax(scaled, dim=-1)
+        tok = _inverse_cdf(logp_all.exp(), u)
+        return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+    if mode != "filtered":
+        raise ValueError(f"sampling mode={mode!r}; choose one of {MODES}")
+    # Order as in HF generate: temperature, then top-k, then top-p on the renormalised top-k distribution.
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, sorted_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    kept = sorted_p * (rank < top_k)
+    z_k = kept.sum(dim=-1, keepdim=True)
+    exclusive = torch.cumsum(kept, dim=-1) - kept
+    kept = kept * (exclusive < top_p * z_k)
+    z = kept.sum(dim=-1)
+    j = _inverse_cdf(kept, u)
+    p_j = kept.gather(-1, j[:, None]).squeeze(-1)
+    tok = sorted_idx.gather(-1, j[:, None]).squeeze(-1)
+    return tok, torch.log(p_j / z)
+
+
+def sampling_tensors(params: SamplingParams, vocab_size: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """0-d tensors (temperature, top_k, top_p) for `sample`; greedy uses temperature 1 unless one was given."""
+    temp = params.temperature if params.temperature > 0 else 1.0
+    k = params.top_k if params.top_k > 0 else vocab_size
+    return (torch.tensor(float(temp), device=device), torch.tensor(int(k), device=device),
+            torch.tensor(float(params.top_p), device=device))

@@ -1,0 +1,87 @@
+"""Continuous batching on the host: finished sequences leave their slot, waiting prompts enter it.
+
+A prompt with n samples is admitted when n slots are free: it is prefilled once and its K/V copied into the n
+slots (prefix sharing). Prefill of admitted prompts is batched up to `max_num_batched_tokens`. Decode runs
+`check_every` steps between looks at the device's `done` flags (the only host sync), never more steps than
+the longest live request can still need. Slots are handed out lowest first so the decode bucket stays small.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.rollout.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateResult:
+    tokens: torch.Tensor  # [B*n, R] right-padded with pad id
+    log_probs: torch.Tensor  # [B*n, R], 0 after the end
+    lengths: torch.Tensor  # [B*n] generated tokens incl. the stop token
+    decode_steps: int
+    prefills: int
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, max_num_batched_tokens: int, check_every: int) -> None:
+        if check_every < 1:
+            raise ValueError(f"check_every={check_every} must be >= 1")
+        self.runner, self.max_tokens, self.check_every = runner, max_num_batched_tokens, check_every
+
+    def run(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int, seeds: list[int],
+            max_new: int) -> GenerateResult:
+        """Generate n samples for each of B prompts; row i*n+j of the result is sample j of prompt i."""
+        r = self.runner
+        B, P = ids_BP.shape
+        if n > r.cache.slots:
+            raise ValueError(f"rollout.n={n} exceeds the {r.cache.slots} KV slots; raise rollout.max_num_seqs "
+                             "or the KV budget (rollout.kv_cache_tokens / gpu_memory_utilization)")
+        tokens = torch.full((B * n, r.R), r.pad_id, dtype=torch.long, device=r.device)
+        logps = torch.zeros(B * n, r.R, dtype=torch.float32, device=r.device)
+        lengths = torch.zeros(B * n, dtype=torch.long, device=r.device)
+        waiting = deque(range(B))
+        free = list(range(r.cache.slots))
+        heapq.heapify(free)
+        live: dict[int, int] = {}  # slot -> output row
+        host_steps: dict[int, int] = {}  # slot -> tokens generated (upper bound known to the host)
+        r.capture()
+        prompts_per_prefill = max(1, self.max_tokens // max(P, 1))
+        decode_steps = prefills = 0
+        while waiting or live:
+            while waiting and len(free) >= n:
+                k = min(len(waiting), len(free) // n, prompts_per_prefill)
+                prompts = [waiting.popleft() for _ in range(k)]
+                slots = [heapq.heappop(free) for _ in range(k * n)]
+                rows = [p * n + j for p in prompts for j in range(n)]
+                idx = torch.tensor(prompts, device=ids_BP.device)
+                r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new)
+                prefills += 1
+                live.update(zip(slots, rows))
+                host_steps.update((s, 1) for s in slots)
+            todo = min(self.check_every, max(max_new - host_steps[s] for s in live))
+            if todo > 0:
+                b = r.bucket(max(live)) if r.use_graphs else max(live) + 1
+                for _ in range(todo):
+                    r.step_(b)
+                decode_steps += todo
+                for s in live:
+                    host_steps[s] += todo
+            done = r.done_mask()
+            finished = [s for s in live if bool(done[s])]
+            if not finished and todo == 0:
+                raise RuntimeError(f"scheduler made no progress: live slots {sorted(live)} not done at max length")
+            if finished:
+                tok, logp, lens = r.harvest(finished)
+                rows_t = torch.tensor([live.pop(s) for s in finished], device=r.device)
+                tokens[rows_t], logps[rows_t], lengths[rows_t] = tok, logp, lens
+                for s in finished:
+                    heapq.heappush(free, s)
+                    del host_steps[s]
+        return GenerateResult(tokens, logps, lengths, decode_steps, prefills)

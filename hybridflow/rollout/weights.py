@@ -1,0 +1,185 @@
+"""The generation view of the actor's weights: the same parameter tensors as the HF module, no copy when possible.
+
+Decision (hybrid engine): one device + same dtype → the views *are* the training parameters (an optimizer step is
+seen by the next generate for free; `sync_weights` only checks that storage did not move). Different dtype (fp32
+master weights, bf16 generation) → cast into reused buffers, once per `sync_weights`. FSDP2 over N ranks → each
+parameter is gathered with `full_tensor()` one at a time (peak = one extra parameter) into reused buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head of q and k before RoPE
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    owned_buffers: bool = False  # True when views are copies (dtype cast or multi-rank gather)
+    ptrs: tuple[int, ...] = field(default_factory=tuple)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.norm, self.lm_head]
+        for lw in self.layers:
+            out += [t for t in vars(lw).values() if t is not None]
+        return out
+
+    def nbytes(self) -> int:
+        seen: dict[int, int] = {}
+        for t in self.tensors():
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Shape facts the runner needs, read from the HF config."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+
+
+def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
+    """Why our runner cannot run `module` (None = it can); the HF fallback logs this reason."""
+    cfg = getattr(module, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        return f"model_type={mtype!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    inner = getattr(module, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(module, "lm_head"):
+        return "module has no .model.layers / .lm_head (not a *ForCausalLM of the Llama family)"
+    if getattr(inner, "rotary_emb", None) is None:
+        return "module.model has no rotary_emb"
+    window = getattr(cfg, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    if mtype == "mistral" and window is not None:
+        sliding = True
+    if sliding and window is not None and window < max_total_len:
+        return f"sliding-window attention (window {window} < prompt+response length {max_total_len})"
+    mlp = inner.layers[0].mlp
+    if getattr(mlp, "gate_proj", None) is None:
+        return "MLP is not gate/up/down (SwiGLU)"
+    if any(getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        return "MLP projections have biases"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.hidden_act!r} (only silu)"
+    return None
+
+
+def arch_spec(module: nn.Module) -> ArchSpec:
+    cfg = module.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ArchSpec(num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                    num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab=cfg.vocab_size,
+                    eps=float(cfg.rms_norm_eps))
+
+
+def _reshard_fsdp(module: nn.Module) -> None:
+    """FSDP2 modules left unsharded (reshard_after_forward=False) hold temporary buffers; we read the shards."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _source(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(full tensor, is_temporary). A DTensor on one rank is its local shard (zero copy); on N ranks, gathered."""
+    to_local = getattr(p, "to_local", None)
+    if to_local is None:
+        return p.detach(), False
+    if p.device_mesh.size() == 1:
+        return to_local().detach(), False
+    return p.full_tensor().detach(), True
+
+
+class WeightView:
+    """Builds and refreshes a `ModelWeights` over a module's parameters in the generation dtype."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        self.module, self.dtype, self.device = module, dtype, device
+        self._buffers: dict[int, torch.Tensor] = {}  # id(param) -> reused generation buffer
+        self._gathered: set[int] = set()  # ids whose buffer holds a full (multi-rank) tensor
+
+    def _get(self, p: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None:
+            return None
+        src, temporary = _source(p)
+        if not temporary and src.dtype == self.dtype and src.device == self.device:
+            return src  # zero copy: the training parameter itself
+        buf = self._buffers.get(id(p))
+        if buf is None or buf.shape != src.shape:
+            buf = torch.empty(src.shape, dtype=self.dtype, device=self.device)
+            self._buffers[id(p)] = buf
+        buf.copy_(src)
+        if temporary:
+            self._gathered.add(id(p))
+        del src  # gathered full tensors are freed one parameter at a time
+        return buf
+
+    def build(self) -> ModelWeights:
+        """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved."""
+        _reshard_fsdp(self.module)
+        m = self.module
+        inner = m.model
+        layers = []
+        for layer in inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerWeights(
+                ln1=self._get(layer.input_layernorm.weight), ln2=self._get(layer.post_attention_layernorm.weight),
+                q=self._get(att.q_proj.weight), k=self._get(att.k_proj.weight), v=self._get(att.v_proj.weight),
+                o=self._get(att.o_proj.weight), q_bias=self._get(att.q_proj.bias), k_bias=self._get(att.k_proj.bias),
+                v_bias=self._get(att.v_proj.bias), o_bias=self._get(att.o_proj.bias),
+                q_norm=self._get(getattr(getattr(att, "q_norm", None), "weight", None)),
+                k_norm=self._get(getattr(getattr(att, "k_norm", None), "weight", None)),
+                gate=self._get(mlp.gate_proj.weight), up=self._get(mlp.up_proj.weight),
+                down=self._get(mlp.down_proj.weight)))
+        embed = self._get(inner.embed_tokens.weight)
+        lm_head = self._get(m.lm_head.weight)
+        weights = ModelWeights(embed=embed, layers=layers, norm=self._get(inner.norm.weight), lm_head=lm_head,
+                               owned_buffers=bool(self._buffers))
+        weights.ptrs = tuple(t.data_ptr() for t in weights.tensors())
+        return weights
+
+    def release(self) -> None:
+        """Drop the gathered full-weight buffers (N ranks); keep one-rank dtype-cast buffers, which are smaller
+        than the fp32 master weights they mirror and make the next switch a plain copy with no allocation."""
+        for key in self._gathered:
+            self._buffers.pop(key, None)
+        self._gathered.clear()

@@ -1,0 +1,92 @@
+"""Reward-model training: `RMTrainer(cfg).fit()` — Bradley-Terry on (prompt, chosen, rejected) pairs.
+
+loss = -log σ(r_chosen - r_rejected - margin), where r is the scalar head at the last response position —
+exactly how `RewardModelWorker` scores responses during PPO. The model is the critic-style scalar head on a
+backbone from `rm.init_from` (an SFT export, any local causal LM, or a classifier checkpoint), else
+`model.path` / `model.preset`. Pairs come from parquet (`data.train_files`) or, for a built-in `data.task`,
+from `synthetic_pairs`. Validation: `val/loss`, `val/accuracy` (r_chosen > r_rejected), `val/reward_margin`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hybridflow.config import Config
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.supervised import SupervisedTrainer
+from hybridflow.trainer.supervised_batch import collate_pairs
+from hybridflow.trainer.supervised_losses import bradley_terry
+
+logger = logging.getLogger(__name__)
+
+
+def rm_model_config(cfg: Config) -> Config:
+    """`rm.init_from` replaces `model.path` (so the tokenizer comes from the same directory)."""
+    if not cfg.rm.init_from:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.rm.init_from))
+
+
+def build_preference_datasets(cfg: Config, tokenizer: Any) -> tuple[Dataset, Dataset | None]:
+    """(train, val) `PreferenceDataset`s from parquet files, or synthetic pairs of the built-in `data.task`."""
+    from hybridflow.data import PreferenceDataset, task_splits
+    from hybridflow.trainer.synthetic_pairs import preference_rows
+
+    d = cfg.data
+    kwargs = dict(max_length=d.max_prompt_length + d.max_response_length, prompt_key=d.prompt_key,
+                  chat_template=d.chat_template, strict=d.strict)
+    if d.train_files:
+        train = PreferenceDataset.from_files(d.train_files, tokenizer, name="rm-train", **kwargs)
+        val = PreferenceDataset.from_files(d.val_files, tokenizer, name="rm-val", **kwargs) if d.val_files else None
+        return train, val
+    if not d.task:
+        raise ValueError("data.train_files is empty and data.task is not set: give prompt/chosen/rejected parquet")
+    train_rows, val_rows = task_splits(d.task, d.train_size, d.val_size, d.seed)
+    train = PreferenceDataset(preference_rows(train_rows, d.seed), tokenizer, name="rm-train", **kwargs)
+    val = PreferenceDataset(preference_rows(val_rows, d.seed + 1), tokenizer, name="rm-val", **kwargs)
+    return train, val
+
+
+class RMTrainer(SupervisedTrainer):
+    section, role, loss = "rm", "critic", "bradley_terry"
+
+    def __init__(self, cfg: Config, **kwargs: Any) -> None:
+        super().__init__(rm_model_config(cfg), **kwargs)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        return build_preference_datasets(self.cfg, self.tokenizer)
+
+    def collate_fn(self) -> Callable[[list[Any]], DataProto]:
+        return functools.partial(collate_pairs, pad_token_id=self.pad_id)
+
+    def role_config(self) -> Any:
+        s = self.sec
+        # Rows are interleaved (chosen, rejected) pairs: fixed, even micro-batches and no shuffling keep pairs whole.
+        return dataclasses.replace(
+            self.cfg.critic, ppo_mini_batch_size=2 * s.batch_size,
+            ppo_micro_batch_size_per_gpu=2 * s.micro_batch_size_per_gpu, use_dynamic_bsz=False, ppo_epochs=1,
+            shuffle=False, grad_clip=s.grad_clip, optim=s.optim,
+        )
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {"margin": self.sec.margin}
+
+    def validate(self) -> dict[str, float]:
+        loader = self._loader(self.val_ds, shuffle=False, drop_last=False)
+        chosen, rejected = [], []
+        for batch in loader:
+            scores = self.group.eval_scores(batch).batch["scores"]
+            chosen.append(scores[0::2])
+            rejected.append(scores[1::2])
+        r_c, r_r = torch.cat(chosen).double(), torch.cat(rejected).double()
+        diff = r_c - r_r
+        return {"val/loss": float(bradley_terry(r_c, r_r, self.sec.margin).mean()),
+                "val/accuracy": float((diff > 0).double().mean()), "val/reward_margin": float(diff.mean()),
+                "val/chosen_reward": float(r_c.mean()), "val/rejected_reward": float(r_r.mean())}

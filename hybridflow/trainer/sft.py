@@ -1,0 +1,94 @@
+"""Supervised fine-tuning: `SFTTrainer(cfg).fit()` and the quickstart's warm start `run_sft(cfg, steps=...)`.
+
+The loss is the token-mean negative log-likelihood of the response tokens only (prompt tokens are never
+trained on), computed by the same TrainEngine as PPO (packing, FSDP2, local or Ray) from the engine layout of
+`supervised_batch`. Validation reports `val/loss` and `val/token_accuracy` (greedy token = target token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hybridflow.config import Config
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.supervised import SupervisedTrainer
+from hybridflow.trainer.supervised_batch import collate_sft_rows
+
+logger = logging.getLogger(__name__)
+
+
+class SFTTrainer(SupervisedTrainer):
+    section, role, loss = "sft", "actor", "sft"
+
+    def build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        from hybridflow.data.build import build_sft_datasets
+
+        return build_sft_datasets(self.cfg.data, self.tokenizer)
+
+    def collate_fn(self) -> Callable[[list[Any]], DataProto]:
+        return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)
+
+    def role_config(self) -> Any:
+        s = self.sec
+        return dataclasses.replace(
+            self.cfg.actor, ppo_mini_batch_size=s.batch_size, ppo_micro_batch_size_per_gpu=s.micro_batch_size_per_gpu,
+            ppo_epochs=1, shuffle=False, grad_clip=s.grad_clip, optim=s.optim, entropy_coeff=0.0, use_kl_loss=False,
+        )
+
+    def validate(self) -> dict[str, float]:
+        """Token-mean NLL and greedy token accuracy of the validation responses."""
+        loader = self._loader(self.val_ds, shuffle=False, drop_last=False)
+        totals = torch.zeros(3, dtype=torch.float64)
+        for batch in loader:
+            out = self.group.eval_lm(batch).batch
+            totals += torch.stack([out["sum_logp"].sum(), out["num_tokens"].sum(), out["num_correct"].sum()]).double()
+        sum_logp, tokens, correct = totals.tolist()
+        tokens = max(tokens, 1.0)
+        return {"val/loss": -sum_logp / tokens, "val/token_accuracy": correct / tokens}
+
+
+def sft_config(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None = None,
+               **sft_overrides: Any) -> Config:
+    """`cfg` with the `sft` section changed (steps → total_steps, out_dir → export_dir, other fields by name)."""
+    fields = dict(sft_overrides)
+    if steps is not None:
+        fields["total_steps"] = steps
+    if out_dir is not None:
+        fields["export_dir"] = str(out_dir)
+    return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, **fields))
+
+
+def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None = None, tracker: Any = None,
+            checkpoints: bool = False, **sft_overrides: Any) -> Path:
+    """Train the actor's model (`model.path` or `model.preset`) with SFT on `data` (e.g. the built-in task's
+    SFT rows) and export it; returns the HF directory, ready for `model.path=<it>` in PPO.
+
+    `steps` = optimizer steps (default `sft.total_steps` / `sft.epochs`); `out_dir` = export directory (default
+    `sft.export_dir`, else `<trainer.run_dir>/hf`); `sft_overrides` set other `sft` fields (batch_size,
+    optim=...). A warm start neither resumes nor writes checkpoints unless `checkpoints=True` (it would share
+    `trainer.default_local_dir` with the PPO run that follows).
+    """
+    cfg = sft_config(cfg, steps=steps, out_dir=out_dir, **sft_overrides)
+    if not checkpoints:
+        t = cfg.trainer
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
+            t, resume_mode="disable", val_before_train=False,
+            checkpoint=dataclasses.replace(t.checkpoint, save_freq=0)))
+    trainer = SFTTrainer(cfg, tracker=tracker)
+    try:
+        history = trainer.fit()
+        path = trainer.export()
+    finally:
+        trainer.close()
+    last = history[-1] if history else {}
+    logger.info("SFT warm start: %d steps, loss %.4f, val token accuracy %s → %s", trainer.global_step,
+                last.get("sft/loss", float("nan")), last.get("val/token_accuracy", "n/a"), path)
+    return path

@@ -1,0 +1,131 @@
+"""`SupervisedWorker`: one TrainEngine trained on a fixed objective (SFT, reward model; DPO later), driven like
+every other role through a `WorkerGroup` — so local, multi-process and Ray runs behave the same as in PPO.
+
+The engine is built from an engine config the trainer derives (its `sft`/`rm` section mapped onto the actor or
+critic fields); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses to Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.config import Config
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.supervised_batch import last_response_values
+from hybridflow.trainer.supervised_losses import build_loss
+
+logger = logging.getLogger(__name__)
+
+
+class SupervisedWorker(Worker):
+    """`role_cfg` is the ActorConfig (LM) or CriticConfig (scalar head) the engine trains with; `model_path`
+    initialises the model (None = `cfg.model.path`, else its preset)."""
+
+    def __init__(self, cfg: Config, role: str, role_cfg: Any, loss: str, loss_kwargs: dict[str, Any] | None = None,
+                 total_steps: int | None = None, model_path: str | None = None) -> None:
+        super().__init__()
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role={role!r}: a supervised engine is a trained role, 'actor' (LM) or 'critic' "
+                             "(scalar head)")
+        self.cfg, self.role, self.role_cfg = cfg, role, role_cfg
+        self.total_steps, self.model_path = total_steps, model_path
+        self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
+        self.engine: Any = None
+        self._ckpt: Any = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hybridflow.engine import TrainEngine
+
+        self.init_distributed()
+        self.engine = TrainEngine(self.cfg.model, self.role_cfg, role=self.role, device=self.device,
+                                  data_cfg=self.cfg.data, total_training_steps=self.total_steps,
+                                  model_path=self.model_path, seed=self.cfg.trainer.seed)
+
+    # ------------------------------------------------------------------------------------------------ train
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def train_batch(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch (the engine micro-batches it)."""
+        metrics = self.engine.train_step(data, self.loss_fn, mini_batch_size=len(data), calculate_entropy=False)
+        return {k: float(v) for k, v in metrics.items()}
+
+    # ------------------------------------------------------------------------------------------------- eval
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def eval_lm(self, data: DataProto) -> DataProto:
+        """Per-row sums for SFT validation: log-likelihood of the loss tokens, loss tokens, argmax hits."""
+        data = data.to(self.device)
+        logp_BR = self.engine.forward_logprobs(data, temperature=1.0, calculate_entropy=False).batch["log_probs"]
+        mask_BR = data.batch["response_mask"].to(logp_BR.dtype)
+        hits_BR = self._argmax_hits(data)
+        return DataProto.from_dict({
+            "sum_logp": (logp_BR * mask_BR).sum(-1).float().cpu(),
+            "num_tokens": mask_BR.sum(-1).float().cpu(),
+            "num_correct": (hits_BR.to(mask_BR.dtype) * mask_BR).sum(-1).float().cpu(),
+        })
+
+    @torch.no_grad()
+    def _argmax_hits(self, data: DataProto) -> torch.Tensor:
+        """[B, R] bool: the model's greedy token equals the response token. A plain padded HF forward through
+        the root module (FSDP2 hooks apply); logits only for the last R+1 positions, in micro-batches."""
+        b = data.batch
+        R = b["responses"].shape[1]
+        micro = self.engine.settings.infer_micro_batch_size
+        out = []
+        for s in range(0, len(data), micro):
+            sl = slice(s, s + micro)
+            logits = self.engine.module(input_ids=b["input_ids"][sl], attention_mask=b["attention_mask"][sl],
+                                        position_ids=b["position_ids"][sl], use_cache=False,
+                                        logits_to_keep=R + 1).logits
+            out.append(logits[:, :R].argmax(-1) == b["responses"][sl])
+        return torch.cat(out)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def eval_scores(self, data: DataProto) -> DataProto:
+        """Reward-model score of each pair row [B]: the value at its score slot (= `forward_scores` of the row
+        without the slot, as in PPO)."""
+        data = data.to(self.device)
+        values_BR = self.engine.forward_values(data).batch["values"]
+        return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch["response_mask"]).cpu()})
+
+    # --------------------------------------------------------------------------------------------- save/load
+    def _manager(self) -> Any:
+        if self._ckpt is None:
+            from hybridflow.checkpoint import CheckpointManager
+
+            self._ckpt = CheckpointManager.from_config(self.cfg.trainer)
+        return self._ckpt
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
+        """Engine state (sharded model + optimizer + schedule) and the driver's `extra` via CheckpointManager."""
+        return str(self._manager().save(step, {"engine": self.engine.state_dict()}, extra=extra))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str | None) -> dict[str, Any] | None:
+        """Resume per `trainer.resume_mode` (`path` given = that checkpoint); the saved `extra`, or None."""
+        from hybridflow.checkpoint import find_resume_checkpoint
+
+        t = self.cfg.trainer
+        manager = self._manager()
+        found = find_resume_checkpoint(manager, "path" if path else t.resume_mode, path)
+        if found is None:
+            return None
+        loaded = manager.load(found, templates={"engine": self.engine.state_dict()})
+        self.engine.load_state_dict(loaded.components["engine"])
+        return loaded.extra
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def close_checkpoints(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> str:
+        """Write the full model (+ tokenizer) as an HF directory; every rank takes part, rank 0 writes."""
+        self.engine.save_hf(out_dir)
+        return str(Path(out_dir))

@@ -1,0 +1,48 @@
+"""`CriticWorker`: value model (actor backbone + scalar head) trained with the clipped value loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.config import Config, resolve
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import DataProto
+from hybridflow.workers.losses import make_critic_loss
+
+
+class CriticWorker(Worker):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.critic: Any = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        from hybridflow.engine import build_train_engine
+
+        self.init_distributed()
+        cfg = self.cfg
+        self.critic = build_train_engine(cfg.model, cfg.critic, role="critic", device=self.device, data_cfg=cfg.data,
+                                         total_training_steps=total_training_steps, model_path=cfg.critic.model_path,
+                                         seed=cfg.model.seed)
+        self.loss_fn = make_critic_loss(self.cfg.critic, self.cfg.data.max_response_length)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        out = self.critic.forward_values(data)
+        return DataProto.from_dict({"values": out.batch["values"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        mini = resolve(self.cfg).critic.mini_batch_samples_per_gpu
+        metrics = self.critic.train_step(data, self.loss_fn, mini_batch_size=mini)
+        metrics = {(k if "/" in k else f"critic/{k}"): v for k, v in metrics.items()}
+        if torch.cuda.is_available():
+            metrics["perf/max_memory_allocated_gb/critic"] = torch.cuda.max_memory_allocated() / 2**30
+        return metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_for_checkpoint(self) -> dict[str, Any]:
+        return {"critic": self.critic}

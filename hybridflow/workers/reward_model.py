@@ -1,0 +1,36 @@
+"""`RewardModelWorker`: scores (prompt, response) pairs with a sequence-level reward model (scalar head).
+
+The score is the head's output at the last valid response token, placed in the batch as `rm_scores` [B]; the
+reward manager mixes it with rule rewards by weight (`reward.sources` entry `model`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.config import Config
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import DataProto
+
+
+class RewardModelWorker(Worker):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rm: Any = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hybridflow.engine import build_train_engine
+
+        if not self.cfg.reward.reward_model.path:
+            raise ValueError("reward.reward_model.path is required when a reward source is `model`: "
+                             "train one with `hybridflow rm` and point reward.reward_model.path at its export")
+        self.init_distributed()
+        rm_cfg = self.cfg.reward.reward_model
+        self.rm = build_train_engine(self.cfg.model, rm_cfg, role="reward", device=self.device, data_cfg=self.cfg.data,
+                                     model_path=rm_cfg.path)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        return self.rm.forward_scores(data)

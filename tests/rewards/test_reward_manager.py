@@ -1,0 +1,201 @@
+"""RewardManager: last-token placement, failure safety (raise / sleep / NaN / loop / dying worker) in the process
+pool and in-process, mixing with precomputed reward-model scores, penalties, per-data-source metrics."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.rewards import RewardManager, select_reward_fn
+
+TOK = builtin_tokenizer()
+R = 16
+BAD_FN = """
+import math, os, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if "raise" in solution_str:
+        raise RuntimeError("scorer bug")
+    if "sleep" in solution_str:
+        time.sleep(60)
+    if "nan" in solution_str:
+        return math.nan
+    if "loop" in solution_str:
+        while True:
+            pass
+    if "exit" in solution_str:
+        os._exit(3)
+    if "obj" in solution_str:
+        return {"score": 0.5, "unpicklable": lambda: 0}
+    if "text" in solution_str:
+        return "not a number"
+    return {"score": float(solution_str.strip() == ground_truth), "length": len(solution_str)}
+"""
+
+
+def _cfg(tmp_path, *overrides: str):
+    path = tmp_path / "bad_reward.py"
+    path.write_text(BAD_FN)
+    return load_config([], [f"reward.custom.path={path}", "reward.timeout_s=0.5", "reward.error_score=-1.0",
+                            *overrides]).reward
+
+
+def _batch(texts, truths, data_sources=None, width=R, **tensors) -> DataProto:
+    resp = torch.full((len(texts), width), TOK.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(resp)
+    for i, text in enumerate(texts):
+        ids = TOK(text, add_special_tokens=False)["input_ids"][:width]
+        resp[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    n = len(texts)
+    return DataProto.from_dict(
+        {"responses": resp, "response_mask": mask, **tensors},
+        {"data_source": data_sources or ["hybridflow/arithmetic"] * n,
+         "reward_model": [{"style": "rule", "ground_truth": t} for t in truths],
+         "extra_info": [{"index": i} for i in range(n)]})
+
+
+@pytest.fixture(scope="module")
+def pool_manager(tmp_path_factory):
+    """One 2-process pool for the whole module (process start-up is the expensive part)."""
+    cfg = _cfg(tmp_path_factory.mktemp("r"), "reward.num_workers=2",
+               "reward.sources=[{name: custom, weight: 1.0}]")
+    manager = RewardManager(cfg, TOK, R)
+    yield manager
+    manager.close()
+
+
+FAILING = ["ok", "raise", "sleep", "nan", "loop", "ok2", "wrong", "obj", "text"]
+TRUTHS = ["ok", "x", "x", "x", "x", "ok2", "right", "x", "x"]
+EXPECTED = [1.0, -1.0, -1.0, -1.0, -1.0, 1.0, 0.0, 0.5, -1.0]
+
+
+def test_pool_survives_raise_sleep_nan_loop(pool_manager, caplog):
+    with caplog.at_level(logging.WARNING):
+        out = pool_manager.score(_batch(FAILING, TRUTHS))
+    assert out.scores.tolist() == EXPECTED
+    assert out.metrics["reward/errors"] == 3 and out.metrics["reward/timeouts"] == 2
+    assert "scorer bug" in caplog.text  # the first failure's traceback
+    assert out.extras["custom/length"][0] == 2 and out.extras["custom/length"][1] is None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = pool_manager.score(_batch(FAILING, TRUTHS))
+    assert again.scores.tolist() == EXPECTED and "scorer bug" not in caplog.text  # logged once
+    assert len(pool_manager._scorer._workers) == 2 and all(w.proc.is_alive() for w in pool_manager._scorer._workers)
+
+
+def test_pool_charges_only_the_hung_item_of_a_chunk(pool_manager):
+    texts = ["ok"] * 10 + ["sleep"] + ["ok"] * 10  # chunks of 3: the hung item sits between finished/pending ones
+    out = pool_manager.score(_batch(texts, ["ok"] * 10 + ["x"] + ["ok"] * 10))
+    assert out.scores.tolist() == [1.0] * 10 + [-1.0] + [1.0] * 10
+    assert out.metrics["reward/timeouts"] == 1 and out.metrics["reward/errors"] == 0
+
+
+def test_pool_survives_a_dying_worker_and_keeps_healthy_workers(pool_manager):
+    scorer = pool_manager._scorer
+    out = pool_manager.score(_batch(["ok", "ok"], ["ok", "ok"]))
+    pids = {w.proc.pid for w in scorer._workers}
+    assert out.scores.tolist() == [1.0, 1.0]
+    out = pool_manager.score(_batch(["exit", "ok", "ok", "ok"], ["x", "ok", "ok", "ok"]))
+    assert out.scores.tolist() == [-1.0, 1.0, 1.0, 1.0] and out.metrics["reward/errors"] == 1
+    new_pids = {w.proc.pid for w in scorer._workers}
+    assert len(new_pids & pids) == 1  # exactly the dead worker was replaced; the pool lives on between calls
+
+
+def test_inline_scorer_times_out_and_counts(tmp_path):
+    cfg = _cfg(tmp_path, "reward.num_workers=0", "reward.sources=[{name: custom, weight: 1.0}]")
+    with RewardManager(cfg, TOK, R) as manager:
+        scores, metrics = manager(_batch(FAILING, TRUTHS))
+        assert metrics["reward/errors"] == 3 and metrics["reward/timeouts"] == 2
+        assert scores.sum(-1).tolist() == EXPECTED
+
+
+def test_sequence_reward_on_last_valid_token_matches_naive(tmp_path):
+    cfg = load_config([], ["reward.num_workers=0"]).reward
+    texts = ["#### 12", "#### 5", "", "x #### 30", "#### 1234567890123456789"]  # empty and truncated responses
+    truths = ["12", "6", "1", "30", "1"]
+    batch = _batch(texts, truths)
+    mask = batch.batch["response_mask"]
+    mask[1, 3] = 0  # a hole: the last valid token is still the last 1
+    with RewardManager(cfg, TOK, R) as manager:
+        token_scores, metrics = manager(batch)
+    want = torch.zeros(len(texts), R)
+    fn = select_reward_fn("hybridflow/arithmetic")
+    for i in range(len(texts)):
+        valid = [j for j in range(R) if mask[i, j]]
+        last = valid[-1] if valid else 0
+        text = TOK.decode(batch.batch["responses"][i, : last + 1], skip_special_tokens=True) if valid else ""
+        want[i, last] = fn("hybridflow/arithmetic", text, truths[i], None)
+    assert torch.equal(token_scores, want)
+    assert token_scores.dtype == torch.float32 and token_scores.sum() == 2.0
+    assert metrics["reward/rule/mean"] == pytest.approx(2 / 5)
+    assert metrics["reward/hybridflow/arithmetic/score"] == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize("rm_shape", ["sequence", "token"])
+def test_mixing_rule_and_model_scores(rm_shape):
+    cfg = load_config([], ["reward.num_workers=0",
+                           "reward.sources=[{name: rule, weight: 0.3}, {name: model, weight: 0.7}]"]).reward
+    texts, truths = ["#### 3", "#### 4", "#### 9"], ["3", "5", "9"]
+    rm = torch.tensor([0.5, 2.0, -1.0])
+    rm_scores = rm if rm_shape == "sequence" else torch.zeros(3, R).index_put_((torch.arange(3), torch.tensor([5, 5, 5])), rm)
+    with RewardManager(cfg, TOK, R) as manager:
+        out = manager.score(_batch(texts, truths, rm_scores=rm_scores))
+    rule = np.array([1.0, 0.0, 1.0])
+    np.testing.assert_allclose(out.scores, 0.3 * rule + 0.7 * rm.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(out.source_scores["model"], rm.numpy())
+    assert out.metrics["reward/model/mean"] == pytest.approx(float(rm.mean()))
+    assert out.metrics["reward/rule/mean"] == pytest.approx(2 / 3)
+
+
+def test_model_source_without_rm_scores_is_a_clear_error():
+    cfg = load_config([], ["reward.num_workers=0", "reward.sources=[{name: model, weight: 1.0}]"]).reward
+    with RewardManager(cfg, TOK, R) as manager, pytest.raises(ValueError, match="rm_scores"):
+        manager(_batch(["a"], ["a"]))
+
+
+def test_length_and_overlong_penalties_match_the_formulas():
+    cfg = load_config([], ["reward.num_workers=0", "reward.length_penalty.enable=true", "reward.length_penalty.coef=0.5",
+                           "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
+                           "reward.overlong_buffer.penalty_factor=2.0"]).reward
+    texts = ["#### 3", "#### 3" + "\n" * 7, "#### 3" + "\n" * 10]  # 6, 13, 16 tokens, all correct
+    with RewardManager(cfg, TOK, R) as manager:
+        out = manager.score(_batch(texts, ["3", "3", "3"]))
+    for i, n in enumerate([6, 13, 16]):
+        overlong = min(-(n - (R - 4)) / 4 * 2.0, 0.0)
+        assert out.scores[i] == pytest.approx(out.raw_scores[i] - 0.5 * n / R + overlong)
+    assert out.scores[2] == pytest.approx(1.0 - 0.5 - 2.0)
+    assert out.metrics["reward/overlong_frac"] == pytest.approx(2 / 3)
+
+
+def test_per_data_source_metrics_and_rows():
+    cfg = load_config([], ["reward.num_workers=0"]).reward
+    batch = _batch(["#### 4", "#### 5", "so #### 7", "\\boxed{0.5}"], ["4", "4", "7", "\\frac{1}{2}"],
+                   data_sources=["hybridflow/arithmetic", "hybridflow/arithmetic", "openai/gsm8k", "lighteval/MATH"])
+    with RewardManager(cfg, TOK, R) as manager:
+        out = manager.score(batch)
+    assert out.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert out.metrics["reward/hybridflow/arithmetic/score"] == 0.5
+    assert out.metrics["reward/openai/gsm8k/score"] == 1.0 and out.metrics["reward/lighteval/MATH/score"] == 1.0
+    assert list(out.data_sources) == list(batch.non_tensor_batch["data_source"])
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="reward.custom.path is null"):
+        RewardManager(load_config([], ["reward.sources=[{name: custom, weight: 1.0}]"]).reward, TOK, R)
+    with pytest.raises(KeyError, match="unknown reward function"):
+        RewardManager(load_config([], ["reward.sources=[{name: gsm8kk, weight: 1.0}]"]).reward, TOK, R)
+    with pytest.raises(ValueError, match="overlong_buffer.len"):
+        RewardManager(load_config([], ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=99"]).reward,
+                      TOK, R)
+    with RewardManager(load_config([], ["reward.num_workers=0"]).reward, TOK, R) as manager:
+        manager.check_data_sources(["openai/gsm8k", "hybridflow/sort"])
+        with pytest.raises(ValueError, match="no reward function for data_source='mystery'"):
+            manager.check_data_sources(["openai/gsm8k", "mystery"])
+        with pytest.raises(ValueError, match="mystery"):
+            manager(_batch(["#### 1"], ["1"], data_sources=["mystery"]))

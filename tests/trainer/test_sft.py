@@ -1,0 +1,148 @@
+"""SFT: the engine-layout batch keeps prompt tokens out of the loss; the engine's loss/accuracy match a naive HF
+reference; a short run lowers the loss and exports an HF directory PPO can load."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridflow.config import load_config
+from hybridflow.data import SFTDataset, task_splits
+from hybridflow.models.loader import load_model, load_tokenizer
+from hybridflow.trainer.sft import SFTTrainer, run_sft
+from hybridflow.trainer.supervised_batch import collate_sft_rows, split_at_first_loss_token
+from hybridflow.trainer.supervised_losses import make_sft_loss
+
+
+def _cfg(tmp_path, *extra: str):
+    return load_config([], [
+        "trainer.device=cpu", "trainer.backend=local", "trainer.logger=[]", f"trainer.run_dir={tmp_path}/run",
+        f"trainer.default_local_dir={tmp_path}/ckpt", "trainer.val_before_train=false",
+        "data.train_size=64", "data.val_size=16", "sft.batch_size=16", "sft.micro_batch_size_per_gpu=8",
+        "sft.optim.lr=3e-3", "sft.optim.lr_scheduler=constant", *extra,
+    ])
+
+
+def _rows(n: int = 6):
+    rows, _ = task_splits("arithmetic", n, 4, seed=0)
+    return rows
+
+
+def test_split_at_first_loss_token():
+    p, r, m = split_at_first_loss_token([5, 6, 7, 8, 9], [0, 0, 1, 0, 1])
+    assert (p, r, m) == ([5, 6], [7, 8, 9], [1, 0, 1])
+    with pytest.raises(ValueError, match="no response tokens"):
+        split_at_first_loss_token([1, 2], [0, 0])
+    with pytest.raises(ValueError, match="prompt token"):
+        split_at_first_loss_token([1, 2], [1, 1])
+
+
+def test_batch_layout_excludes_prompt_tokens():
+    tok = load_tokenizer(load_config([], []).model)
+    ds = SFTDataset(_rows(), tok, max_length=96)
+    items = [ds[i] for i in range(len(ds))]
+    batch = collate_sft_rows(items, tok.pad_token_id).batch
+    B, R = batch["responses"].shape
+    P = batch["input_ids"].shape[1] - R
+    for i, it in enumerate(items):
+        ids, loss_mask = it["input_ids"].tolist(), it["loss_mask"].tolist()
+        n_prompt = loss_mask.index(1)
+        att = batch["attention_mask"][i].bool()
+        # The real tokens, in order, are exactly the row; the prompt is left-padded, the response right-padded.
+        assert batch["input_ids"][i][att].tolist() == ids
+        assert batch["attention_mask"][i, :P].sum() == n_prompt and batch["attention_mask"][i, P - 1] == 1
+        resp = batch["response_mask"][i]
+        assert resp.sum() == sum(loss_mask)
+        assert batch["responses"][i][resp.bool()].tolist() == [t for t, m in zip(ids, loss_mask) if m]
+        # Position ids count real tokens from 0 regardless of the left padding.
+        assert batch["position_ids"][i][att].tolist() == list(range(len(ids)))
+    text = tok.decode(batch["responses"][0][batch["response_mask"][0].bool()])
+    assert text.startswith("####") and "User" not in text
+
+
+def _naive(model, batch):
+    """Response-token NLL sum, token count and greedy hits from a plain HF forward over the padded batch."""
+    b = batch.batch
+    R = b["responses"].shape[1]
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                   position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    m = b["response_mask"].float()
+    return -(logp * m).sum(), m.sum(), ((logits.argmax(-1) == b["responses"]).float() * m).sum()
+
+
+def test_sft_loss_matches_naive_reference(tmp_path):
+    cfg = _cfg(tmp_path, "trainer.resume_mode=disable")
+    trainer = SFTTrainer(cfg)
+    try:
+        batch = next(iter(trainer.loader))
+        model = load_model(cfg.model, "actor")  # the same seeded preset the engine starts from
+        with torch.no_grad():
+            nll, tokens, hits = _naive(model, batch)
+        val = trainer.group.eval_lm(batch).batch
+        assert torch.allclose(-val["sum_logp"].sum(), nll, rtol=1e-4)
+        assert val["num_tokens"].sum() == tokens
+        assert val["num_correct"].sum() == hits
+        # The loss closure on the engine's log-probs = token-mean NLL; prompt tokens have no say.
+        logp = torch.randn(batch.batch["responses"].shape)
+        loss, _ = make_sft_loss()({"log_probs": logp}, batch, {"token-mean": batch.batch["response_mask"].sum()})
+        m = batch.batch["response_mask"].float()
+        assert torch.allclose(loss, -(logp * m).sum() / m.sum())
+        # One engine step's reported loss is the naive whole-batch token-mean NLL at the starting weights.
+        metrics = trainer.group.train_batch(batch)[0]
+        assert metrics["loss"] == pytest.approx(float(nll / tokens), rel=1e-4)
+        with torch.no_grad():  # a naive cross-entropy that also trains on the prompt would differ
+            ids = batch.batch["input_ids"]
+            full = F.cross_entropy(model(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        assert abs(float(full) - metrics["loss"]) > 0.05
+    finally:
+        trainer.close()
+
+
+def test_run_sft_lowers_loss_and_exports_for_ppo(tmp_path):
+    cfg = _cfg(tmp_path, "trainer.test_freq=-1")
+    out = run_sft(cfg, steps=8, out_dir=tmp_path / "hf")
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file()
+    # PPO loads it through model.path, tokenizer included.
+    ppo_model_cfg = dataclasses.replace(cfg.model, path=str(out))
+    model = load_model(ppo_model_cfg, "actor")
+    tok = load_tokenizer(ppo_model_cfg)
+    assert tok.pad_token_id == load_tokenizer(cfg.model).pad_token_id
+    trained = dict(model.named_parameters())
+    start = dict(load_model(cfg.model, "actor").named_parameters())
+    assert any(not torch.equal(trained[k], start[k]) for k in start)
+    # Training lowered the validation loss compared with the starting model.
+    trainer = SFTTrainer(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_mode="disable")))
+    try:
+        before = trainer.validate()["val/loss"]
+    finally:
+        trainer.close()
+    ds = SFTDataset(task_splits("arithmetic", 64, 16, cfg.data.seed)[1], tok, max_length=96)
+    batch = collate_sft_rows([ds[i] for i in range(len(ds))], tok.pad_token_id)
+    with torch.no_grad():
+        nll, tokens, _ = _naive(model, batch)
+    assert float(nll / tokens) < before - 0.5, (float(nll / tokens), before)
+
+
+def test_checkpoint_resume_restores_step_and_weights(tmp_path):
+    cfg = _cfg(tmp_path, "sft.total_steps=2", "trainer.checkpoint.save_freq=1", "trainer.checkpoint.async_save=false",
+               "trainer.test_freq=-1", "sft.batch_size=8", "sft.micro_batch_size_per_gpu=8")
+    first = SFTTrainer(cfg)
+    try:
+        first.fit()
+        batch = next(iter(first.loader))
+        trained = first.group.eval_lm(batch).batch["sum_logp"]
+    finally:
+        first.close()
+    assert (tmp_path / "ckpt" / "global_step_2").is_dir()
+    resumed = SFTTrainer(dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, total_steps=3)))
+    try:
+        resumed._resume()
+        assert resumed.global_step == 2
+        assert torch.allclose(resumed.group.eval_lm(batch).batch["sum_logp"], trained)
+    finally:
+        resumed.close()
