@@ -11,10 +11,10 @@ from hybridflow.checkpoint.resume import (
     remaining_batches,
 )
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.rollback import RollbackDecision, RollbackTracker
+from hybridflow.checkpoint.rollback import RollbackDecision, RollbackTracker, scale_lr
 
 __all__ = [
     "CheckpointManager", "CheckpointWriteError", "DataPosition", "LoadedCheckpoint", "NonFiniteError",
     "NonFiniteGuard", "RemoteMirror", "RollbackDecision", "RollbackTracker", "capture_rng_state",
-    "find_resume_checkpoint", "join_url", "position_from_step", "remaining_batches", "restore_rng_state",
+    "find_resume_checkpoint", "join_url", "position_from_step", "remaining_batches", "restore_rng_state", "scale_lr",
 ]

@@ -1,8 +1,8 @@
 """One-in-flight background writer: run a write job in a thread; its error re-raises at the next call.
 
 `submit` first waits for the previous job (so at most one save is in flight and the staging buffers are free),
-`wait`/`close` join it. A failed job raises `CheckpointWriteError` from the next `submit`/`wait`/`close` — errors
-are never dropped. The thread is non-daemon, so interpreter exit also waits for the last save; if the owner never
+`wait`/`close` join it. A failed job raises `CheckpointWriteError` from the next `poll`/`submit`/`wait`/`close` —
+errors are never dropped. The thread is non-daemon, so interpreter exit also waits for the last save; if the owner never
 calls `close`, an atexit hook logs a pending error instead of losing it.
 """
 
@@ -52,6 +52,11 @@ class AsyncWriter:
             self._error = err
         finally:
             self.last_duration_s = time.perf_counter() - self._started
+
+    def poll(self) -> None:
+        """Never blocks: raise `CheckpointWriteError` now if a finished job failed (call once per training step)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the in-flight job ends; raise `CheckpointWriteError` if it (or an earlier one) failed."""

@@ -210,6 +210,10 @@ class CheckpointManager:
             if step not in keep and path.name != latest:
                 _remove_checkpoint(path)
 
+    def poll(self) -> None:
+        """Non-blocking: raise `CheckpointWriteError` if the background save has failed. Call it every step."""
+        self._writer.poll()
+
     def wait(self) -> None:
         """Block until the in-flight save is complete; raise `CheckpointWriteError` if it failed."""
         self._writer.wait()
@@ -291,6 +295,13 @@ class CheckpointManager:
                     if s > step:
                         self.mirror.delete(name)
         collective.barrier(self._group)
+
+
+    def rollback_to(self, step: int, templates: Mapping[str, Mapping[str, Any]] | None = None) -> LoadedCheckpoint:
+        """Discard checkpoints newer than `step`, then load `step` (RNG not restored, so training does not replay
+        the same samples). The caller applies the components to its engines and scales the LR if asked."""
+        self.discard_after(step)
+        return self.load(self.root / atomic.step_dirname(step), templates=templates, restore_rng=False)
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -110,3 +110,14 @@ class RollbackTracker:
         self.falls = int(state["falls"])
         self.rollbacks = int(state["rollbacks"])
         self.ckpt_scores = {int(k): float(v) for k, v in state["ckpt_scores"].items()}
+
+
+def scale_lr(optimizer: Any, scheduler: Any | None, factor: float) -> None:
+    """Multiply the learning rate by `factor` durably: param groups now, and the scheduler's base LRs, which
+    LambdaLR-style schedulers recompute every step from (else the next `scheduler.step()` would undo it)."""
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]

@@ -77,14 +77,14 @@ class CpuStager:
 
 def _dedup_for_safetensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # safetensors refuses tensors sharing storage (tied embeddings) and wants contiguous CPU tensors.
-    seen: set[tuple[int, int]] = set()
+    seen: set[int] = set()
     out = {}
     for key, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if t.numel() and ident in seen:
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
             t = t.clone()
-        seen.add(ident)
+        seen.add(ptr)
         out[key] = t
     return out
 

@@ -75,6 +75,11 @@ class GroupFuture:
             self._value, self._has_value = self._finish(outputs), True
         return self._value
 
+    @property
+    def fetched(self) -> bool:
+        """True once `get()` brought the result to the driver (chaining into another call does not)."""
+        return self._has_value
+
     def done(self) -> bool:
         """True when every rank has finished (successfully or not); never blocks."""
         return self._has_value or self._backend.ready(self._refs)

@@ -2,7 +2,7 @@
 
 Decision: with `cu_seqlens` in the forward kwargs, each packed sequence attends causally to itself only —
 via PyTorch's built-in varlen flash attention (`torch.nn.attention.varlen`, CUDA, bf16/fp16) or, elsewhere, one
-SDPA call per sequence. Without `cu_seqlens` (padded batches) it is exactly HF's SDPA path with HF's mask, so
+SDPA call on the sequences scattered into a right-padded batch. Without `cu_seqlens` (padded batches) it is exactly HF's SDPA path with HF's mask, so
 one model serves both layouts. No [T, T] mask is ever built for packed batches.
 """
 
@@ -59,16 +59,28 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
-def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                       scale: float | None) -> torch.Tensor:
-    """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D]: causal SDPA per packed sequence (CPU / fp32 path)."""
-    bounds = cu.tolist()
-    outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b > a:
-            outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+def _padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+    """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D]: the packed sequences scattered into one padded
+    [N, H, L, D] batch, one causal SDPA call, gathered back (CPU / fp32 path).
+
+    Right padding keeps causal attention exact for every real query (it only sees earlier, real keys). Scatter and
+    gather keep backward O(T); slicing each sequence out of the packed row made backward O(N·T).
+    """
+    lens = cu[1:] - cu[:-1]
+    n, total = int(lens.numel()), q.shape[2]
+    max_len = int(lens.max()) if n else 0
+    seq_id = torch.repeat_interleave(torch.arange(n, device=q.device), lens.to(q.device))
+    pos = torch.arange(total, device=q.device) - cu[:-1].to(q.device)[seq_id]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] → [N, H, L, D]
+        out = x.new_zeros(n, max_len, x.shape[1], x.shape[3])
+        out = out.index_put((seq_id, pos), x[0].transpose(0, 1))
+        return out.transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[seq_id, pos].unsqueeze(0).contiguous()
 
 
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -88,7 +100,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
                       int(max_len), scaling)
         return out.unsqueeze(0), None
-    return _per_sequence_sdpa(query, key, value, cu, scaling), None
+    return _padded_sdpa(query, key, value, cu, scaling), None
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -42,7 +42,8 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
                                      with_entropy=req.with_entropy)
         return {"log_probs": logp} if ent is None else {"log_probs": logp, "entropy": ent}
     idx = inputs.src_K if req.kind == "value" else inputs.last_K
-    return {"values": self.score(hidden_NH.index_select(0, idx)).squeeze(-1).float()}
+    # sum over the single output column: a fresh tensor, not a view (FSDP2 output hooks dislike views).
+    return {"values": self.score(hidden_NH.index_select(0, idx)).float().sum(-1)}
 
 
 def install_engine_forward(model: torch.nn.Module) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,7 +65,10 @@ class TrainEngine:
                            attn_implementation=register_attention())
         model.config.use_cache = False
         if s.trainable and model_cfg.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not s.trainable:
             model.requires_grad_(False)
         model.to(self.device)
@@ -229,7 +233,10 @@ class TrainEngine:
                 for k, v in metrics.items():
                     sums[k] += v
                     counts[k] += 1
-            self.lr_scheduler.step()
+            with warnings.catch_warnings():
+                # A skipped (non-finite) step still advances the schedule; torch warns about that order.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                self.lr_scheduler.step()
             self.global_step += 1
         finally:
             self._exit()

@@ -52,7 +52,8 @@ class RolloutEngine:
         self.compile_decode = (on_gpu and not rollout_cfg.enforce_eager) if compile_decode is None else compile_decode
         self.check_every = check_every or (8 if on_gpu else 1)
         self._calls = 0
-        self.timing: dict[str, float] = {}
+        self.timing: dict[str, float] = {}  # the last generate's timings (seconds), also in its meta_info["metrics"]
+        self._switch_s = 0.0  # sync_weights time not yet reported
         self.bind(module)
 
     # ------------------------------------------------------------------------------------------- hybrid engine
@@ -86,8 +87,9 @@ class RolloutEngine:
             self._runner.set_weights(self._weights)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.timing["timing/switch"] = time.perf_counter() - t0
-        return self.timing["timing/switch"]
+        elapsed = time.perf_counter() - t0
+        self._switch_s += elapsed
+        return elapsed
 
     def release_cache(self) -> None:
         """Free the KV cache, CUDA graphs, cast/gather buffers and our references to the parameters (so an
@@ -104,6 +106,7 @@ class RolloutEngine:
     def _prepare(self) -> ModelRunner:
         if self._weights is None:
             self.sync_weights()
+        self.timing["timing/rollout_cache_alloc"] = 0.0
         if self._runner is None:
             t0 = time.perf_counter()
             max_len = self.P + self.R
@@ -154,6 +157,7 @@ class RolloutEngine:
         dev_in = ids.device
         ids_d, mask_d, pos_d = (t.to(self.device) for t in (ids, mask, pos))
         t0 = time.perf_counter()
+        self.timing = {}
         if self._fallback is not None:
             res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new)
         else:
@@ -165,6 +169,7 @@ class RolloutEngine:
             res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
+        self.timing["timing/switch"], self._switch_s = self._switch_s, 0.0  # train→generate (weights only)
         out = self._assemble(ids_d, mask_d, pos_d, params.n, res).to(dev_in)
         out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         out.meta_info = {**meta, "metrics": {**self.timing, "rollout/decode_steps": res.decode_steps,

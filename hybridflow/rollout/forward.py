@@ -11,6 +11,7 @@ Legend: B prompts, P prompt length, b decode rows, T cache length, H heads, Hkv 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,8 +71,14 @@ class DecodeOps:
 
     @classmethod
     def compiled(cls) -> DecodeOps:
-        return cls(qkv=torch.compile(qkv, dynamic=True), mlp_block=torch.compile(mlp_block, dynamic=True),
-                   sample=torch.compile(sampling.sample, dynamic=True), is_compiled=True)
+        """One process-wide compiled set (dynamic shapes: every batch bucket and layer reuses the same code)."""
+        return _compiled_ops()
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_ops() -> DecodeOps:
+    return DecodeOps(qkv=torch.compile(qkv, dynamic=True), mlp_block=torch.compile(mlp_block, dynamic=True),
+                     sample=torch.compile(sampling.sample, dynamic=True), is_compiled=True)
 
 
 class RopeTable:
@@ -112,8 +119,10 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
 
 
 def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok_b: torch.Tensor,
-           pos_b: torch.Tensor, cidx_b: torch.Tensor, valid_bT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """One token per row: write its K/V at column cidx, attend over the row's valid columns; logits [b, V].
+           pos_b: torch.Tensor, cidx_b: torch.Tensor, valid_bT: torch.Tensor, cache: KVCache,
+           kv_len: int) -> torch.Tensor:
+    """One token per row: write its K/V at column cidx, attend over the row's valid columns among the first
+    `kv_len` (the caller guarantees cidx < kv_len for live rows); logits [b, V].
 
     Mutates `valid_bT` (marks cidx) and the cache; shapes are static so the call can be captured in a CUDA graph.
     """
@@ -123,7 +132,8 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     valid_bT.scatter_(1, cidx_b[:, None], True)
     x = F.embedding(tok_b, w.embed)
     # Additive mask built once per step (not converted from bool inside every layer's SDPA call).
-    attn_mask = torch.zeros(valid_bT.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid_bT, float("-inf"))
+    valid = valid_bT[:, :kv_len]
+    attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
     attn_mask = attn_mask[:, None, None, :]
     cos, sin = rope.cos[pos_b], rope.sin[pos_b]
     for layer, lw in enumerate(w.layers):
@@ -132,6 +142,6 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
         kc[rows, :, cidx_b] = k
         vc[rows, :, cidx_b] = v
         qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=attn_mask)
+        o = F.scaled_dot_product_attention(qg, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=attn_mask)
         x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
     return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)

@@ -1,9 +1,10 @@
 """Device-side decode state per KV slot, the decode step (forward + sampler + bookkeeping) and its CUDA graphs.
 
 Everything a step needs lives in static per-slot buffers, so one step is a fixed sequence of kernels over the
-first `b` slots: it is captured once per (batch bucket, sampling mode) as a CUDA graph and replayed with no host
-synchronisation; the host reads `done` only when the scheduler asks. Finished rows keep running (masked) until
-then — cheaper than a sync per token. Graphs are captured while no slot is live, so warm-up runs harm nothing.
+first `b` slots attending to the first `L` cache columns: it is captured once per (batch bucket, KV-length bucket,
+sampling mode) as a CUDA graph, on first use, and replayed with no host synchronisation; the host reads `done`
+only when the scheduler asks. Finished rows keep running (masked) until then — cheaper than a sync per token.
+KV-length buckets (~1.4x apart) keep the bytes read per step near the live context, not the full slot length.
 
 Legend: S slots, T cache columns, R max new tokens (+1 trash column for writes of finished rows), V vocab.
 """
@@ -23,6 +24,9 @@ from hybridflow.rollout.weights import ArchSpec, ModelWeights
 
 logger = logging.getLogger(__name__)
 
+# A smaller bucket is captured mid-generation only if at least this many steps remain (capture ≈ 2 eager steps).
+CAPTURE_MIN_REMAINING = 32
+
 
 def buckets_for(slots: int) -> list[int]:
     """Decode batch sizes with a graph: powers of two from 8, and `slots` itself."""
@@ -31,6 +35,16 @@ def buckets_for(slots: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [slots]
+
+
+def kv_buckets_for(max_len: int) -> list[int]:
+    """Attended cache lengths: 128, 192, 256, 384, 512, 768, ... (multiples of 16, ≤ 1.5x apart), and max_len."""
+    out, x, grow = [], 128, 1.5
+    while x < max_len:
+        out.append(x)
+        x = int(x * grow) // 16 * 16
+        grow = 4 / 3 if grow == 1.5 else 1.5
+    return out + [max_len]
 
 
 class ModelRunner:
@@ -55,9 +69,10 @@ class ModelRunner:
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
         self.is_stop = torch.zeros(spec.vocab, dtype=torch.bool, device=dev)  # vocab lookup: any number of stop ids
         self.mode = "sample"
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}  # (b, L, mode) -> graph
         self._pool = None
         self.buckets = buckets_for(S)
+        self.kv_buckets = kv_buckets_for(T)
         self.capture_s = 0.0  # time of the last capture() that captured anything
 
     # ------------------------------------------------------------------------------------------- configuration
@@ -111,10 +126,10 @@ class ModelRunner:
         self.done[slot_t] = stop | (max_new <= 1)
 
     # --------------------------------------------------------------------------------------------------- decode
-    def _step(self, b: int, mode: str) -> None:
+    def _step(self, b: int, L: int, mode: str) -> None:
         T = self.cache.max_len
         logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
-                                self.cidx[:b], self.valid[:b], self.cache)
+                                self.cidx[:b], self.valid[:b], self.cache, L)
         step, done = self.step[:b], self.done[:b]
         tok, logp = self.ops.sample(logits, mode, self.temperature, self.top_k, self.top_p, self.seed[:b], step)
         live = ~done
@@ -129,61 +144,73 @@ class ModelRunner:
         self.pos[:b].add_(1).clamp_(max=self.rope.max_len - 1)
         self.cidx[:b].add_(1).clamp_(max=T - 1)
 
-    def bucket(self, highest_live_slot: int) -> int:
-        need = highest_live_slot + 1
-        return next(b for b in self.buckets if b >= need)
-
-    def step_(self, b: int) -> None:
-        """One decode step over slots [0, b) — b must be a bucket when graphs are on."""
+    def shape(self, highest_live_slot: int, remaining_steps: int, kv_needed: int) -> tuple[int, int]:
+        """(b, L) for the next steps: slots [0, highest_live_slot] attending to >= kv_needed columns. Captures that
+        graph on first use, unless a larger captured one can finish the last few steps (capture ≈ 2 eager steps)."""
+        L = next(x for x in self.kv_buckets if x >= kv_needed)
         if not self.use_graphs:
-            self._step(b, self.mode)
-            return
-        graph = self.graphs.get((b, self.mode))
-        if graph is None:
-            raise RuntimeError(f"no CUDA graph for bucket {b} mode {self.mode}; call capture() while no slot is live")
-        graph.replay()
+            return highest_live_slot + 1, L
+        b = next(x for x in self.buckets if x > highest_live_slot)
+        if (b, L, self.mode) in self.graphs:
+            return b, L
+        larger = sorted((bb * LL, bb, LL) for bb, LL, m in self.graphs if m == self.mode and bb >= b and LL >= L)
+        if larger and remaining_steps < CAPTURE_MIN_REMAINING:
+            return larger[0][1], larger[0][2]
+        self.ensure_graph(b, L)
+        return (b, L) if self.use_graphs else (highest_live_slot + 1, L)
 
-    def capture(self) -> None:
-        """Capture graphs for every bucket of the current mode (only while all slots are finished: warm-up steps
-        write into dead slots, whose state is reset at admission)."""
-        if not self.use_graphs or all((b, self.mode) in self.graphs for b in self.buckets):
-            return
-        assert bool(self.done.all()), "capture() needs every slot finished"
+    def step_(self, b: int, L: int) -> None:
+        """One decode step over slots [0, b) and cache columns [0, L): a graph replay when captured, else eager."""
+        graph = self.graphs.get((b, L, self.mode)) if self.use_graphs else None
+        if graph is None:
+            self._step(b, L, self.mode)
+        else:
+            graph.replay()
+
+    def _state(self) -> list[torch.Tensor]:
+        return [self.tok, self.pos, self.cidx, self.step, self.done, self.valid, self.out_tok, self.out_logp]
+
+    def ensure_graph(self, b: int, L: int) -> None:
+        """Capture the step over slots [0, b) and columns [0, L). Warm-up steps run for real, so the slot state is snapshotted and
+        restored; their K/V writes land at columns the real steps overwrite before reading. If capturing compiled
+        ops fails, retry with eager ops; if that fails too, decode eagerly — each with a warning."""
         t0 = time.perf_counter()
+        snapshot = [t[:b].clone() for t in self._state()]
+        try:
+            self._capture(b, L)
+        except Exception as err:  # noqa: BLE001 — torch.compile/inductor/capture failures are many types
+            for t, saved in zip(self._state(), snapshot):
+                t[:b].copy_(saved)
+            self.graphs.clear()
+            if self.ops.is_compiled:
+                logger.warning("CUDA-graph capture of compiled decode failed (%s: %s); retrying with eager ops",
+                               type(err).__name__, err)
+                self.ops = DecodeOps()
+                self.ensure_graph(b, L)
+                return
+            logger.warning("CUDA-graph capture failed (%s: %s); decoding eagerly (slow)", type(err).__name__, err)
+            self.use_graphs = False
+            return
+        for t, saved in zip(self._state(), snapshot):
+            t[:b].copy_(saved)
+        self.capture_s += time.perf_counter() - t0
+        logger.info("captured decode graph b=%d L=%d mode=%s in %.2fs (compiled ops: %s)", b, L, self.mode,
+                    time.perf_counter() - t0, self.ops.is_compiled)
+
+    def _capture(self, b: int, L: int) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool memory
-            if (b, self.mode) in self.graphs:
-                continue
-            self._warm_up(b)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(b, self.mode)
-            self.graphs[(b, self.mode)] = graph
-        torch.cuda.synchronize()
-        self.capture_s = time.perf_counter() - t0
-        logger.info("captured CUDA graphs for mode %s, buckets %s in %.2fs", self.mode, self.buckets, self.capture_s)
-
-    def _warm_up(self, b: int) -> None:
-        """Two eager steps on a side stream (allocations settle, torch.compile runs) before capture. A failing
-        compiled path falls back to eager ops with a warning instead of failing the rollout."""
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # warm-up off the capture stream: allocations settle, torch.compile runs
         stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(b, self.mode)
-        except Exception as err:  # noqa: BLE001 — torch.compile/inductor failures are many types
-            if not self.ops.is_compiled:
-                raise
-            logger.warning("compiled decode failed (%s: %s); using eager ops inside CUDA graphs",
-                           type(err).__name__, err)
-            self.ops = DecodeOps()
-            self.graphs.clear()
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(b, self.mode)
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(b, L, self.mode)
         torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(b, L, self.mode)
+        torch.cuda.synchronize()
+        self.graphs[(b, L, self.mode)] = graph
 
     # ------------------------------------------------------------------------------------------------- harvest
     def done_mask(self) -> torch.Tensor:

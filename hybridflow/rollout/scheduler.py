@@ -3,7 +3,7 @@
 A prompt with n samples is admitted when n slots are free: it is prefilled once and its K/V copied into the n
 slots (prefix sharing). Prefill of admitted prompts is batched up to `max_num_batched_tokens`. Decode runs
 `check_every` steps between looks at the device's `done` flags (the only host sync), never more steps than
-the longest live request can still need. Slots are handed out lowest first so the decode bucket stays small.
+the longest live request can still need, attending only to the cache columns those steps can reach. Slots are handed out lowest first so the decode bucket stays small.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class Scheduler:
         heapq.heapify(free)
         live: dict[int, int] = {}  # slot -> output row
         host_steps: dict[int, int] = {}  # slot -> tokens generated (upper bound known to the host)
-        r.capture()
         prompts_per_prefill = max(1, self.max_tokens // max(P, 1))
         decode_steps = prefills = 0
         while waiting or live:
@@ -65,11 +64,14 @@ class Scheduler:
                 prefills += 1
                 live.update(zip(slots, rows))
                 host_steps.update((s, 1) for s in slots)
-            todo = min(self.check_every, max(max_new - host_steps[s] for s in live))
+            remaining = max(max_new - host_steps[s] for s in live)
+            todo = min(self.check_every, remaining)
             if todo > 0:
-                b = r.bucket(max(live)) if r.use_graphs else max(live) + 1
+                # a live slot writes column P + host_steps - 1 at its next step; the chunk must stay below L
+                kv_needed = P + max(host_steps.values()) + todo - 1
+                b, L = r.shape(max(live), remaining, kv_needed)
                 for _ in range(todo):
-                    r.step_(b)
+                    r.step_(b, L)
                 decode_steps += todo
                 for s in live:
                     host_steps[s] += todo

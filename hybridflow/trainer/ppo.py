@@ -32,8 +32,10 @@ from hybridflow.trainer.validation import Validator
 logger = logging.getLogger(__name__)
 
 
-def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Average each key over the ranks that reported it."""
+def reduce_metrics(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:
+    """Average each key over the ranks that reported it (a single dict: one rank, as collected without concat)."""
+    if isinstance(per_rank, dict):
+        per_rank = [per_rank]
     keys = {k for m in per_rank for k in m}
     return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in sorted(keys)}
 

@@ -59,6 +59,21 @@ def _run(rank: int, world: int, out: str, async_save: bool) -> None:
     for k, ref in full.items():
         got = after[k].full_tensor() if isinstance(after[k], DTensor) else after[k]
         assert torch.equal(got, ref), f"rank {rank}: {k} differs after reload"
+    # a failure on one rank raises on every rank (no hang) and leaves no complete checkpoint
+    import hybridflow.checkpoint.manager as manager_mod
+    from hybridflow.checkpoint import CheckpointWriteError
+    if rank == world - 1:
+        def broken(_rank: int) -> str:
+            raise OSError(28, "No space left on device")
+        manager_mod._rank_file = broken
+    sync = CheckpointManager(f"{out}/ckpt", async_save=False)
+    try:
+        sync.save(3, {"actor": state})
+        raise AssertionError("save should have failed")
+    except CheckpointWriteError as err:
+        expect = "No space left" if rank == world - 1 else "another rank"
+        assert expect in str(err), str(err)
+    assert not os.path.exists(f"{out}/ckpt/global_step_3")
     mgr.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -7,6 +7,7 @@ import json
 import pickle
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,12 @@ def test_async_error_surfaces_at_next_save_and_wait(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(atomic, "fsync_tree", read_only)
     mgr.save(2, {"m": {"w": torch.full((3,), 2.0)}})  # returns at once; the writer fails in the background
+    deadline = time.monotonic() + 30
+    with pytest.raises(CheckpointWriteError, match="step 2.*Read-only file system"):
+        while time.monotonic() < deadline:  # the per-step poll reports it without blocking, at the next step
+            mgr.poll()
+            time.sleep(0.01)
+    mgr.save(2, {"m": {"w": torch.full((3,), 2.0)}})
     with pytest.raises(CheckpointWriteError, match="step 2.*Read-only file system"):
         mgr.save(3, {"m": {"w": torch.full((3,), 3.0)}})  # raises instead of saving step 3
     mgr.save(4, {"m": {"w": torch.full((3,), 4.0)}})
@@ -208,9 +215,16 @@ def test_discard_after_rewinds_latest(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"m": {"w": torch.ones(1) * step}})
-        mgr.discard_after(1)
-        assert mgr.latest() == tmp_path / "global_step_1"
-        assert [s for s, _ in atomic.list_complete(tmp_path)] == [1]
+        mgr.discard_after(2)
+        assert mgr.latest() == tmp_path / "global_step_2"
+        assert [s for s, _ in atomic.list_complete(tmp_path)] == [1, 2]
+        loaded = mgr.rollback_to(1)
+        assert loaded.step == 1 and torch.equal(loaded.components["m"]["w"], torch.ones(1))
+        assert atomic.find_latest(tmp_path) == tmp_path / "global_step_1"
+        mgr.save(2, {"m": {"w": torch.full((1,), 7.0)}})  # the new branch re-saves step 2
+        mgr.save(2, {"m": {"w": torch.full((1,), 8.0)}})  # and replacing an existing step works too
+        assert torch.equal(mgr.load(restore_rng=False).components["m"]["w"], torch.full((1,), 8.0))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", "latest"]
 
 
 class _Evil:
@@ -230,3 +244,12 @@ def test_incomplete_checkpoint_refused(tmp_path: Path) -> None:
         CheckpointManager(tmp_path).load(tmp_path / "global_step_4")
     with pytest.raises(FileNotFoundError):
         CheckpointManager(tmp_path).load()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_tied_and_view_tensors_save(tmp_path: Path, async_save: bool) -> None:
+    w, fused = torch.randn(4, 3), torch.randn(6, 3)
+    state = {"embed": w, "lm_head": w, "q": fused[:2], "kv": fused[2:], "t": fused.t()}
+    with CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(1, {"m": state})
+    _assert_same(state, CheckpointManager(tmp_path).load(restore_rng=False).components["m"])

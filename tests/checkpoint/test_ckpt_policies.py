@@ -14,6 +14,7 @@ from hybridflow.checkpoint import (
     RollbackTracker,
     position_from_step,
     remaining_batches,
+    scale_lr,
 )
 
 
@@ -115,3 +116,14 @@ def test_data_position_at_epoch_boundary_trains_remaining_epochs() -> None:
         assert remaining_batches(pos, spe, 3) == len(order)
         if order:
             assert (pos.epoch, pos.batch) == order[0]
+
+
+def test_scale_lr_survives_lambda_scheduler_steps() -> None:
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sched.step()
+    scale_lr(opt, sched, 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 / 3)  # the schedule keeps the scale

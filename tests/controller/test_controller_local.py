@@ -199,6 +199,9 @@ def test_local_constructor_error_and_world_size_limit():
         WorkerGroup(None, Broken, backend="local", name="broken")
     with pytest.raises(ValueError, match="backend='ray'"):
         WorkerGroup(ResourcePool([2]), Counter, backend="local")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="asks for a GPU"):
+            WorkerGroup(ResourcePool([1], use_gpu=True), Counter, backend="local")
 
 
 def test_shutdown_blocks_calls():

@@ -278,6 +278,7 @@ def test_futures_chain_between_groups(echo, colocated):
     assert fut.layout is not None and fut.layout.dp_size == 2 and fut.layout.pad_size == 1
     # same dp size: each rank of the second group receives the producer's chunk by ObjectRef
     chained = actor.rename(fut)
+    assert not fut.fetched  # the producer's chunks never came back to the driver
     torch.testing.assert_close(chained.batch["x"], data.batch["x"] + 10.0)
     assert chained.batch["rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert list(chained.non_tensor_batch["tag"]) == [f"row{i}" for i in range(7)]
@@ -287,6 +288,7 @@ def test_futures_chain_between_groups(echo, colocated):
     try:
         fut2 = echo.add_async(data)
         sliced = actor.rename(fut2)
+        assert not fut2.fetched
         torch.testing.assert_close(sliced.batch["x"], data.batch["x"] + 10.0)
         assert sliced.batch["rank"].tolist() == [0] * 7
         # and the futures still resolve on the driver

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from hybridflow.controller.backends.base import Backend
 from hybridflow.controller.backends.host import WorkerHost
 from hybridflow.controller.errors import RemoteCallError, WorkerError
@@ -33,6 +35,9 @@ class LocalBackend(Backend):
                              f"pool {pool.name!r} asks for {pool.world_size} processes "
                              f"(process_on_nodes={pool.process_on_nodes}); use backend='ray' (trainer.backend=ray) "
                              f"or a pool of one process")
+        if pool.use_gpu and not torch.cuda.is_available():
+            raise ValueError(f"worker group {group!r}: resource pool {pool.name!r} asks for a GPU (use_gpu=True, "
+                             f"trainer.device=cuda) but torch sees none; use trainer.device=cpu or auto")
         host = WorkerHost()
         try:
             host.construct(WorkerEnv(), (worker_cls, args, kwargs), export_env=False)

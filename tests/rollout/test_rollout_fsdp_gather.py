@@ -9,15 +9,15 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import EOS, PAD, make_engine, make_model, make_prompts
+from rollout_helpers import EOS, PAD, make_engine, make_model, make_prompts
 
 from hybridflow.engine.fsdp import apply_fsdp2, build_mesh
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, out_dir: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
     try:
         model = make_model("qwen")
         apply_fsdp2(model, build_mesh(torch.device("cpu")), torch.float32, torch.float32)
@@ -36,8 +36,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_rank_fsdp_gather_matches_unsharded(tmp_path):
-    port = 29600 + os.getpid() % 300
-    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
     model = make_model("qwen")
     prompts = make_prompts(3, 10, model.config.vocab_size)
     with torch.no_grad():

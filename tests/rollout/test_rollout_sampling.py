@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rollout_cfg
+from rollout_helpers import rollout_cfg
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hybridflow.rollout.sampling import SamplingParams, row_seed, sample, sampling_tensors

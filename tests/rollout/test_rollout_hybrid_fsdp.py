@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import EOS, PAD, make_prompts
+from rollout_helpers import EOS, PAD, make_prompts
 
 from hybridflow.config import load_config
 from hybridflow.engine.train_engine import TrainEngine
@@ -19,7 +19,7 @@ from hybridflow.rollout import RolloutEngine
 def train_engine():
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = load_config([], ["actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8"])
     yield cfg, TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
     if own:

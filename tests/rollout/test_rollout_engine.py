@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 import torch
-from conftest import EOS, PAD, make_engine, make_model, make_prompts, rollout_cfg
+from rollout_helpers import EOS, PAD, make_engine, make_model, make_prompts, rollout_cfg
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hybridflow.rollout import RolloutEngine, SamplingParams
@@ -241,3 +241,19 @@ def test_checking_done_every_few_steps_changes_nothing():
     assert torch.equal(got.batch["responses"], every.batch["responses"])
     assert torch.equal(got.batch["response_mask"], every.batch["response_mask"])
     torch.testing.assert_close(got.batch["rollout_log_probs"], every.batch["rollout_log_probs"], atol=1e-4, rtol=0)
+
+
+def test_attended_kv_length_grows_with_the_context():
+    """P=100, R=40: decode attends to 128 cache columns, then to all 144 — still exactly HF's greedy output."""
+    model = make_model("qwen")
+    P, R = 100, 40
+    prompts = make_prompts(3, P, model.config.vocab_size, seed=9, meta={"do_sample": False})
+    engine = make_engine(model, P, R, ignore_eos=True)
+    engine.check_every = 4
+    out = engine.generate(prompts)
+    assert engine._runner.kv_buckets == [128, 144]
+    with torch.no_grad():
+        ref = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                             max_new_tokens=R, min_new_tokens=R, do_sample=False, pad_token_id=PAD,
+                             eos_token_id=EOS)[:, P:]
+    assert torch.equal(out.batch["responses"], ref)

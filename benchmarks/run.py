@@ -1,0 +1,306 @@
+"""GPU benchmark suite: the GRPO step loop on the TRL-equivalent workload, per stage, against the hardware ceilings.
+
+Run on one GPU:  PYTHONPATH=. python3 -m benchmarks.run --suite gpu --out $OUT
+CPU smoke test:  PYTHONPATH=. python3 -m benchmarks.run --preset tiny --device cpu --prompts 4 --n 2 \
+                     --prompt-len 16 --response-len 8 --steps 1 --out /tmp/bench
+Workload (issue 12): 32 prompts x 8 samples, 256 random prompt tokens + 256 response tokens (ignore_eos), KL off,
+bf16, one optimizer step per generation (on-policy, so old_log_prob is skipped) — the same as
+`benchmarks/trl_grpo.py`. Batches are built here (random token ids) and fed to `PPOTrainer.step`, so the step
+loop is the trainer's own. Reported per preset: `timing/*`, tokens/s, decode % of the HBM roofline, actor-update
+MFU, peak memory, `timing/switch`, GPU busy fraction over one profiled step (torch.profiler, CUDA activity only).
+Output: `<out>/bench_<preset>.json` plus a markdown table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.protocol import DataProto
+from hybridflow.rewards.registry import REWARD_FUNCTIONS
+
+log = logging.getLogger("bench.run")
+BENCH_SOURCE = "bench_length_mod5"
+
+
+@REWARD_FUNCTIONS.register(BENCH_SOURCE, override=True)
+def length_mod5(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Cheap, varied reward (GRPO needs non-constant groups); the same function `trl_grpo.py` uses."""
+    return (len(solution_str) % 5) / 4.0
+
+
+# ------------------------------------------------------------------------------------------------ ceilings
+def measure_ceilings(dev: torch.device) -> dict[str, float]:
+    """Measured copy bandwidth (read + write bytes/s) and bf16 matmul rate on random data."""
+    if dev.type != "cuda":
+        return {}
+    a = torch.empty(2**30, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * a.numel() * 2 * 20 / (time.perf_counter() - t0)
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    y = torch.randn_like(x)
+    for _ in range(3):
+        x @ y
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x @ y
+    torch.cuda.synchronize()
+    flops = 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"hbm_bytes_per_s": bw, "bf16_flops_per_s": flops}
+
+
+# ------------------------------------------------------------------------------------------------- workload
+def bench_config(args: argparse.Namespace, preset: str) -> Any:
+    prompts = args.prompts
+    overrides = [
+        f"model.preset={preset}", f"trainer.device={args.device}", "trainer.checkpoint.save_freq=0",
+        "trainer.val_before_train=false", "trainer.logger=[]", "data.train_size=64", "data.val_size=8", "data.truncation=left",
+        f"data.max_prompt_length={args.prompt_len}", f"data.max_response_length={args.response_len}",
+        f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={args.n}",
+        "rollout.ignore_eos=true", f"rollout.max_num_seqs={prompts * args.n}",
+        f"reward.sources=[{{name: {BENCH_SOURCE}, weight: 1.0}}]", "algorithm.adv_estimator=grpo",
+        "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false", "trainer.total_training_steps=1000",
+        *args.override,
+    ]
+    return load_config(overrides=overrides)
+
+
+def synthetic_batch(prompts: int, prompt_len: int, vocab: int, step: int) -> DataProto:
+    """Random prompt token ids (no padding), with the non-tensor columns the trainer's reward stage reads."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(min(100, vocab // 2), vocab, (prompts, prompt_len), generator=g)  # skip special ids
+    mask = torch.ones_like(ids)
+    pos = torch.arange(prompt_len).expand(prompts, -1).clone()
+
+    def col(values: list[Any]) -> np.ndarray:
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
+
+    idx = [step * prompts + i for i in range(prompts)]
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": pos},
+        non_tensors={"uid": col([f"s{i}" for i in idx]), "data_source": col([BENCH_SOURCE] * prompts),
+                     "reward_model": col([{"style": "rule", "ground_truth": None}] * prompts),
+                     "extra_info": col([{}] * prompts), "index": col(idx)},
+    )
+
+
+# -------------------------------------------------------------------------------------------------- profile
+def busy_fraction(trainer: Any, batch: DataProto) -> dict[str, Any]:
+    """One step under torch.profiler (CUDA activity): union of device-activity intervals over the step's wall
+    time, and the kernels that took the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        trainer.step(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    spans = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.duration_ns() > 0:
+            spans.append((ev.start_ns(), ev.start_ns() + ev.duration_ns()))
+    spans.sort()
+    busy, end = 0, None
+    for s, e in spans:
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    window = (spans[-1][1] - spans[0][0]) / 1e9 if spans else 0.0
+    top = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:15]
+    kernels = [{"name": a.key[:90], "ms": a.device_time_total / 1e3, "calls": a.count} for a in top]
+    return {"busy_s": busy / 1e9, "wall_s": wall, "first_to_last_kernel_s": window,
+            "busy_fraction": busy / 1e9 / wall if wall else 0.0, "top_kernels": kernels}
+
+
+# -------------------------------------------------------------------------------------------------- derived
+def decode_roofline(model_cfg: Any, rows: int, prompt_len: int, new_tokens: int, bw: float) -> dict[str, float]:
+    """Tokens/s bound of decode at `bw`: each step reads every matmul weight once (bf16) plus the KV of each
+    row's context (mean context P + R/2, as a perfect engine would)."""
+    from hybridflow.engine.flops import matmul_params
+
+    c = model_cfg
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    weight_bytes = 2 * matmul_params(c, with_lm_head=True)
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
+    kv_bytes = rows * (prompt_len + new_tokens / 2) * kv_per_token
+    step_s = (weight_bytes + kv_bytes) / bw
+    return {"weight_bytes": weight_bytes, "kv_bytes_mean": kv_bytes, "roofline_tok_s": rows / step_s}
+
+
+def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for m in steps for k in m})
+    return {k: float(np.median([m[k] for m in steps if k in m])) for k in keys}
+
+
+def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]) -> dict[str, Any]:
+    from hybridflow.trainer.ppo import PPOTrainer
+
+    cfg = bench_config(args, preset)
+    t0 = time.perf_counter()
+    trainer = PPOTrainer(cfg)
+    startup = time.perf_counter() - t0
+    dev = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    from hybridflow.models.presets import preset_config
+
+    model_cfg = preset_config(preset)
+    vocab = model_cfg.vocab_size
+    steps, gen_peaks = [], []
+    orig_generate = trainer._generate
+
+    def generate_with_peak(batch: DataProto, metrics: dict[str, float], timer: Any) -> DataProto:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out = orig_generate(batch, metrics, timer)
+        if dev.type == "cuda":
+            metrics["perf/gen_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+    trainer._generate = generate_with_peak
+    try:
+        for i in range(args.warmup + args.steps):
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            trainer.global_step += 1
+            m = trainer.step(synthetic_batch(args.prompts, args.prompt_len, vocab, i))
+            if dev.type == "cuda":
+                m["perf/step_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            log.info("%s step %d: %.3fs (%s)", preset, i, m["timing/step"],
+                     ", ".join(f"{k[7:]}={v:.3f}" for k, v in m.items() if k.startswith("timing/")))
+            if i >= args.warmup:
+                steps.append(m)
+        prof = None
+        if args.profile and dev.type == "cuda":
+            trainer.global_step += 1
+            prof = busy_fraction(trainer, synthetic_batch(args.prompts, args.prompt_len, vocab, 999))
+    finally:
+        trainer.close()
+    med = summarize(steps)
+    rows, R = args.prompts * args.n, args.response_len
+    gen_s = med.get("timing/generate", med["timing/gen"])
+    res: dict[str, Any] = {
+        "preset": preset, "startup_s": startup, "steps": steps, "median": med, "profile": prof,
+        "step_s": med["timing/step"],
+        "tokens_per_s": rows * (args.prompt_len + R) / med["timing/step"],
+        "decode_tok_s": rows * R / gen_s,
+        "update_mfu": med.get("actor/mfu"),
+        "switch_s": med.get("timing/switch"),
+        "peak_memory_gb": med.get("perf/step_peak_memory_gb"),
+        "gen_peak_memory_gb": med.get("perf/gen_peak_memory_gb"),
+    }
+    if ceilings:
+        roof = decode_roofline(model_cfg, rows, args.prompt_len, R, ceilings["hbm_bytes_per_s"])
+        res["decode_roofline"] = roof
+        res["decode_pct_roofline"] = 100 * res["decode_tok_s"] / roof["roofline_tok_s"]
+        if res["update_mfu"] is not None:  # engine MFU is against 989 TFLOP/s; also against the measured rate
+            res["update_mfu_vs_measured"] = res["update_mfu"] * 989e12 / ceilings["bf16_flops_per_s"]
+    del trainer
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def environment() -> dict[str, str]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit or "unknown",
+            "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict[str, Any]]) -> str:
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    lines = [f"GRPO step loop — {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}"]
+    if ceilings:
+        lines.append(f"measured: copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
+                     f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    stages = ["gen", "generate", "switch", "rollout_graph_capture", "rollout_cache_alloc", "reward", "old_log_prob",
+              "adv", "update_actor", "step"]
+    lines += ["", "| preset | " + " | ".join(f"timing/{s} (s)" for s in stages)
+              + " | tokens/s | decode tok/s | decode % roofline | update MFU | GPU busy | peak GB | gen peak GB |",
+              "|" + "---|" * (len(stages) + 8)]
+    for r in results:
+        med = r["median"]
+        busy = r["profile"]["busy_fraction"] if r.get("profile") else None
+        lines.append(f"| {r['preset']} | " + " | ".join(f(med.get(f"timing/{s}")) for s in stages)
+                     + f" | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['decode_tok_s'], '{:.0f}')}"
+                     + f" | {f(r.get('decode_pct_roofline'), '{:.1f}')} | {f(r['update_mfu'], '{:.1%}')}"
+                     + f" | {f(busy, '{:.1%}')} | {f(r['peak_memory_gb'], '{:.1f}')}"
+                     + f" | {f(r['gen_peak_memory_gb'], '{:.1f}')} |")
+    for r in results:
+        if r.get("profile"):
+            lines += ["", f"top kernels over one {r['preset']} step (ms, calls):"]
+            lines += [f"- {k['ms']:.1f} ms x{k['calls']}: {k['name']}" for k in r["profile"]["top_kernels"][:10]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--suite", choices=["gpu", "custom"], default="custom",
+                    help="gpu = qwen2.5-0.5b and 1.5b on cuda with profiling; custom = the flags below")
+    ap.add_argument("--preset", action="append", help="model preset(s); repeatable (default per suite)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--override", action="append", default=[], help="extra a.b=c config override; repeatable")
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    presets = args.preset or (["qwen2.5-0.5b", "qwen2.5-1.5b"] if args.suite == "gpu" else ["tiny"])
+    if args.profile is None:
+        args.profile = args.device != "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    dev = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    ceilings = measure_ceilings(dev)
+    results = []
+    for preset in presets:
+        r = run_preset(args, preset, ceilings)
+        results.append(r)
+        (out / f"bench_{preset}.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "args": vars(args),
+                                                             "result": r}, indent=1, default=str))
+    table = markdown(env, ceilings, results)
+    (out / "bench.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

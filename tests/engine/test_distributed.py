@@ -1,0 +1,53 @@
+"""World size 1 vs 2 (gloo, spawned processes): the same loss, gradient norm and updated weights."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+HERE = str(Path(__file__).parent)
+
+
+def _train_and_dump(rank: int, world: int, out: str, overrides: list[str]) -> None:
+    sys.path.insert(0, HERE)
+    from engine_testlib import make_batch, make_config, nll_loss
+
+    from hybridflow.engine import TrainEngine
+
+    cfg = make_config(*overrides)
+    engine = TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
+    data = make_batch(batch=8, seed=11).chunk(world)[rank]  # the dispatcher's DP split
+    metrics = [engine.train_step(data, nll_loss) for _ in range(2)]
+    logp = engine.forward_logprobs(data).batch["log_probs"]
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
+               for n, p in engine.module.named_parameters()}
+    if rank == 0:
+        weights["_loss"] = torch.tensor([m["loss"] for m in metrics])
+        weights["_grad_norm"] = torch.tensor([m["grad_norm"] for m in metrics])
+        save_file(weights, f"{out}/w{world}.safetensors")
+    save_file({"logp": logp.contiguous()}, f"{out}/logp{world}_{rank}.safetensors")
+
+
+def _worker(rank: int, world: int, out: str, overrides: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store{world}", rank=rank, world_size=world)
+    _train_and_dump(rank, world, out, overrides)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("overrides", [["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=30"]])
+def test_world_size_1_and_2_agree(tmp_path, overrides, dist_group):
+    mp.start_processes(_worker, args=(2, str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    _train_and_dump(0, 1, str(tmp_path), overrides)  # world size 1: this process's 1-rank group
+    one, two = load_file(tmp_path / "w1.safetensors"), load_file(tmp_path / "w2.safetensors")
+    torch.testing.assert_close(one["_loss"], two["_loss"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one["_grad_norm"], two["_grad_norm"], atol=1e-5, rtol=1e-5)
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=1e-5, rtol=0, msg=name)
+    logp_two = torch.cat([load_file(tmp_path / f"logp2_{r}.safetensors")["logp"] for r in range(2)])
+    torch.testing.assert_close(load_file(tmp_path / "logp1_0.safetensors")["logp"], logp_two, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,184 @@
+"""TrainEngine on one gloo rank: gradients against a naive reference, split invariance, offload, overfitting,
+checkpoint round trip, skipped steps, critic and reward heads."""
+
+import math
+
+import pytest
+import torch
+from engine_testlib import make_batch, make_config, nll_loss
+from torch.distributed.tensor import DTensor
+
+from hybridflow.algorithms.aggregation import agg_loss
+from hybridflow.engine import TrainEngine
+from hybridflow.models import load_model
+
+pytestmark = pytest.mark.usefixtures("dist_group")
+
+
+def _engine(*overrides, role="actor", **kw):
+    cfg = make_config(*overrides)
+    role_cfg = cfg.critic if role == "critic" else cfg.actor
+    return TrainEngine(cfg.model, role_cfg, role=role, device="cpu", data_cfg=cfg.data, **kw)
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _grads(engine):
+    return {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+
+
+def _weights(engine):
+    return {n: _full(p) for n, p in engine.module.named_parameters()}
+
+
+def _reference(data):
+    """Loss and gradients of the token-mean NLL over the whole batch, plain HF model, padded, full softmax."""
+    model = load_model(make_config().model, "actor")
+    b = data.batch
+    R = b["responses"].shape[1]
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                   position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1)
+    mask = b["response_mask"].float()
+    loss = -(logp * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("overrides", [
+    ("actor.ppo_micro_batch_size_per_gpu=8",),
+    ("actor.ppo_micro_batch_size_per_gpu=2",),
+    ("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=25"),
+    ("data.use_packed_dataset=false", "actor.ppo_micro_batch_size_per_gpu=2"),
+    ("model.enable_gradient_checkpointing=true", "actor.ppo_micro_batch_size_per_gpu=4"),
+])
+def test_gradients_match_reference_for_any_micro_batching(overrides):
+    data = make_batch(seed=0)
+    ref_loss, ref_grads = _reference(data)
+    engine = _engine(*overrides)
+    assert engine.module.is_gradient_checkpointing == ("model.enable_gradient_checkpointing=true" in overrides)
+    metrics = engine.train_step(data, nll_loss)
+    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    grads = _grads(engine)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert metrics["grad_norm"] == pytest.approx(
+        math.sqrt(sum(float(g.pow(2).sum()) for g in ref_grads.values())), rel=1e-4)
+    assert metrics["skipped"] == 0 and metrics["num_tokens"] == data.batch["attention_mask"].sum()
+
+
+def test_offload_on_off_same_result():
+    data = make_batch(seed=1)
+    runs = []
+    for offload in ("false", "true"):
+        engine = _engine(f"actor.fsdp.param_offload={offload}", f"actor.fsdp.optimizer_offload={offload}")
+        for _ in range(2):
+            engine.train_step(data, nll_loss)
+        engine.to_mode("generate")
+        engine.to_mode("offload")
+        engine.to_mode("train")
+        runs.append(engine.forward_logprobs(data).batch["log_probs"])
+    torch.testing.assert_close(runs[0], runs[1], atol=1e-6, rtol=0)
+
+
+def test_tiny_model_overfits_one_batch():
+    data = make_batch(seed=2)
+    engine = _engine("actor.optim.lr=1e-2")
+    first = engine.train_step(data, nll_loss)["loss"]
+    for _ in range(40):
+        last = engine.train_step(data, nll_loss)["loss"]
+    assert last < 0.1 * first, (first, last)
+
+
+def test_save_load_gives_identical_next_step(tmp_path):
+    data, data2 = make_batch(seed=3), make_batch(seed=4)
+    a = _engine("actor.optim.lr_warmup_steps=3")
+    a.train_step(data, nll_loss)
+    a.save(tmp_path / "ckpt")
+    m_a = a.train_step(data2, nll_loss)
+    b = _engine("actor.optim.lr_warmup_steps=3", seed=0)
+    b.load(tmp_path / "ckpt")
+    assert b.global_step == 1
+    m_b = b.train_step(data2, nll_loss)
+    assert m_a["loss"] == m_b["loss"] and m_a["lr"] == m_b["lr"]
+    wa, wb = _weights(a), _weights(b)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_non_finite_loss_skips_the_optimizer_step():
+    engine = _engine()
+    data = make_batch(seed=5)
+    before = _weights(engine)
+
+    def nan_loss(outputs, mb, norm):
+        loss, m = nll_loss(outputs, mb, norm)
+        return loss * float("nan"), m
+
+    metrics = engine.train_step(data, nan_loss)
+    assert metrics["skipped"] == 1
+    after = _weights(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert engine.train_step(data, nll_loss)["skipped"] == 0
+
+
+def test_ppo_epochs_and_mini_batches_count_optimizer_steps():
+    engine = _engine("actor.ppo_mini_batch_size=2", "actor.ppo_epochs=2", "actor.optim.lr=1e-3")
+    data = make_batch(seed=6)
+    calls = []
+
+    def counting_loss(outputs, mb, norm):
+        calls.append(len(mb))
+        return nll_loss(outputs, mb, norm)
+
+    data.meta_info["n"] = 2  # 2 prompts × 2 responses = 4 samples per mini-batch → 2 mini-batches × 2 epochs
+    engine.train_step(data, counting_loss)
+    assert calls == [4, 4, 4, 4]
+    assert engine.optimizer.state[next(iter(engine.module.parameters()))]["step"] == 4
+
+
+def test_lr_warmup_and_cosine():
+    engine = _engine("actor.optim.lr_warmup_steps=2", "actor.optim.lr_scheduler=cosine",
+                     "actor.optim.min_lr_ratio=0.1", total_training_steps=6)
+    data = make_batch(seed=7)
+    lrs = [engine.optimizer.param_groups[0]["lr"]]
+    for _ in range(6):
+        engine.train_step(data, nll_loss)
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+    # Warmup reaches the peak at its last step; cosine then decays from the peak to min_lr at the last step.
+    expected = [0.5e-3, 1e-3] + [1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert lrs == pytest.approx(expected, rel=1e-6)
+
+
+def test_critic_learns_values():
+    engine = _engine("critic.optim.lr=1e-2", "critic.ppo_mini_batch_size=8", "critic.ppo_micro_batch_size_per_gpu=4",
+                     "critic.grad_clip=1e6", role="critic")
+    data = make_batch(seed=8)
+    target = torch.linspace(-1, 1, data.batch["responses"].shape[1]).expand_as(data.batch["responses"])
+    data.batch["returns"] = target.clone()
+
+    def value_loss(outputs, mb, norm):
+        loss = agg_loss((outputs["values"] - mb.batch["returns"]) ** 2, mb.batch["response_mask"], "token-mean",
+                        norm["token-mean"])
+        return loss, {}
+
+    first = engine.train_step(data, value_loss)["loss"]
+    for _ in range(30):
+        last = engine.train_step(data, value_loss)["loss"]
+    assert last < 0.1 * first, (first, last)
+    values = engine.forward_values(data).batch["values"]
+    mask = data.batch["response_mask"].bool()
+    assert values.shape == target.shape and (values[~mask] == 0).all()
+    assert ((values - target)[mask] ** 2).mean() < 0.1 * first
+
+
+def test_forward_logprobs_micro_batching_invariant():
+    data = make_batch(seed=9)
+    a = _engine("actor.log_prob_micro_batch_size_per_gpu=8").forward_logprobs(data, 0.5, calculate_entropy=True)
+    b = _engine("actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=20").forward_logprobs(
+        data, 0.5, calculate_entropy=True)
+    for key in ("log_probs", "entropys"):
+        torch.testing.assert_close(a.batch[key], b.batch[key], atol=1e-5, rtol=1e-5)
+    assert a.batch["log_probs"].shape == data.batch["responses"].shape

@@ -1,0 +1,51 @@
+"""Builders for rollout tests: tiny random Llama-family models with peaky logits, prompt batches, engines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybridflow.config import load_config
+from hybridflow.models.presets import preset_config
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutEngine
+
+PAD, EOS = 0, 1  # built-in tokenizer: <|pad|>=0, <|endoftext|>=1
+
+
+def make_model(kind: str = "tiny", seed: int = 0) -> torch.nn.Module:
+    """`tiny` preset, or `qwen` = small Qwen2 shape (tied embeddings, GQA 8/2, 3 layers, vocab 300)."""
+    torch.manual_seed(seed)
+    if kind == "tiny":
+        cfg = preset_config("tiny")
+    else:
+        cfg = preset_config("qwen2.5-0.5b", vocab_size=300, hidden_size=128, intermediate_size=256,
+                            num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+    cfg.initializer_range = 0.2  # peaky logits: greedy ties and near-uniform sampling would test little
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def rollout_cfg(**kw):
+    base = load_config([], []).rollout
+    return dataclasses.replace(base, **kw)
+
+
+def make_engine(model, max_prompt_length: int = 12, max_response_length: int = 10, **cfg_kw) -> RolloutEngine:
+    cfg_kw.setdefault("free_cache_engine", False)
+    return RolloutEngine(model, rollout_cfg(**cfg_kw), eos_token_id=EOS, pad_token_id=PAD,
+                         max_prompt_length=max_prompt_length, max_response_length=max_response_length)
+
+
+def make_prompts(B: int, P: int, vocab: int, seed: int = 0, meta: dict | None = None) -> DataProto:
+    """Left-padded prompts of lengths spread over [2, P]; no special tokens inside."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, P), generator=g)
+    lengths = torch.randint(2, P + 1, (B,), generator=g)
+    lengths[0] = P
+    mask = (torch.arange(P)[None] >= (P - lengths)[:, None]).long()
+    ids[mask == 0] = PAD
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos},
+                                      meta_info=dict(meta or {}))
