@@ -55,9 +55,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         import datasets
+        import trl
         from transformers import AutoModelForCausalLM, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
-        import trl
     except ImportError as err:
         log.error("TRL is not importable (%s); carry its wheels (see benchmarks/trl_grpo.py)", err)
         raise SystemExit(2) from err

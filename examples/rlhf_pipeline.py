@@ -30,7 +30,7 @@ logger = logging.getLogger("rlhf_pipeline")
 # Small and fast on 2 CPU cores; every value can be overridden on the command line.
 BASE_OVERRIDES = [
     "model.preset=tiny", "data.task=arithmetic", "data.train_size=4096", "data.val_size=64",
-    "data.max_prompt_length=48", "data.max_response_length=8",
+    "data.max_prompt_length=64", "data.max_response_length=12",
     "trainer.device=cpu", "trainer.backend=local", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
     "trainer.checkpoint.save_freq=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
     "sft.batch_size=64", "sft.micro_batch_size_per_gpu=64",
@@ -67,8 +67,8 @@ def run_rm_stage(workdir: Path, overrides: list[str], steps: int, init_from: Pat
     return path, history[-1]
 
 
-def true_metric_validator(cfg: Config, trainer: Any) -> Any:
-    """A validator that scores greedy held-out answers with the task's RULE only (the true metric)."""
+def true_metric_validator(cfg: Config, trainer: Any) -> tuple[Any, Any]:
+    """(validator, its reward manager): greedy held-out answers scored by the task's RULE only (the true metric)."""
     from hybridflow.config.schema import RewardSourceConfig
     from hybridflow.rewards import RewardManager
     from hybridflow.trainer.validation import Validator
@@ -92,6 +92,8 @@ def run_ppo_stage(workdir: Path, overrides: list[str], steps: int, sft_dir: Path
         f"reward.sources=[{', '.join(sources)}]", f"trainer.total_training_steps={steps}"])
     tracker = Tracker.from_config(cfg)
     trainer = PPOTrainer(cfg, tracker=tracker)
+    # The held-out metric here is the rule's (below); the trainer's own validator would need RM scores too.
+    trainer.validator = None
     truth, scorer = true_metric_validator(cfg, trainer)
     try:
         before = truth.run(step=0)["val/accuracy"]

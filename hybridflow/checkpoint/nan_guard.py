@@ -33,6 +33,8 @@ def is_finite_everywhere(ok: bool, group: dist.ProcessGroup | None = None, devic
     """All-reduce (MIN) a finiteness flag so every rank skips together; identity when not distributed."""
     if not dist.is_available() or not dist.is_initialized():
         return ok
+    if str(device) == "cpu" and dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

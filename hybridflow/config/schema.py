@@ -454,6 +454,7 @@ class RMConfig:
     grad_clip: float
     optim: OptimConfig
     export_dir: str | None  # HF reward-model directory written at the end; null = <trainer.run_dir>/hf
+    synthetic_mix: dict[str, float]  # built-in task pairs: weights of the rejected kinds; {} = the task's default
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "rm.epochs", self.epochs, "must be >= 1")

@@ -31,6 +31,8 @@ class ColocatedWorker(Worker):
         self.roles: dict[str, Worker] = {}
         for role, (cls, args, kwargs) in self._hf_roles.items():
             self.roles[role] = cls(*args, **kwargs)
+        for worker in self.roles.values():  # a role may act for the whole process (e.g. one checkpoint)
+            worker.colocated_roles = self.roles  # type: ignore[attr-defined]
 
     def get_dispatch_info(self, role: str | None = None) -> DispatchInfo:
         return super().get_dispatch_info() if role is None else self.roles[role].get_dispatch_info()

@@ -38,12 +38,12 @@ class Task:
 
 def _arithmetic() -> Iterable[Problem]:
     for a, b in itertools.product(range(100), range(100)):
-        yield Problem(f"What is {a}+{b}? Answer after ####.", str(a + b))
+        yield Problem(f"What is {a}+{b}?", str(a + b))
 
 
 def _sort() -> Iterable[Problem]:
     for digits in itertools.product(range(10), repeat=4):
-        yield Problem(f"Sort {' '.join(map(str, digits))}. Answer after ####.", " ".join(map(str, sorted(digits))))
+        yield Problem(f"Sort {' '.join(map(str, digits))}.", " ".join(map(str, sorted(digits))))
 
 
 TASKS: dict[str, Task] = {

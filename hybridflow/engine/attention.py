@@ -33,8 +33,19 @@ except ImportError:  # pragma: no cover - depends on the torch build
     _VARLEN_PARAMS = set()
 
 
+# Set when the varlen kernel raised once (e.g. an unsupported GPU or API drift): later calls use SDPA.
+_varlen_error: str | None = None
+
+
 def varlen_supported(q: torch.Tensor) -> bool:
-    return _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return (_varlen_attn is not None and _varlen_error is None and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel packed attention uses for this device/dtype (for benchmark records and logs)."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return "varlen_flash" if varlen_supported(probe) else "padded_sdpa"
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
@@ -97,9 +108,15 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if dropout:
         raise ValueError("packed attention does not support attention dropout; set attention_dropout=0")
     if varlen_supported(query):
-        out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
-                      int(max_len), scaling)
-        return out.unsqueeze(0), None
+        try:
+            out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+                          int(max_len), scaling)
+            return out.unsqueeze(0), None
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            global _varlen_error
+            _varlen_error = f"{type(e).__name__}: {e}"
+            logger.warning("varlen flash attention failed (%s); packed attention falls back to padded SDPA",
+                           _varlen_error)
     return _padded_sdpa(query, key, value, cu, scaling), None
 
 

@@ -1,7 +1,8 @@
 """FLOP counts for MFU: 6·N·tokens for the dense matmuls plus the causal attention term, per sequence length.
 
-Assumptions (stated so MFU numbers are comparable): N counts the decoder matmul weights and the output head but
-not the embedding lookup; attention adds 6·layers·(heads·head_dim)·s² per sequence of length s for forward +
+Assumptions (stated so MFU numbers are comparable): N counts the decoder matmul weights (not the embedding
+lookup); the output head (vocab × hidden) counts only for the tokens it is applied to (response tokens: the
+engine never computes logits for prompt tokens); attention adds 6·layers·(heads·head_dim)·s² per sequence of length s for forward +
 backward (half of 12·L·d·s², since the mask is causal); recomputation (activation checkpointing) is not counted.
 Peak: 989 TFLOP/s bf16 dense for H100/H200 (override with HYBRIDFLOW_PEAK_TFLOPS); none on CPU.
 """
@@ -30,16 +31,19 @@ class FlopsCounter:
     """Training and forward FLOPs of a batch given its sequence lengths."""
 
     def __init__(self, cfg: PretrainedConfig, with_lm_head: bool = True) -> None:
-        self.n = matmul_params(cfg, with_lm_head)
+        self.n = matmul_params(cfg, with_lm_head=False)
+        self.head = cfg.vocab_size * cfg.hidden_size if with_lm_head else 0
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
 
-    def train_flops(self, seqlens: Sequence[int]) -> float:
+    def train_flops(self, seqlens: Sequence[int], head_tokens: int | None = None) -> float:
+        """Forward + backward FLOPs; `head_tokens` = tokens the output head runs on (default: all)."""
         tokens = sum(seqlens)
-        return 6.0 * self.n * tokens + 6.0 * self.attn_width * sum(s * s for s in seqlens)
+        head_tokens = tokens if head_tokens is None else head_tokens
+        return 6.0 * (self.n * tokens + self.head * head_tokens) + 6.0 * self.attn_width * sum(s * s for s in seqlens)
 
-    def forward_flops(self, seqlens: Sequence[int]) -> float:
-        return self.train_flops(seqlens) / 3.0
+    def forward_flops(self, seqlens: Sequence[int], head_tokens: int | None = None) -> float:
+        return self.train_flops(seqlens, head_tokens) / 3.0
 
 
 def peak_flops(device: torch.device) -> float | None:

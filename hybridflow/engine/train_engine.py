@@ -62,8 +62,7 @@ class TrainEngine:
         self.global_step = 0
 
         model = load_model(model_cfg, role, path=model_path, dtype=DTYPES[s.fsdp.param_dtype],
-                           attn_implementation=register_attention())
-        model.config.use_cache = False
+                           attn_implementation=register_attention(), init_device=self.device)
         if s.trainable and model_cfg.enable_gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -83,8 +82,7 @@ class TrainEngine:
             self.optimizer = build_optimizer(model.parameters(), s.optim)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, s.optim, total_training_steps)
         self._params_on_device = self._optim_on_device = True
-        if s.fsdp.param_offload or s.fsdp.optimizer_offload:
-            self.to_mode("offload")
+        self._exit()  # start offloaded where configured
 
     # ----------------------------------------------------------------------------------------- placement
     def to_mode(self, mode: str) -> None:
@@ -273,7 +271,8 @@ class TrainEngine:
             for k, v in metrics.items():
                 sums[k] += float(v)
             tokens += n_tok
-            flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist())
+            head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
+            flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
         grad_norm = self._clip_grad_norm()
         skipped = not (torch.isfinite(grad_norm) and torch.isfinite(loss_total))
         if skipped:

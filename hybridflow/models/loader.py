@@ -13,8 +13,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from hybridflow.config.schema import ModelConfig
 from hybridflow.models.heads import SCALAR_HEAD_ROLES, scalar_head_from_config, scalar_head_from_pretrained
@@ -24,6 +31,7 @@ from hybridflow.models.tokenizer import builtin_tokenizer
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref", "critic", "reward")
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _check_dir(path: str, key: str) -> Path:
@@ -39,11 +47,23 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     path = cfg.tokenizer_path or cfg.path
     if path is None:
         return builtin_tokenizer()
-    tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=cfg.trust_remote_code)
+    tok = _auto_tokenizer(Path(path).expanduser(), cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         logger.warning("tokenizer at %s has no pad token; using eos %r", path, tok.eos_token)
     return tok
+
+
+def _auto_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """AutoTokenizer, except for generic fast tokenizers (the built-in one): transformers 5 would rebuild those
+    as the model type's tokenizer class when a config.json sits next to them (e.g. Qwen2Tokenizer, which drops
+    our spaces), so they load as what they are."""
+    cfg_file = path / "tokenizer_config.json"
+    if cfg_file.is_file():
+        declared = json.loads(cfg_file.read_text()).get("tokenizer_class")
+        if declared in GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 def model_config(cfg: ModelConfig, path: str | None = None) -> PretrainedConfig:
@@ -60,11 +80,13 @@ def model_config(cfg: ModelConfig, path: str | None = None) -> PretrainedConfig:
 
 
 def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None,
-               dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> PreTrainedModel:
+               dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+               init_device: str | torch.device = "cpu") -> PreTrainedModel:
     """The model for `role`: a causal LM (actor/ref) or backbone + scalar head (critic/reward).
 
-    `path` overrides `cfg.path` (critic.model_path, reward_model.path). Presets are initialised from `cfg.seed`,
-    so the actor and reference start identical.
+    `path` overrides `cfg.path` (critic.model_path, reward_model.path). Presets are initialised from `cfg.seed`
+    directly on `init_device` (fast for billion-parameter shapes on a GPU), so the actor and reference start
+    identical on a given device type; checkpoints always load on CPU.
     """
     if role not in ROLES:
         raise ValueError(f"role={role!r}: must be one of {', '.join(ROLES)}")
@@ -72,7 +94,7 @@ def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None
     hf_cfg = model_config(cfg, path)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if path is None:
-        with _seeded(cfg.seed):
+        with _seeded(cfg.seed, torch.device(init_device)), torch.device(init_device):
             if role in SCALAR_HEAD_ROLES:
                 model = scalar_head_from_config(hf_cfg, dtype)
             else:
@@ -94,11 +116,13 @@ def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None
 class _seeded:
     """Fork the RNG so random init is reproducible without disturbing the caller's RNG stream."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, device: torch.device) -> None:
         self.seed = seed
+        self.devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
 
     def __enter__(self) -> None:
-        self._ctx = torch.random.fork_rng(devices=[])
+        self._ctx = torch.random.fork_rng(devices=self.devices)
         self._ctx.__enter__()
         torch.manual_seed(self.seed)
 

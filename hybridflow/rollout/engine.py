@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.protocol import DataProto
@@ -121,6 +122,13 @@ class RolloutEngine:
             self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
         return self._runner
 
+    def state_dict(self) -> dict[str, int]:
+        """What resuming needs for bit-exact sampling: default seeds derive from the number of generate calls."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._calls = int(state["calls"])
+
     # ------------------------------------------------------------------------------------------------ generate
     def sampling_for(self, meta: dict[str, Any], sampling: SamplingParams | None) -> SamplingParams:
         base = sampling or SamplingParams.from_config(self.cfg, validate=bool(meta.get("validate", False)))
@@ -129,8 +137,10 @@ class RolloutEngine:
     def _row_seeds(self, meta: dict[str, Any], params: SamplingParams, B: int) -> list[int]:
         n = params.n
         seeds = meta.get("seeds")
-        if seeds is None:
-            return [row_seed(row_seed(params.seed, self._calls), i * n + j) for i in range(B) for j in range(n)]
+        if seeds is None:  # fresh per call and per data-parallel rank, reproducible from rollout.seed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            base = row_seed(row_seed(params.seed, self._calls), rank)
+            return [row_seed(base, i * n + j) for i in range(B) for j in range(n)]
         seeds = [int(s) for s in (seeds.tolist() if hasattr(seeds, "tolist") else seeds)]
         if len(seeds) == B * n and n > 1:  # one seed per output row; equals per-prompt seeds when n == 1
             return [row_seed(s, 0) for s in seeds]

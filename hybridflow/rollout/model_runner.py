@@ -147,7 +147,8 @@ class ModelRunner:
     def shape(self, highest_live_slot: int, remaining_steps: int, kv_needed: int) -> tuple[int, int]:
         """(b, L) for the next steps: slots [0, highest_live_slot] attending to >= kv_needed columns. Captures that
         graph on first use, unless a larger captured one can finish the last few steps (capture ≈ 2 eager steps)."""
-        L = next(x for x in self.kv_buckets if x >= kv_needed)
+        # The host bound can overshoot T when requests entered at different steps; live columns never do.
+        L = next(x for x in self.kv_buckets if x >= min(kv_needed, self.cache.max_len))
         if not self.use_graphs:
             return highest_live_slot + 1, L
         b = next(x for x in self.buckets if x > highest_live_slot)

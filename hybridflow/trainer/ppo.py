@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 from hybridflow.algorithms import (
     build_kl_controller,
@@ -24,6 +25,7 @@ from hybridflow.algorithms import (
 from hybridflow.config import Config, resolve
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.balance import balanced_order
+from hybridflow.trainer.checkpointing import TrainerCheckpointing
 from hybridflow.trainer.metrics import compute_data_metrics, memory_metrics, throughput_metrics
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
 from hybridflow.trainer.timing import StageTimer
@@ -63,7 +65,9 @@ class PPOTrainer:
         self.tracker = tracker
         self.global_step = 0
         self.epoch = 0
+        self._gen_calls = 0
         self.history: list[dict[str, float]] = []
+        self.ckpt = TrainerCheckpointing(self)  # resume, saves, rollback, NaN guard
 
     # ------------------------------------------------------------------------------------------------ fit
     @property
@@ -72,7 +76,8 @@ class PPOTrainer:
 
     def fit(self) -> list[dict[str, float]]:
         """Train for `total_steps`; returns the per-step metrics (also sent to the tracker)."""
-        if self.cfg.trainer.val_before_train and self.validator is not None:
+        self.ckpt.resume()
+        if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
             self._log(self.validator.run(step=0), step=0)
         if self.tracker is not None:
             self.tracker.start_progress(self.total_steps, initial_step=self.global_step)
@@ -84,14 +89,22 @@ class PPOTrainer:
         return self.history
 
     def _train_loop(self) -> None:
+        if self.global_step >= self.total_steps:
+            logger.info("resumed at step %d of %d: nothing left to train", self.global_step, self.total_steps)
+            return
         for batch in self._batches():
             self.global_step += 1
+            self.ckpt.poll()  # a failed background save surfaces here
             metrics = self.step(batch)
+            metrics |= self.ckpt.check_finite(metrics, self.global_step)  # skipped-step count, stop or roll back
             is_last = self.global_step >= self.total_steps
             test_freq = self.cfg.trainer.test_freq
+            val: dict[str, float] = {}
             if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
-                metrics |= self.validator.run(step=self.global_step)
-            self._log(metrics, step=self.global_step)
+                val = self.validator.run(step=self.global_step)
+            self._log(metrics | val, step=self.global_step)
+            self.ckpt.after_validation(val, self.global_step)  # may roll back to the best checkpoint
+            self.ckpt.maybe_save(self.global_step, is_last)
             if self.tracker is not None:
                 self.tracker.advance(self.global_step)
             if is_last:
@@ -148,6 +161,7 @@ class PPOTrainer:
         return metrics  # 9. the caller logs, validates and checkpoints
 
     def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
+        batch = self._with_seeds(batch)
         out = self.actor.generate_sequences(batch)
         metrics |= reduce_metrics(out.meta_info.pop("metrics", []))  # timing/switch, timing/generate per rank
         if self.cfg.algorithm.adv_estimator == "remax":  # greedy baseline response per prompt
@@ -156,6 +170,15 @@ class PPOTrainer:
             scores, _ = self.reward_fn(greedy)
             out.batch["baseline_rewards"] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
         return out
+
+    def _with_seeds(self, batch: DataProto) -> DataProto:
+        """One sampling seed per prompt, from (rollout.seed, step, row): the same responses whatever the split
+        across data-parallel ranks, so 1 and N ranks (or a resumed run) generate identically."""
+        base = (self.cfg.rollout.seed * 1_000_003 + self.global_step * 7_919 + self._gen_calls) * 1_000_033
+        self._gen_calls += 1
+        view = batch[:]
+        view.batch = {**batch.batch, "seeds": torch.arange(len(batch), dtype=torch.long) + base % (2**62)}
+        return view
 
     @staticmethod
     def _with_meta(batch: DataProto, **meta: Any) -> DataProto:
@@ -238,6 +261,10 @@ class PPOTrainer:
         return metrics
 
     def close(self) -> None:
-        self.reward_fn.close()
-        self.groups.close()
+        """Wait for the last checkpoint save (raising its error), then release the workers."""
+        try:
+            self.ckpt.close()
+        finally:
+            self.reward_fn.close()
+            self.groups.close()
 

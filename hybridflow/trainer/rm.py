@@ -49,8 +49,9 @@ def build_preference_datasets(cfg: Config, tokenizer: Any) -> tuple[Dataset, Dat
     if not d.task:
         raise ValueError("data.train_files is empty and data.task is not set: give prompt/chosen/rejected parquet")
     train_rows, val_rows = task_splits(d.task, d.train_size, d.val_size, d.seed)
-    train = PreferenceDataset(preference_rows(train_rows, d.seed), tokenizer, name="rm-train", **kwargs)
-    val = PreferenceDataset(preference_rows(val_rows, d.seed + 1), tokenizer, name="rm-val", **kwargs)
+    mix = cfg.rm.synthetic_mix or None
+    train = PreferenceDataset(preference_rows(train_rows, d.seed, mix), tokenizer, name="rm-train", **kwargs)
+    val = PreferenceDataset(preference_rows(val_rows, d.seed + 1, mix), tokenizer, name="rm-val", **kwargs)
     return train, val
 
 

@@ -58,10 +58,10 @@ class SupervisedWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_lm(self, data: DataProto) -> DataProto:
         """Per-row sums for SFT validation: log-likelihood of the loss tokens, loss tokens, argmax hits."""
-        data = data.to(self.device)
+        # The engine moves micro-batches to its device and returns CPU tensors.
         logp_BR = self.engine.forward_logprobs(data, temperature=1.0, calculate_entropy=False).batch["log_probs"]
         mask_BR = data.batch["response_mask"].to(logp_BR.dtype)
-        hits_BR = self._argmax_hits(data)
+        hits_BR = self._argmax_hits(data).cpu()
         return DataProto.from_dict({
             "sum_logp": (logp_BR * mask_BR).sum(-1).float().cpu(),
             "num_tokens": mask_BR.sum(-1).float().cpu(),
@@ -78,17 +78,15 @@ class SupervisedWorker(Worker):
         out = []
         for s in range(0, len(data), micro):
             sl = slice(s, s + micro)
-            logits = self.engine.module(input_ids=b["input_ids"][sl], attention_mask=b["attention_mask"][sl],
-                                        position_ids=b["position_ids"][sl], use_cache=False,
-                                        logits_to_keep=R + 1).logits
-            out.append(logits[:, :R].argmax(-1) == b["responses"][sl])
+            dev = {k: b[k][sl].to(self.engine.device) for k in ("input_ids", "attention_mask", "position_ids")}
+            logits = self.engine.module(**dev, use_cache=False, logits_to_keep=R + 1).logits
+            out.append((logits[:, :R].argmax(-1) == b["responses"][sl].to(logits.device)).cpu())
         return torch.cat(out)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_scores(self, data: DataProto) -> DataProto:
         """Reward-model score of each pair row [B]: the value at its score slot (= `forward_scores` of the row
         without the slot, as in PPO)."""
-        data = data.to(self.device)
         values_BR = self.engine.forward_values(data).batch["values"]
         return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch["response_mask"]).cpu()})
 

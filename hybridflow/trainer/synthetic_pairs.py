@@ -1,42 +1,72 @@
 """Synthetic preference pairs from a built-in task: chosen = the correct answer, rejected = a wrong one.
 
-The preference ("prefer correct arithmetic") is learnable and checkable: the task's rule scorer is the ground
-truth, so an RM trained on these pairs can drive PPO and the rule metric measures whether that helped. Wrong
-answers mix near misses (±1, ±2, ±10: the carry and last-digit slips a small model makes) with random numbers,
-so the RM must look at the number, not at the format.
+The preference ("prefer correct answers") is checkable: the task's rule scorer is the ground truth, so an RM
+trained on these pairs can drive PPO and the rule metric measures whether that helped. Each task has kinds of
+wrong answers, mixed by `mix` weights:
+  arithmetic — `near` (±1, ±2, ±10: carry and last-digit slips), `random` (any other number), `format` (the
+               right number without the `####` marker, which the scorer rejects);
+  sort       — `unsorted` (the right digits out of order), `wrong_digits` (sorted, one digit changed).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
 
 
-def wrong_answer(answer: str, rng: random.Random) -> str:
-    """A different non-negative integer answer (near miss half the time, else random in [0, 2·answer+20])."""
-    value = int(answer)
+def _int_answer(truth: str, rng: random.Random, kind: str) -> str:
+    value = int(truth)
     while True:
-        if rng.random() < 0.5:
-            candidate = value + rng.choice(NEAR_MISSES)
-        else:
-            candidate = rng.randint(0, 2 * value + 20)
+        candidate = value + rng.choice(NEAR_MISSES) if kind == "near" else rng.randint(0, 2 * value + 20)
         if candidate != value and candidate >= 0:
-            return str(candidate)
+            return f"#### {candidate}"
 
 
-def preference_rows(task_rows: Sequence[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-    """Task rows (with `prompt`, `response` = "#### <answer>", `reward_model.ground_truth`) → rows with
-    `prompt`, `chosen`, `rejected` (and the task's other columns). Deterministic in `seed`."""
+def _arithmetic(truth: str, rng: random.Random, kind: str) -> str:
+    if kind == "format":
+        return truth
+    return _int_answer(truth, rng, kind)
+
+
+def _sort(truth: str, rng: random.Random, kind: str) -> str:
+    digits = truth.split()
+    if kind == "unsorted" and len(set(digits)) > 1:
+        shuffled = list(digits)
+        while shuffled == digits:
+            rng.shuffle(shuffled)
+        return "#### " + " ".join(shuffled)
+    changed = list(digits)
+    i = rng.randrange(len(changed))
+    changed[i] = str((int(changed[i]) + rng.randint(1, 9)) % 10)
+    return "#### " + " ".join(sorted(changed))
+
+
+TASK_WRONG: dict[str, tuple[Callable[[str, random.Random, str], str], dict[str, float]]] = {
+    "hybridflow/arithmetic": (_arithmetic, {"near": 0.4, "random": 0.4, "format": 0.2}),
+    "hybridflow/sort": (_sort, {"unsorted": 0.5, "wrong_digits": 0.5}),
+}
+
+
+def preference_rows(task_rows: Sequence[dict[str, Any]], seed: int,
+                    mix: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """Task rows (`prompt`, `response` = "#### <answer>", `data_source`, `reward_model.ground_truth`) → rows with
+    `prompt`, `chosen`, `rejected`, `rejected_kind` (and the task's other columns). Deterministic in `seed`."""
     rng = random.Random(seed)
     out = []
     for row in task_rows:
+        source = row.get("data_source")
+        if source not in TASK_WRONG:
+            raise ValueError(f"no synthetic preference pairs for data_source {source!r}; built-in tasks with pairs: "
+                             f"{', '.join(TASK_WRONG)} (or give prompt/chosen/rejected parquet in data.train_files)")
+        wrong, default_mix = TASK_WRONG[source]
+        weights = dict(mix or default_mix)
+        unknown = set(weights) - set(default_mix)
+        if unknown:
+            raise ValueError(f"unknown rejected kinds {sorted(unknown)} for {source}; choose from {sorted(default_mix)}")
+        kind = rng.choices(list(weights), weights=list(weights.values()))[0]
         truth = str(row["reward_model"]["ground_truth"])
-        if not truth.lstrip("-").isdigit():
-            raise ValueError(f"synthetic pairs need integer answers (task arithmetic); got ground truth {truth!r}")
-        chosen = row["response"]
-        rejected = chosen.replace(truth, wrong_answer(truth, rng))
-        out.append({**row, "chosen": chosen, "rejected": rejected})
+        out.append({**row, "chosen": row["response"], "rejected": wrong(truth, rng, kind), "rejected_kind": kind})
     return out

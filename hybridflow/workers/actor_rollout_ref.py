@@ -14,10 +14,11 @@ import torch
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
+from hybridflow.workers.checkpointing import CheckpointingWorker
 from hybridflow.workers.losses import make_actor_loss
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg, self.res = cfg, resolve(cfg)
@@ -54,7 +55,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor.to_mode("generate")
         self.rollout.sync_weights()
         t1 = time.perf_counter()
-        out = self.rollout.generate(prompts.to(self.device))
+        out = self.rollout.generate(_seeds_to_meta(prompts))
         t2 = time.perf_counter()
         if self.cfg.rollout.free_cache_engine:
             self.rollout.release_cache()
@@ -95,9 +96,27 @@ class ActorRolloutRefWorker(Worker):
                 p_ref.lerp_(p_act.to(p_ref.dtype), 1.0 - decay)
 
     # ------------------------------------------------------------------------------------------ checkpoint
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        out = {"actor": self.actor}
+    def checkpoint_engines(self) -> dict[str, Any]:
+        """The actor, and the reference only when it is an EMA (a frozen ref is rebuilt from the model)."""
+        engines = {"actor": self.actor}
         if self.ref is not None and self.cfg.ref.ema.enable:
-            out["ref"] = self.ref
-        return out
+            engines["ref"] = self.ref
+        return engines
+
+    def checkpoint_rank_state(self) -> dict[str, Any]:
+        # Default rollout seeds derive from the engine's call counter; restoring it keeps resumed sampling exact.
+        return {"rollout": self.rollout.state_dict()}
+
+    def load_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
+        if "rollout" in state:
+            self.rollout.load_state_dict(state["rollout"])
+
+
+def _seeds_to_meta(prompts: DataProto) -> DataProto:
+    """The driver sends per-prompt seeds as a `seeds` column (so they are split with the rows); the rollout
+    engine takes them from meta_info."""
+    if "seeds" not in prompts.batch:
+        return prompts
+    batch = {k: v for k, v in prompts.batch.items() if k != "seeds"}
+    meta = {**prompts.meta_info, "seeds": prompts.batch["seeds"].tolist()}
+    return DataProto(batch=batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)

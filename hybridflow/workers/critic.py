@@ -9,10 +9,11 @@ import torch
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
+from hybridflow.workers.checkpointing import CheckpointingWorker
 from hybridflow.workers.losses import make_critic_loss
 
 
-class CriticWorker(Worker):
+class CriticWorker(CheckpointingWorker, Worker):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -43,6 +44,5 @@ class CriticWorker(Worker):
             metrics["perf/max_memory_allocated_gb/critic"] = torch.cuda.max_memory_allocated() / 2**30
         return metrics
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def state_for_checkpoint(self) -> dict[str, Any]:
+    def checkpoint_engines(self) -> dict[str, Any]:
         return {"critic": self.critic}

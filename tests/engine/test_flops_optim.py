@@ -29,6 +29,8 @@ def test_train_flops_formula():
     n = matmul_params(cfg)
     d = cfg.num_hidden_layers * cfg.hidden_size
     assert counter.train_flops([3, 5]) == 6 * n * 8 + 6 * d * (9 + 25)
+    body = matmul_params(cfg, with_lm_head=False)
+    assert counter.train_flops([3, 5], head_tokens=2) == 6 * (body * 8 + (n - body) * 2) + 6 * d * (9 + 25)
     assert counter.forward_flops([4]) == pytest.approx(counter.train_flops([4]) / 3)
 
 

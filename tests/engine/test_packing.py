@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from engine_testlib import make_batch, make_config
 
 from hybridflow.engine.attention import register
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
 from hybridflow.engine.packing import build_inputs, scatter_to_responses
 from hybridflow.models import load_model
-from engine_testlib import make_batch, make_config
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_gradients_match_reference_for_any_micro_batching(overrides):
     data = make_batch(seed=0)
     ref_loss, ref_grads = _reference(data)
     engine = _engine(*overrides)
-    assert engine.module.is_gradient_checkpointing == ("model.enable_gradient_checkpointing=true" in overrides)
+    assert engine.module.base_model.layers[0].gradient_checkpointing == ("model.enable_gradient_checkpointing=true" in overrides)
     metrics = engine.train_step(data, nll_loss)
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
     grads = _grads(engine)
@@ -182,3 +182,36 @@ def test_forward_logprobs_micro_batching_invariant():
     for key in ("log_probs", "entropys"):
         torch.testing.assert_close(a.batch[key], b.batch[key], atol=1e-5, rtol=1e-5)
     assert a.batch["log_probs"].shape == data.batch["responses"].shape
+
+
+def test_save_hf_exports_trained_weights(tmp_path):
+    engine = _engine()
+    engine.train_step(make_batch(seed=10), nll_loss)
+    engine.save_hf(tmp_path / "hf")
+    cfg = make_config(f"model.path={tmp_path / 'hf'}")
+    loaded = load_model(cfg.model, "actor")
+    trained = _weights(engine)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, trained[name]), name
+
+
+def test_reference_and_reward_roles_are_inference_only():
+    cfg = make_config()
+    ref = TrainEngine(cfg.model, cfg.ref, role="ref", device="cpu", data_cfg=cfg.data)
+    actor = _engine()
+    data = make_batch(seed=12)
+    torch.testing.assert_close(ref.forward_logprobs(data).batch["log_probs"],
+                               actor.forward_logprobs(data).batch["log_probs"], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not trainable"):
+        ref.train_step(data, nll_loss)
+    rm = TrainEngine(cfg.model, cfg.reward.reward_model, role="reward", device="cpu", data_cfg=cfg.data)
+    scores = rm.forward_scores(data).batch["rm_scores"]
+    naive = load_model(cfg.model, "reward")
+    b = data.batch
+    for i in range(len(data)):
+        keep = b["attention_mask"][i].bool()
+        with torch.no_grad():
+            last = naive(input_ids=b["input_ids"][i][keep][None]).logits[0, -1, 0]
+        torch.testing.assert_close(scores[i], last, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="scalar head"):
+        actor.forward_values(data)

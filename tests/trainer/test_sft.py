@@ -111,7 +111,8 @@ def test_run_sft_lowers_loss_and_exports_for_ppo(tmp_path):
     ppo_model_cfg = dataclasses.replace(cfg.model, path=str(out))
     model = load_model(ppo_model_cfg, "actor")
     tok = load_tokenizer(ppo_model_cfg)
-    assert tok.pad_token_id == load_tokenizer(cfg.model).pad_token_id
+    text = "User: What is 85+73? Answer after ####.\nAssistant:"
+    assert tok(text)["input_ids"] == load_tokenizer(cfg.model)(text)["input_ids"]  # same tokens as in SFT
     trained = dict(model.named_parameters())
     start = dict(load_model(cfg.model, "actor").named_parameters())
     assert any(not torch.equal(trained[k], start[k]) for k in start)

@@ -1,0 +1,158 @@
+"""Worker-side checkpointing: registered save/load/rollback methods shared by the trained role workers.
+
+Decision: one `CheckpointManager` per worker *process*, so colocated roles (actor + critic + EMA ref in one
+process) write ONE checkpoint with one component per engine. The worker the driver calls (the actor in the
+colocated layout) reaches its sibling roles through `colocated_roles`, which `ColocatedWorker` sets; a role in
+its own group (`trainer.use_colocated_worker=false`) checkpoints only its engines, under its own sub-directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hybridflow.checkpoint.remote import join_url
+from hybridflow.controller import Dispatch, register
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointingWorker:
+    """Mixin for role workers with trained engines. Subclasses override `checkpoint_engines` (component name →
+    TrainEngine) and, for per-rank non-tensor state, `checkpoint_rank_state` / `load_checkpoint_rank_state`."""
+
+    cfg: Any
+    _ckpt: Any = None
+
+    # ------------------------------------------------------------------------------------ role interface
+    def checkpoint_engines(self) -> dict[str, Any]:
+        return {}
+
+    def checkpoint_rank_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _members(self) -> list[CheckpointingWorker]:
+        """Every role in this process whose engines share this process's checkpoint (self first)."""
+        roles = getattr(self, "colocated_roles", None) or {}
+        others = [w for w in roles.values() if isinstance(w, CheckpointingWorker) and w is not self]
+        return [self, *others]
+
+    def _engines(self) -> dict[str, Any]:
+        engines: dict[str, Any] = {}
+        for member in self._members():
+            for name, engine in member.checkpoint_engines().items():
+                assert name not in engines, f"two colocated roles both checkpoint a component named {name!r}"
+                engines[name] = engine
+        return engines
+
+    def _manager(self) -> Any:
+        if self._ckpt is None:
+            raise RuntimeError("call init_checkpoint() on this worker group before saving or loading checkpoints")
+        return self._ckpt
+
+    def _templates(self) -> dict[str, Any]:
+        return {name: engine.state_dict() for name, engine in self._engines().items()}
+
+    def _apply(self, loaded: Any) -> None:
+        for name, engine in self._engines().items():
+            engine.load_state_dict(loaded.components[name])  # re-offloads itself when configured
+
+    # ---------------------------------------------------------------------------------- driver methods
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_checkpoint(self, subdir: str | None = None) -> None:
+        """Build this process's CheckpointManager (collective). `subdir` (e.g. "critic") gives a role in its own
+        group its own root under `trainer.default_local_dir` (and `default_hdfs_dir`)."""
+        from hybridflow.checkpoint import CheckpointManager
+
+        t = self.cfg.trainer
+        local, remote = t.default_local_dir, t.default_hdfs_dir
+        if subdir:
+            local = f"{local.rstrip('/')}/{subdir}"
+            remote = join_url(remote, subdir) if remote else None
+        ck = t.checkpoint
+        self._ckpt = CheckpointManager(local, remote, atomic_save=ck.atomic_save, async_save=ck.async_save,
+                                       keep_last_n=ck.keep_last_n, save_freq=ck.save_freq)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints under this root, local or in the remote mirror."""
+        from hybridflow.checkpoint import atomic
+
+        mgr = self._manager()
+        steps = {s for s, _ in atomic.list_complete(mgr.root)}
+        if mgr.mirror is not None:
+            steps |= {s for s, _ in mgr.mirror.list_complete()}
+        return sorted(steps)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, mode: str, path: str | None = None, step: int | None = None) -> dict[str, Any] | None:
+        """Resume per `mode` (auto|disable|path, as `trainer.resume_mode`) or at exactly `step` (local copy, else
+        downloaded from the mirror). Returns {"step", "path", "extra"} or None when there is nothing to load."""
+        from hybridflow.checkpoint import atomic, find_resume_checkpoint
+
+        mgr = self._manager()
+        if step is not None:
+            name = atomic.step_dirname(step)
+            local = mgr.root / name
+            mode, path = "path", str(local) if atomic.is_complete(local) or mgr.mirror is None else mgr.mirror.url(name)
+        found = find_resume_checkpoint(mgr, mode, path)
+        if found is None:
+            return None
+        loaded = mgr.load(found, templates=self._templates())
+        self._apply(loaded)
+        self._load_rank_state(loaded.rank_state)
+        logger.info("rank %d: loaded checkpoint %s (components %s)", getattr(self, "rank", 0), loaded.path,
+                    sorted(loaded.components))
+        return {"step": loaded.step, "path": str(loaded.path), "extra": loaded.extra}
+
+    def _load_rank_state(self, state: dict[str, Any] | None) -> None:
+        for member in self._members():
+            member.load_checkpoint_rank_state(state or {})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
+        """Save every engine of this process as step `step` with the driver's JSON `extra` (async per config)."""
+        engines = self._engines()
+        components = {name: engine.state_dict() for name, engine in engines.items()}
+        rank_state: dict[str, Any] = {}
+        for member in self._members():
+            rank_state |= member.checkpoint_rank_state()
+        path = self._manager().save(step, components, extra=extra, rank_state=rank_state)
+        for engine in engines.values():
+            # state_dict() brings offloaded params/optimizer onto the device; async saves have already staged
+            # them to CPU memory and sync saves have written them, so put them back where they rest.
+            engine._exit()  # noqa: SLF001 — no public "rest" placement on TrainEngine yet
+        return str(path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollback_checkpoint(self, step: int, lr_scale: float = 1.0) -> dict[str, Any]:
+        """Discard checkpoints after `step`, reload `step` into the engines (RNG kept), scale the LR of every
+        trained engine by `lr_scale`; returns the checkpoint's `extra`."""
+        from hybridflow.checkpoint import scale_lr
+
+        loaded = self._manager().rollback_to(step, templates=self._templates())
+        self._apply(loaded)
+        if lr_scale != 1.0:
+            for engine in self._engines().values():
+                if engine.optimizer is not None:
+                    scale_lr(engine.optimizer, engine.lr_scheduler, lr_scale)
+        return loaded.extra
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def protect_checkpoints(self, steps: list[int]) -> None:
+        self._manager().protect(steps)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def poll_checkpoint(self) -> None:
+        """Raise here if the background save failed (CheckpointWriteError)."""
+        self._manager().poll()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def close_checkpoints(self) -> None:
+        """Wait for the in-flight save (raising its error) and release the staging memory."""
+        if self._ckpt is not None:
+            self._ckpt.close()
