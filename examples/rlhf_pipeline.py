@@ -1,16 +1,20 @@
-"""The full RLHF pipeline on the built-in arithmetic task: SFT → reward model → PPO/GRPO driven by the RM.
+"""The full RLHF pipeline on a built-in task: SFT → reward model → PPO/GRPO driven by the RM.
 
-1. SFT the tiny model on the task's (prompt, "#### <answer>") rows.
+1. SFT the tiny model on the task's (prompt, "#### <answer>") rows (default task: sort 4 digits).
 2. Train a Bradley-Terry reward model, initialised from the SFT model, on synthetic pairs: chosen = the correct
-   answer, rejected = a wrong one (`hybridflow.trainer.synthetic_pairs`). Validation accuracy should be far
-   above chance (0.5).
-3. RL from the SFT model with the reward model as the reward (`reward.sources` entry `model`, optionally mixed
-   with the rule reward by weight, e.g. `--rule-weight 0.3`). The TRUE metric — the rule scorer's accuracy of
-   greedy answers on held-out problems — is measured before and after RL; the RM never sees it.
+   answer, rejected = a wrong one (`hybridflow.trainer.synthetic_pairs`: unsorted / wrong digits for sort; near
+   misses, random numbers, a missing `####` for arithmetic). Validation accuracy should be far above 0.5.
+3. RL from the SFT model with the RM mixed with the rule reward by weight (`reward.sources`, default 0.7 RM +
+   0.3 rule as in the seed; `--rule-weight 0` = RM only). The TRUE metric — the rule scorer's accuracy of greedy
+   answers on held-out problems — is measured before and after RL.
 
     .venv/bin/python examples/rlhf_pipeline.py --workdir runs/rlhf [a.b=c ...]
 
-Overrides apply to every stage (e.g. `model.override_config={hidden_size: 128}`); stage lengths are flags.
+Overrides apply to every stage; stage lengths and the rule weight are flags. Measured (2 CPU cores, tiny 0.1M model, defaults): RM held-out pair accuracy ~0.84-0.9; true accuracy 0.25 →
+0.42 with 0.7 RM + 0.3 rule (RM score 1.08 → 2.29); RM only: 0.25 → 0.06 while the RM score rises — the policy
+exploits the RM (reward hacking), which the rule share prevents. Correct-vs-wrong ADDITION (`data.task=arithmetic
+data.max_response_length=12`) needs a model that can add: the tiny models stay near 1% exact accuracy and their
+RMs near 0.6 on near-miss answers.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ logger = logging.getLogger("rlhf_pipeline")
 
 # Small and fast on 2 CPU cores; every value can be overridden on the command line.
 BASE_OVERRIDES = [
-    "model.preset=tiny", "data.task=arithmetic", "data.train_size=4096", "data.val_size=64",
-    "data.max_prompt_length=64", "data.max_response_length=12",
+    "model.preset=tiny", "data.task=sort", "data.train_size=4096", "data.val_size=64",
+    "data.max_prompt_length=64", "data.max_response_length=16",
     "trainer.device=cpu", "trainer.backend=local", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
     "trainer.checkpoint.save_freq=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
     "sft.batch_size=64", "sft.micro_batch_size_per_gpu=64",
@@ -38,7 +42,7 @@ BASE_OVERRIDES = [
     "rm.batch_size=32", "rm.micro_batch_size_per_gpu=32", "rm.optim.lr=1e-3", "rm.optim.lr_scheduler=constant",
     "data.train_batch_size=16", "rollout.n=8", "actor.ppo_mini_batch_size=16",
     "actor.ppo_micro_batch_size_per_gpu=128", "actor.log_prob_micro_batch_size_per_gpu=128",
-    "actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "rollout.val_kwargs.do_sample=false",
+    "actor.optim.lr=1e-4", "algorithm.adv_estimator=grpo", "rollout.val_kwargs.do_sample=false",
 ]
 
 
@@ -108,8 +112,8 @@ def run_ppo_stage(workdir: Path, overrides: list[str], steps: int, sft_dir: Path
             "rm_score_last": rm_scores[-1], "history": history}
 
 
-def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 60, rm_steps: int = 60,
-                 ppo_steps: int = 20, rule_weight: float = 0.0) -> dict[str, Any]:
+def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 150, rm_steps: int = 250,
+                 ppo_steps: int = 30, rule_weight: float = 0.3) -> dict[str, Any]:
     """Run the three stages; returns a summary (SFT/RM validation, true accuracy before/after RL, RM scores)."""
     workdir, overrides = Path(workdir), list(overrides)
     t0 = time.perf_counter()
@@ -133,11 +137,11 @@ def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/rlhf_pipeline")
-    parser.add_argument("--sft-steps", type=int, default=60)
-    parser.add_argument("--rm-steps", type=int, default=60)
-    parser.add_argument("--ppo-steps", type=int, default=20)
-    parser.add_argument("--rule-weight", type=float, default=0.0,
-                        help="weight of the rule reward mixed with the RM (e.g. 0.3 for 0.7 RM + 0.3 rule)")
+    parser.add_argument("--sft-steps", type=int, default=150)
+    parser.add_argument("--rm-steps", type=int, default=250)
+    parser.add_argument("--ppo-steps", type=int, default=30)
+    parser.add_argument("--rule-weight", type=float, default=0.3,
+                        help="weight of the rule reward mixed with the RM (0.3 = 0.7 RM + 0.3 rule; 0 = RM only)")
     parser.add_argument("overrides", nargs="*", metavar="a.b=c")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -42,7 +42,13 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
     console.rule(f"1/2 SFT warm start ({cfg.sft.total_steps} steps)")
-    sft_dir = run_sft(cfg, out_dir=Path(cfg.trainer.run_dir) / "sft_model")
+    run_dir = Path(cfg.trainer.run_dir)
+    sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=max(1, (cfg.sft.total_steps or 80) // 8)))
+    sft_tracker = Tracker.from_config(sft_cfg, run_dir=run_dir / "sft")
+    try:
+        sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
+    finally:
+        sft_tracker.close()
     sft_time = time.perf_counter() - start
 
     console.rule(f"2/2 GRPO ({cfg.trainer.total_training_steps} steps, {cfg.rollout.n} samples per prompt)")

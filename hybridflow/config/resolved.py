@@ -35,7 +35,9 @@ class Resolved:
     use_critic: bool
     use_reference: bool  # KL in reward or as a loss needs reference log-probs
     use_reward_model: bool
-    recompute_old_log_prob: bool  # false when strictly on-policy: one epoch and one mini-batch
+    # False when strictly on-policy (one epoch, one mini-batch) and no KL is measured: with a reference policy the
+    # actor's log-probs come from the same engine path as the reference's, so KL(actor‖ref) is exactly 0 at step 1.
+    recompute_old_log_prob: bool
 
     @property
     def num_roles(self) -> int:
@@ -74,6 +76,7 @@ def resolve(cfg: Config) -> Resolved:
         if use_critic
         else None
     )
+    use_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     return Resolved(
         world_size=world,
         process_on_nodes=nodes,
@@ -81,7 +84,7 @@ def resolve(cfg: Config) -> Resolved:
         actor=actor,
         critic=critic,
         use_critic=use_critic,
-        use_reference=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        use_reference=use_reference,
         use_reward_model=cfg.reward.reward_model.enable or any(s.name == "model" for s in cfg.reward.sources),
-        recompute_old_log_prob=not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),
+        recompute_old_log_prob=use_reference or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),
     )

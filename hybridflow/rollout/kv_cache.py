@@ -60,7 +60,7 @@ class KVCache:
         shape = (slots, spec.num_kv_heads, self.max_len, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        logger.info("KV cache: %d slots x %d tokens, %.1f MiB", slots, self.max_len, self.nbytes() / 2**20)
+        logger.debug("KV cache: %d slots x %d tokens, %.1f MiB", slots, self.max_len, self.nbytes() / 2**20)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import (
-    build_kl_controller,
     apply_kl_penalty,
+    build_kl_controller,
     compute_advantage,
     filter_uninformative_groups,
     kl_penalty,
@@ -112,8 +112,7 @@ class PPOTrainer:
 
     def _batches(self) -> Iterator[DataProto]:
         while self.epoch < self.cfg.trainer.total_epochs:
-            for batch in self.loader:
-                yield batch
+            yield from self.loader
             self.epoch += 1
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -90,10 +90,13 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_ref_ema(self) -> None:
+        """ref ← decay·ref + (1 − decay)·actor, shard by shard (both engines are wrapped identically)."""
         decay = self.cfg.ref.ema.decay
+        ref_params = dict(self.ref.module.named_parameters())
         with torch.no_grad():
-            for p_ref, p_act in zip(self.ref.module.parameters(), self.actor.module.parameters()):
-                p_ref.lerp_(p_act.to(p_ref.dtype), 1.0 - decay)
+            for name, p_act in self.actor.module.named_parameters():
+                p_ref = _local(ref_params[name])
+                p_ref.lerp_(_local(p_act).to(device=p_ref.device, dtype=p_ref.dtype), 1.0 - decay)
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def checkpoint_engines(self) -> dict[str, Any]:
@@ -120,3 +123,8 @@ def _seeds_to_meta(prompts: DataProto) -> DataProto:
     batch = {k: v for k, v in prompts.batch.items() if k != "seeds"}
     meta = {**prompts.meta_info, "seeds": prompts.batch["seeds"].tolist()}
     return DataProto(batch=batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import POLICY_LOSSES, agg_loss, compute_value_loss, kl_penalty
+from hybridflow.algorithms import POLICY_LOSSES, agg_loss, compute_value_loss, kl_penalty, loss_normalizer
 from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.protocol import DataProto
 
@@ -22,6 +22,17 @@ LossFn = Callable[[dict[str, torch.Tensor], DataProto, Any], tuple[torch.Tensor,
 def _norm(global_norm: Any, mode: str) -> Any:
     """The engine passes one normaliser per aggregation mode; take the one this loss aggregates with."""
     return global_norm[mode] if isinstance(global_norm, dict) else global_norm
+
+
+def _local_mean(share: torch.Tensor, mask: torch.Tensor, mode: str, global_norm: Any) -> torch.Tensor:
+    """A loss term aggregated with the global normaliser is this micro-batch's *share* of the mini-batch value;
+    for reporting, turn it back into this micro-batch's own mean so averaging over micro-batches and ranks reads
+    as a mean whatever the split (the optimised loss is unchanged)."""
+    g = _norm(global_norm, mode)
+    if g is None:
+        return share.detach()
+    local = loss_normalizer(mask, mode).clamp(min=1)
+    return (share.detach() * g / local).to(share.dtype)
 
 
 def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: bool) -> LossFn:
@@ -42,18 +53,19 @@ def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: boo
             **agg,
         )
         loss = pg_loss
-        metrics: dict[str, Any] = {"actor/pg_loss": pg_loss.detach()}
+        mode = cfg.loss_agg_mode
+        metrics: dict[str, Any] = {"actor/pg_loss": _local_mean(pg_loss, mask, mode, global_norm)}
         metrics |= {f"actor/{k}": v for k, v in pg_metrics.items()}
         if "entropy" in outputs:
             entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, **agg)
-            metrics["actor/entropy"] = entropy.detach()
+            metrics["actor/entropy"] = _local_mean(entropy, mask, mode, global_norm)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
         if use_kl_loss:
             kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], cfg.kl_loss_type)
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = kl_loss.detach()
+            metrics["actor/kl_loss"] = _local_mean(kl_loss, mask, mode, global_norm)
         return loss, metrics
 
     return loss_fn
@@ -66,7 +78,8 @@ def make_critic_loss(cfg: CriticConfig, max_response_length: int) -> LossFn:
             cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode,
             global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=max_response_length,
         )
-        return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"],
+        vf_metric = _local_mean(vf_loss, mb.batch["response_mask"], cfg.loss_agg_mode, global_norm)
+        return vf_loss, {"critic/vf_loss": vf_metric, "critic/vf_clipfrac": m["vf_clipfrac"],
                          "critic/vpred_mean": m["vpred_mean"]}
 
     return loss_fn

@@ -60,11 +60,12 @@ def test_ppo_with_critic_improves(sft_model: Path, tmp_path: Path) -> None:
 
 
 def test_first_step_kl_between_actor_and_ref_is_exactly_zero(sft_model: Path, tmp_path: Path) -> None:
+    # Same micro-batching for the actor's and the reference's log-prob passes → the same arithmetic, bit for bit.
     history = _fit(_cfg(tmp_path, f"model.path={sft_model}", "actor.use_kl_loss=true", "trainer.total_training_steps=1",
-                        "trainer.val_before_train=false", "data.val_size=8"))
+                        "trainer.val_before_train=false", "data.val_size=8", "ref.log_prob_micro_batch_size_per_gpu=256"))
     step1 = next(m for m in history if m["training/global_step"] == 1)
     assert step1["kl/actor_ref"] == 0.0
-    assert step1["actor/kl_loss"] == 0.0
+    assert abs(step1["actor/kl_loss"]) < 1e-6  # the training forward (with grad) vs the no-grad reference pass
 
 
 @pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS.names()))
@@ -90,5 +91,7 @@ def test_ray_backend_two_ranks_matches_local_first_step(tmp_path: Path) -> None:
     assert len(ray) == 2
     for key in ("reward/score/mean", "response_length/mean", "adv/mean", "adv/max", "prompt_length/mean"):
         assert r1[key] == pytest.approx(l1[key], abs=1e-6), key
-    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+    # The gradient is split-invariant (global token normaliser), so its norm and the summed loss agree.
+    for key in ("actor/loss", "actor/grad_norm"):
         assert r1[key] == pytest.approx(l1[key], rel=1e-4, abs=1e-6), key
+    assert r1["actor/entropy"] == pytest.approx(l1["actor/entropy"], rel=0.05)  # mean of per-rank means

@@ -1,6 +1,9 @@
-"""SFT → RM → PPO with the RM on the arithmetic task (examples/rlhf_pipeline.py): the RM learns the preference
-(held-out pair accuracy > 0.8) and RL driven by the RM (mixed 0.7 RM + 0.3 rule) raises the held-out TRUE metric
-(rule accuracy of greedy answers) and the RM score; the mixing weights show in the reward metrics."""
+"""SFT → RM → PPO with the RM (examples/rlhf_pipeline.py, its defaults: sort task, tiny model, CPU).
+
+The RM learns the preference (held-out pair accuracy > 0.8), and RL on 0.7 RM + 0.3 rule raises both the RM
+score and the held-out TRUE metric (rule accuracy of greedy answers); the final reward is exactly the weighted mix
+of the per-source reward metrics.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +24,12 @@ def _load_example():
 
 @pytest.mark.slow
 def test_rlhf_pipeline_rm_drives_ppo(tmp_path):
-    pipeline = _load_example()
-    out = pipeline.run_pipeline(tmp_path, sft_steps=40, rm_steps=40, ppo_steps=12, rule_weight=0.3)
+    out = _load_example().run_pipeline(tmp_path, rule_weight=0.3)
+    assert out["sft_val_token_accuracy"] > 0.8, out
     assert out["rm_val_accuracy"] > 0.8, out
-    assert out["true_accuracy_after"] >= out["true_accuracy_before"] + 0.05, out
+    assert out["true_accuracy_after"] >= out["true_accuracy_before"] + 0.1, out
     assert out["rm_score_last"] > out["rm_score_first"], out
-    for m in out["ppo_history"]:
-        if "reward/model/mean" in m:
-            mixed = 0.7 * m["reward/model/mean"] + 0.3 * m["reward/rule/mean"]
-            assert m["reward/mean"] == pytest.approx(mixed, abs=1e-4)
+    steps = [m for m in out["ppo_history"] if "reward/model/mean" in m]
+    assert len(steps) == 30
+    for m in steps:
+        assert m["reward/mean"] == pytest.approx(0.7 * m["reward/model/mean"] + 0.3 * m["reward/rule/mean"], abs=1e-4)

@@ -109,3 +109,15 @@ def test_custom_function_from_a_file(tmp_path):
         load_custom_fn(str(path), "nope")
     with pytest.raises(ValueError, match="is not a file"):
         load_custom_fn(str(tmp_path / "missing.py"), "compute_score")
+
+
+@pytest.mark.parametrize(
+    "text,truth,score,acc",
+    [("#### 152", "152", 1.0, 1.0), ("#### 150", "152", 0.5 * 2 / 3, 0.0), ("#### 52", "152", 0.5 * 2 / 3, 0.0),
+     ("#### 1520", "152", 0.0, 0.0), ("no answer", "152", 0.0, 0.0), ("#### abc", "12", 0.0, 0.0),
+     ("#### 12.", "12", 1.0, 1.0)],
+)
+def test_arithmetic_partial_digit_credit_and_exact_accuracy(text: str, truth: str, score: float, acc: float) -> None:
+    out = REWARD_FUNCTIONS["arithmetic"]("hybridflow/arithmetic", text, truth, None)
+    assert out["score"] == pytest.approx(score)
+    assert out["acc"] == acc

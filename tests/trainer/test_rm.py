@@ -11,6 +11,7 @@ from hybridflow.config import load_config
 from hybridflow.data import PreferenceDataset, task_splits
 from hybridflow.models.loader import load_model, load_tokenizer
 from hybridflow.rewards.synthetic import arithmetic
+from hybridflow.rewards.synthetic import sort as sort_score
 from hybridflow.trainer.rm import RMTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs, pair_halves, split_pair
 from hybridflow.trainer.supervised_losses import make_bt_loss
@@ -27,14 +28,25 @@ def _cfg(tmp_path, *extra: str):
 
 
 def test_synthetic_pairs_prefer_the_correct_answer():
-    rows, _ = task_splits("arithmetic", 200, 4, seed=0)
+    rows, _ = task_splits("arithmetic", 300, 4, seed=0)
     pairs = preference_rows(rows, seed=3)
     assert pairs == preference_rows(rows, seed=3)
+    assert {p["rejected_kind"] for p in pairs} == {"near", "random", "format"}
     for p in pairs:
         truth = p["reward_model"]["ground_truth"]
         assert arithmetic("", p["chosen"], truth) == 1.0
         assert arithmetic("", p["rejected"], truth) == 0.0
-        assert p["rejected"].startswith("#### ")
+        assert p["rejected"].startswith("#### ") == (p["rejected_kind"] != "format")
+        if p["rejected_kind"] == "near":
+            assert abs(int(p["rejected"][5:]) - int(truth)) in (1, 2, 10)
+    only = preference_rows(rows, seed=3, mix={"format": 1.0})
+    assert all(p["rejected"] == p["reward_model"]["ground_truth"] for p in only)
+    with pytest.raises(ValueError, match="unknown rejected kinds"):
+        preference_rows(rows, seed=3, mix={"unsorted": 1.0})
+    srows, _ = task_splits("sort", 100, 4, seed=0)
+    for p in preference_rows(srows, seed=1):
+        truth = p["reward_model"]["ground_truth"]
+        assert sort_score("", p["chosen"], truth) == 1.0 and sort_score("", p["rejected"], truth) == 0.0
 
 
 def test_split_pair_and_interleaved_batch():

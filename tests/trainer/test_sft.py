@@ -97,7 +97,7 @@ def test_sft_loss_matches_naive_reference(tmp_path):
         with torch.no_grad():  # a naive cross-entropy that also trains on the prompt would differ
             ids = batch.batch["input_ids"]
             full = F.cross_entropy(model(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        assert abs(float(full) - metrics["loss"]) > 0.05
+        assert abs(float(full) - metrics["loss"]) > 0.01  # 100x the tolerance of the match above
     finally:
         trainer.close()
 
