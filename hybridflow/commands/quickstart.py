@@ -1,7 +1,8 @@
 """`hybridflow quickstart [a.b=c ...]`: the embedded default main job, one process on CPU (or one GPU).
 
-Builds the tiny model and the built-in arithmetic task, runs a short SFT warm start, then GRPO, and prints
-validation accuracy before and after RL. Overrides apply on top of `hybridflow/config/quickstart.yaml`.
+Builds the tiny model and the built-in arithmetic task, runs a short SFT warm start on demonstrations with a
+systematic error (`sft.label_noise`), then GRPO with the true reward, and prints validation accuracy before and
+after RL. Overrides apply on top of `hybridflow/config/quickstart.yaml`.
 """
 
 from __future__ import annotations
@@ -9,12 +10,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.commands.common import ConfigError, fail
-from hybridflow.config import load_config
+from hybridflow.config import Config, load_config
 
 QUICKSTART_YAML = Path(__file__).resolve().parent.parent / "config" / "quickstart.yaml"
+
+
+@dataclass
+class QuickstartResult:
+    sft_dir: Path
+    history: list[dict[str, float]]  # GRPO metrics per step (step 0 = validation of the SFT model)
+    sft_seconds: float
+    total_seconds: float
+
+    def val_accuracy(self) -> list[tuple[int, float, float]]:
+        """(step, val/accuracy, val/reward) for every validation, in order."""
+        return [(int(m["training/global_step"]), m["val/accuracy"], m["val/reward"])
+                for m in self.history if "val/accuracy" in m]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,13 +37,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="overrides on top of the quickstart config, e.g. trainer.total_training_steps=20")
 
 
+def run_quickstart(cfg: Config, console: object | None = None) -> QuickstartResult:
+    """SFT warm start, then GRPO from it; both tracked under `trainer.run_dir` (`sft/` and the run itself)."""
+    from hybridflow.tracking import Tracker
+    from hybridflow.trainer.run import run_ppo
+    from hybridflow.trainer.sft import run_sft
+
+    start = time.perf_counter()
+    run_dir = Path(cfg.trainer.run_dir)
+    if console is not None:
+        console.rule(f"1/2 SFT warm start ({cfg.sft.total_steps} steps, {100 * cfg.sft.label_noise:.0f}% of the "
+                     "demonstrations answer one too high)")
+    sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=max(1, (cfg.sft.total_steps or 80) // 8)))
+    sft_tracker = Tracker.from_config(sft_cfg, run_dir=run_dir / "sft")
+    try:
+        sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
+    finally:
+        sft_tracker.close()
+    sft_seconds = time.perf_counter() - start
+    if console is not None:
+        console.rule(f"2/2 GRPO ({cfg.trainer.total_training_steps} steps, {cfg.rollout.n} samples per prompt, "
+                     "reward = the true answer)")
+    ppo_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(sft_dir)))
+    tracker = Tracker.from_config(ppo_cfg)
+    try:
+        history = run_ppo(ppo_cfg, tracker=tracker)
+    finally:
+        tracker.close()
+    return QuickstartResult(Path(sft_dir), history, sft_seconds, time.perf_counter() - start)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from hybridflow.tracking import Tracker
-    from hybridflow.trainer.run import run_ppo, versions_line
-    from hybridflow.trainer.sft import run_sft
+    from hybridflow.trainer.run import versions_line
 
     console = Console()
     try:
@@ -39,40 +82,18 @@ def run(args: argparse.Namespace) -> int:
     console.print(versions_line(), style="dim")
     console.print(f"task: {cfg.data.task} · model: {cfg.model.preset} {cfg.model.override_config} · "
                   f"run dir: {cfg.trainer.run_dir}")
-    start = time.perf_counter()
-
-    console.rule(f"1/2 SFT warm start ({cfg.sft.total_steps} steps)")
-    run_dir = Path(cfg.trainer.run_dir)
-    sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=max(1, (cfg.sft.total_steps or 80) // 8)))
-    sft_tracker = Tracker.from_config(sft_cfg, run_dir=run_dir / "sft")
-    try:
-        sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
-    finally:
-        sft_tracker.close()
-    sft_time = time.perf_counter() - start
-
-    console.rule(f"2/2 GRPO ({cfg.trainer.total_training_steps} steps, {cfg.rollout.n} samples per prompt)")
-    ppo_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(sft_dir)))
-    tracker = Tracker.from_config(ppo_cfg)
-    try:
-        history = run_ppo(ppo_cfg, tracker=tracker)
-    finally:
-        tracker.close()
-    total = time.perf_counter() - start
-
-    vals = [(int(m["training/global_step"]), m) for m in history if "val/accuracy" in m]
-    table = Table(title="validation accuracy (greedy, held-out problems)")
-    table.add_column("stage")
-    table.add_column("step", justify="right")
-    table.add_column("accuracy", justify="right")
-    table.add_column("reward", justify="right")
-    for step, m in vals:
+    result = run_quickstart(cfg, console)
+    vals = result.val_accuracy()
+    table = Table(title="validation accuracy (greedy decoding, held-out problems)")
+    for col, justify in (("stage", "left"), ("step", "right"), ("accuracy", "right"), ("reward", "right")):
+        table.add_column(col, justify=justify)
+    for step, acc, reward in vals:
         stage = "after SFT (before RL)" if step == 0 else f"GRPO step {step}"
-        table.add_row(stage, str(step), f"{100 * m['val/accuracy']:.1f}%", f"{m['val/reward']:.3f}")
+        table.add_row(stage, str(step), f"{100 * acc:.1f}%", f"{reward:.3f}")
     console.print(table)
     if len(vals) >= 2:
-        gain = 100 * (vals[-1][1]["val/accuracy"] - vals[0][1]["val/accuracy"])
-        console.print(f"accuracy {100 * vals[0][1]['val/accuracy']:.1f}% → {100 * vals[-1][1]['val/accuracy']:.1f}% "
-                      f"({gain:+.1f} points) · SFT {sft_time:.0f}s · total {total:.0f}s")
+        gain = 100 * (vals[-1][1] - vals[0][1])
+        console.print(f"accuracy {100 * vals[0][1]:.1f}% → {100 * vals[-1][1]:.1f}% ({gain:+.1f} points) · "
+                      f"SFT {result.sft_seconds:.0f}s · total {result.total_seconds:.0f}s")
     console.print(f"metrics: {cfg.trainer.run_dir}/metrics.jsonl · report: hybridflow report {cfg.trainer.run_dir}")
     return 0

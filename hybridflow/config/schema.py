@@ -430,9 +430,11 @@ class SFTConfig:
     grad_clip: float
     optim: OptimConfig
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
+    label_noise: float  # built-in tasks only: share of SFT answers replaced by a systematic near miss (answer + 1)
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "sft.epochs", self.epochs, "must be >= 1")
+        _check(0.0 <= self.label_noise < 1.0, "sft.label_noise", self.label_noise, "must be in [0, 1)")
         _check(self.batch_size >= 1, "sft.batch_size", self.batch_size, "must be >= 1 (sequences per step)")
         _check(self.micro_batch_size_per_gpu >= 1, "sft.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu,
                "must be >= 1")

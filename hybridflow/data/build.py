@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from hybridflow.data.rl_dataset import RLHFDataset
 from hybridflow.data.sft_dataset import SFTDataset
 from hybridflow.data.tasks import task_splits
+
+
+def noisy_sft_rows(rows: list[dict], share: float, seed: int) -> list[dict]:
+    """Copy of `rows` where a seeded `share` of the SFT answers become a systematic near miss ("#### <answer+1>").
+
+    Used by the quickstart: supervised data with a systematic error teaches the model a wrong favourite answer
+    next to the right one, which RL with the true reward can then correct — a small, fast picture of RL fixing
+    what imperfect demonstrations taught. Non-numeric answers are left alone.
+    """
+    if not share:
+        return rows
+    rng = random.Random(seed * 7_919 + 17)
+    out = []
+    for row in rows:
+        truth = str(row["reward_model"]["ground_truth"])
+        if truth.isdigit() and rng.random() < share:
+            row = {**row, "response": f"#### {int(truth) + 1}"}
+        out.append(row)
+    return out
 
 
 def _rows(data_cfg: Any) -> tuple[list[dict] | None, list[dict] | None]:
@@ -31,13 +51,18 @@ def build_rl_datasets(data_cfg: Any, tokenizer: Any) -> tuple[RLHFDataset, RLHFD
     return train, val
 
 
-def build_sft_datasets(data_cfg: Any, tokenizer: Any,
-                       max_length: int | None = None) -> tuple[SFTDataset, SFTDataset | None]:
-    """(train, val) SFT datasets from the same files/task; max_length defaults to prompt + response length."""
+def build_sft_datasets(data_cfg: Any, tokenizer: Any, max_length: int | None = None,
+                       label_noise: float = 0.0) -> tuple[SFTDataset, SFTDataset | None]:
+    """(train, val) SFT datasets from the same files/task; max_length defaults to prompt + response length.
+    `label_noise` (built-in tasks only) corrupts that share of the training answers, see `noisy_sft_rows`."""
     kwargs = dict(max_length=max_length or data_cfg.max_prompt_length + data_cfg.max_response_length,
                   prompt_key=data_cfg.prompt_key, strict=data_cfg.strict, chat_template=data_cfg.chat_template)
     train_rows, val_rows = _rows(data_cfg)
+    if label_noise and train_rows is None:
+        raise ValueError(f"sft.label_noise={label_noise} applies to built-in tasks only (data.task); "
+                         "set it to 0 for parquet data")
     if train_rows is not None:
+        train_rows = noisy_sft_rows(train_rows, label_noise, data_cfg.seed)
         val = SFTDataset(val_rows, tokenizer, name="sft-val", **kwargs) if val_rows else None
         return SFTDataset(train_rows, tokenizer, name="sft-train", **kwargs), val
     train = SFTDataset.from_files(data_cfg.train_files, tokenizer, name="sft-train", **kwargs)

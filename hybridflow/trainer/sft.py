@@ -31,7 +31,7 @@ class SFTTrainer(SupervisedTrainer):
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
         from hybridflow.data.build import build_sft_datasets
 
-        return build_sft_datasets(self.cfg.data, self.tokenizer)
+        return build_sft_datasets(self.cfg.data, self.tokenizer, label_noise=self.cfg.sft.label_noise)
 
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from hybridflow.algorithms import ADVANTAGE_ESTIMATORS
-from hybridflow.commands.quickstart import QUICKSTART_YAML
+from hybridflow.commands.quickstart import QUICKSTART_YAML, QuickstartResult, run_quickstart
 from hybridflow.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
-from hybridflow.trainer.sft import run_sft
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +38,19 @@ def _val_accuracies(history: list[dict[str, float]]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("sft")
-    return run_sft(_cfg(tmp), out_dir=tmp / "hf")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> QuickstartResult:
+    """The README's main job, exactly (SFT warm start + GRPO), with its outputs under a temporary directory."""
+    return run_quickstart(_cfg(tmp_path_factory.mktemp("quickstart")))
 
 
-def test_grpo_raises_validation_accuracy_by_20_points(sft_model: Path, tmp_path: Path) -> None:
-    history = _fit(_cfg(tmp_path, f"model.path={sft_model}"))
-    acc = _val_accuracies(history)
-    assert len(acc) >= 2, history
+def test_quickstart_grpo_raises_validation_accuracy_by_20_points(quickstart: QuickstartResult) -> None:
+    acc = [a for _, a, _ in quickstart.val_accuracy()]
+    assert len(acc) >= 2, quickstart.history
     assert acc[-1] - acc[0] >= 0.20, f"GRPO validation accuracy {acc} did not rise by 20 points"
 
 
-def test_ppo_with_critic_improves(sft_model: Path, tmp_path: Path) -> None:
+def test_ppo_with_critic_improves(quickstart: QuickstartResult, tmp_path: Path) -> None:
+    sft_model = quickstart.sft_dir
     history = _fit(_cfg(tmp_path, f"model.path={sft_model}", "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
                         "critic.optim.lr=1e-3", "critic.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size_per_gpu=256"))
     assert any("critic/vf_loss" in m for m in history)
@@ -59,9 +58,9 @@ def test_ppo_with_critic_improves(sft_model: Path, tmp_path: Path) -> None:
     assert acc[-1] - acc[0] >= 0.05, f"PPO (gae) validation accuracy {acc} did not improve by 5 points"
 
 
-def test_first_step_kl_between_actor_and_ref_is_exactly_zero(sft_model: Path, tmp_path: Path) -> None:
+def test_first_step_kl_between_actor_and_ref_is_exactly_zero(tmp_path: Path) -> None:
     # Same micro-batching for the actor's and the reference's log-prob passes → the same arithmetic, bit for bit.
-    history = _fit(_cfg(tmp_path, f"model.path={sft_model}", "actor.use_kl_loss=true", "trainer.total_training_steps=1",
+    history = _fit(_cfg(tmp_path, "actor.use_kl_loss=true", "trainer.total_training_steps=1",
                         "trainer.val_before_train=false", "data.val_size=8", "ref.log_prob_micro_batch_size_per_gpu=256"))
     step1 = next(m for m in history if m["training/global_step"] == 1)
     assert step1["kl/actor_ref"] == 0.0

@@ -34,8 +34,8 @@ def test_synthetic_pairs_prefer_the_correct_answer():
     assert {p["rejected_kind"] for p in pairs} == {"near", "random", "format"}
     for p in pairs:
         truth = p["reward_model"]["ground_truth"]
-        assert arithmetic("", p["chosen"], truth) == 1.0
-        assert arithmetic("", p["rejected"], truth) == 0.0
+        assert arithmetic("", p["chosen"], truth)["acc"] == 1.0
+        assert arithmetic("", p["rejected"], truth)["acc"] == 0.0
         assert p["rejected"].startswith("#### ") == (p["rejected_kind"] != "format")
         if p["rejected_kind"] == "near":
             assert abs(int(p["rejected"][5:]) - int(truth)) in (1, 2, 10)
