@@ -39,7 +39,7 @@ BASE_OVERRIDES = [
     "trainer.checkpoint.save_freq=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
     "sft.batch_size=64", "sft.micro_batch_size_per_gpu=64",
     "sft.optim.lr=3e-3", "sft.optim.lr_scheduler=constant",
-    "rm.batch_size=32", "rm.micro_batch_size_per_gpu=32", "rm.optim.lr=1e-3", "rm.optim.lr_scheduler=constant",
+    "rm.batch_size=32", "rm.micro_batch_size_per_gpu=32", "rm.optim.lr=1e-3", "rm.optim.lr_scheduler=cosine",
     "data.train_batch_size=16", "rollout.n=8", "actor.ppo_mini_batch_size=16",
     "actor.ppo_micro_batch_size_per_gpu=128", "actor.log_prob_micro_batch_size_per_gpu=128",
     "actor.optim.lr=1e-4", "algorithm.adv_estimator=grpo", "rollout.val_kwargs.do_sample=false",

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from hybridflow.commands.common import ConfigError, fail
 from hybridflow.config import Config, load_config
@@ -48,7 +51,8 @@ def run_quickstart(cfg: Config, console: object | None = None) -> QuickstartResu
     if console is not None:
         console.rule(f"1/2 SFT warm start ({cfg.sft.total_steps} steps, {100 * cfg.sft.label_noise:.0f}% of the "
                      "demonstrations answer one too high)")
-    sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=max(1, (cfg.sft.total_steps or 80) // 8)))
+    log_every = max(1, (cfg.sft.total_steps or 80) // 8)
+    sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=log_every))
     sft_tracker = Tracker.from_config(sft_cfg, run_dir=run_dir / "sft")
     try:
         sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
@@ -73,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridflow.trainer.run import versions_line
 
+    if "OMP_NUM_THREADS" not in os.environ:
+        # A 0.8M-parameter model's kernels are too small to gain much from a second thread, and 2 intra-op threads
+        # ran ~10x slower than 1 whenever anything else was running on our 2-core machine.
+        torch.set_num_threads(1)
     console = Console()
     try:
         cfg = load_config([QUICKSTART_YAML], args.overrides)
