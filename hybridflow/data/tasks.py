@@ -38,7 +38,7 @@ class Task:
 
 def _arithmetic() -> Iterable[Problem]:
     for a, b in itertools.product(range(100), range(100)):
-        yield Problem(f"What is {a}+{b}?", str(a + b))
+        yield Problem(f"What is {a:02d}+{b:02d}?", str(a + b))
 
 
 def _sort() -> Iterable[Problem]:

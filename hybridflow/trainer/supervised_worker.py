@@ -43,6 +43,9 @@ class SupervisedWorker(Worker):
         from hybridflow.engine import TrainEngine
 
         self.init_distributed()
+        # A head missing from the checkpoint (RM from an SFT model) is drawn from the global RNG: seed it the same
+        # on every rank so runs repeat and FSDP2 shards one model.
+        torch.manual_seed(self.cfg.trainer.seed)
         self.engine = TrainEngine(self.cfg.model, self.role_cfg, role=self.role, device=self.device,
                                   data_cfg=self.cfg.data, total_training_steps=self.total_steps,
                                   model_path=self.model_path, seed=self.cfg.trainer.seed)

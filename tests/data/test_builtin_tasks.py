@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_arithmetic_rows_are_small_and_correct():
         a, b = map(int, row["prompt"][0]["content"].split("What is ")[1].split("?")[0].split("+"))
         assert row["reward_model"]["ground_truth"] == str(a + b)
         assert row["response"] == f"#### {a + b}" and len(row["response"]) <= 8
-        assert "####" in row["prompt"][0]["content"]
+        assert re.fullmatch(r"What is \d\d\+\d\d\?", row["prompt"][0]["content"])  # operands zero-padded
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "sort"])
@@ -44,9 +46,14 @@ def test_scorers_accept_the_sft_answer_and_reject_others(task):
     for row in train:
         fn = select_reward_fn(row["data_source"])
         truth = row["reward_model"]["ground_truth"]
-        assert fn(row["data_source"], row["response"], truth, row["extra_info"]) == 1.0
-        assert fn(row["data_source"], "#### 999", truth, row["extra_info"]) == 0.0
-        assert fn(row["data_source"], truth, truth, row["extra_info"]) == 0.0  # no "####": no credit
+
+        def score(text: str) -> float:
+            out = fn(row["data_source"], text, truth, row["extra_info"])
+            return out["acc"] if isinstance(out, dict) else out  # arithmetic also reports partial credit
+
+        assert score(row["response"]) == 1.0
+        assert score("#### 999") == 0.0
+        assert score(truth) == 0.0  # no "####": no credit
     if task == "sort":
         assert fn("hybridflow/sort", "####  0  1 2 3", "0 1 2 3", None) == 1.0
 

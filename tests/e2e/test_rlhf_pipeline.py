@@ -1,6 +1,6 @@
 """SFT → RM → PPO with the RM (examples/rlhf_pipeline.py, its defaults: sort task, tiny model, CPU).
 
-The RM learns the preference (held-out pair accuracy > 0.8), and RL on 0.5 RM + 0.5 rule raises both the RM
+The RM learns the preference (held-out pair accuracy > 0.8), and RL on 0.7 RM + 0.3 rule raises both the RM
 score and the held-out TRUE metric (rule accuracy of greedy answers); the final reward is exactly the weighted mix
 of the per-source reward metrics.
 """
@@ -24,7 +24,7 @@ def _load_example():
 
 @pytest.mark.slow
 def test_rlhf_pipeline_rm_drives_ppo(tmp_path):
-    out = _load_example().run_pipeline(tmp_path, rule_weight=0.5)
+    out = _load_example().run_pipeline(tmp_path, rule_weight=0.3)
     assert out["sft_val_token_accuracy"] > 0.8, out
     assert out["rm_val_accuracy"] > 0.8, out
     assert out["true_accuracy_after"] >= out["true_accuracy_before"] + 0.1, out
@@ -32,4 +32,4 @@ def test_rlhf_pipeline_rm_drives_ppo(tmp_path):
     steps = [m for m in out["ppo_history"] if "reward/model/mean" in m]
     assert len(steps) == 30
     for m in steps:
-        assert m["reward/mean"] == pytest.approx(0.5 * m["reward/model/mean"] + 0.5 * m["reward/rule/mean"], abs=1e-4)
+        assert m["reward/mean"] == pytest.approx(0.7 * m["reward/model/mean"] + 0.3 * m["reward/rule/mean"], abs=1e-4)
