@@ -47,7 +47,7 @@ def test_scorers_accept_the_sft_answer_and_reject_others(task):
         fn = select_reward_fn(row["data_source"])
         truth = row["reward_model"]["ground_truth"]
 
-        def score(text: str) -> float:
+        def score(text: str, fn=fn, row=row, truth=truth) -> float:
             out = fn(row["data_source"], text, truth, row["extra_info"])
             return out["acc"] if isinstance(out, dict) else out  # arithmetic also reports partial credit
 
