@@ -10,9 +10,11 @@
 
     .venv/bin/python examples/rlhf_pipeline.py --workdir runs/rlhf [a.b=c ...]
 
-Overrides apply to every stage; stage lengths and the rule weight are flags. Measured (2 CPU cores, tiny 0.1M model, defaults): RM held-out pair accuracy ~0.84-0.9; true accuracy 0.25 →
-0.42 with 0.7 RM + 0.3 rule (RM score 1.08 → 2.29); RM only: 0.25 → 0.06 while the RM score rises — the policy
-exploits the RM (reward hacking), which the rule share prevents. Correct-vs-wrong ADDITION (`data.task=arithmetic
+Overrides apply to every stage; stage lengths and the rule weight are flags. Measured (2 CPU cores, tiny 0.1M model, sort): SFT 25% exact; RM held-out pair accuracy 0.69-0.92 depending on
+its head's init; with 0.7 RM + 0.3 rule (actor lr 1e-4) the true accuracy went 0.25 → 0.42 with a 0.84 RM and
+0.25 → 0.08 with a 0.69 RM, the RM score rising in both; RM only: 0.25 → 0.06 (the policy exploits the RM);
+rule only: 0.25 → 0.56. On one H200, a 3.2M model (hidden 256, 4 layers), 1500 SFT steps: 100% exact, RM 0.95.
+Correct-vs-wrong ADDITION (`data.task=arithmetic
 data.max_response_length=12`) needs a model that can add: the tiny models stay near 1% exact accuracy and their
 RMs near 0.6 on near-miss answers.
 """
