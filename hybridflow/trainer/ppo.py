@@ -61,7 +61,8 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
-        self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn) if self.val_ds else None
+        self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn,
+                                                     self.groups.reward_model) if self.val_ds else None
         self.tracker = tracker
         self.global_step = 0
         self.epoch = 0

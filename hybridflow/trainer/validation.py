@@ -18,10 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 class Validator:
-    def __init__(self, cfg: Config, val_ds: Any, actor: Any, reward_fn: Any) -> None:
+    def __init__(self, cfg: Config, val_ds: Any, actor: Any, reward_fn: Any, reward_model: Any = None) -> None:
         from hybridflow.data import make_dataloader
 
-        self.cfg, self.actor, self.reward_fn = cfg, actor, reward_fn
+        self.cfg, self.actor, self.reward_fn, self.reward_model = cfg, actor, reward_fn, reward_model
         batch_size = cfg.data.val_batch_size or len(val_ds)
         self.loader = make_dataloader(val_ds, cfg.data, batch_size, shuffle=False, drop_last=False)
         self.last_generations: list[dict[str, Any]] = []
@@ -38,6 +38,8 @@ class Validator:
             batch.meta_info = {**batch.meta_info, **self.sampling_meta()}
             out = self.actor.generate_sequences(batch)
             out.meta_info.pop("metrics", None)
+            if self.reward_model is not None:  # a `model` reward source needs the reward model's scores
+                out = out.union(self.reward_model.compute_rm_score(out))
             scored = self.reward_fn.score(out)
             row_scores = np.asarray(scored.scores, dtype=np.float64)
             scores.append(row_scores)

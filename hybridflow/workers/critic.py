@@ -25,6 +25,7 @@ class CriticWorker(CheckpointingWorker, Worker):
 
         self.init_distributed()
         cfg = self.cfg
+        torch.manual_seed(self.cfg.trainer.seed)  # the new scalar head is randomly initialised
         self.critic = build_train_engine(cfg.model, cfg.critic, role="critic", device=self.device, data_cfg=cfg.data,
                                          total_training_steps=total_training_steps, model_path=cfg.critic.model_path,
                                          seed=cfg.model.seed)

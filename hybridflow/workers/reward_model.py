@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import DataProto
@@ -27,6 +29,7 @@ class RewardModelWorker(Worker):
             raise ValueError("reward.reward_model.path is required when a reward source is `model`: "
                              "train one with `hybridflow rm` and point reward.reward_model.path at its export")
         self.init_distributed()
+        torch.manual_seed(self.cfg.trainer.seed)  # the new scalar head is randomly initialised
         rm_cfg = self.cfg.reward.reward_model
         self.rm = build_train_engine(self.cfg.model, rm_cfg, role="reward", device=self.device, data_cfg=self.cfg.data,
                                      model_path=rm_cfg.path)
