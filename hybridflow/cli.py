@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("sft", "supervised fine-tuning: hybridflow sft [CONFIG.yaml ...] [a.b=c ...]"),
     "rm": ("rm", "reward-model training on prompt/chosen/rejected data"),
     "generate": ("generate", "offline generation from a parquet of prompts to a parquet of outputs"),
-    "eval": ("eval", "evaluate a model or checkpoint on a validation set"),
+    "eval": ("eval", "validation accuracy/reward of model.path (or a preset) with rollout.val_kwargs"),
     "export": ("export", "write a checkpoint as a Hugging Face model directory"),
     "data": ("data", "prepare datasets (gsm8k, math) into verl-schema parquet"),
     "report": ("report", "render an HTML report with plots from a run directory"),
