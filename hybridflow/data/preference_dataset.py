@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_preference
 from hybridflow.data.parquet_io import read_rows
-from hybridflow.data.templates import MalformedRow, encode, render, to_messages
+from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -38,21 +38,10 @@ class PreferenceDataset(Dataset):
                  prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
                  name: str = "preference") -> None:
         self.tokenizer, self.max_length = tokenizer, max_length
-        self.texts: list[tuple[str, str, str]] = []
-        bad = []
-        for i, row in enumerate(rows):
-            try:
-                prompt = render(tokenizer, to_messages(row.get(prompt_key)), chat_template)
-                self.texts.append((prompt, _response_text(row.get("chosen"), "chosen"),
-                                   _response_text(row.get("rejected"), "rejected")))
-            except MalformedRow as err:
-                if strict:
-                    raise ValueError(f"{name} row {i} is malformed: {err}; fix it or set data.strict=false") from err
-                bad.append(i)
-        if bad:
-            logger.warning("%s: skipped %d malformed rows (first indices %s)", name, len(bad), bad[:10])
-        if not self.texts:
-            raise ValueError(f"{name} dataset is empty ({len(rows)} rows, {len(bad)} malformed)")
+        self.texts: list[tuple[str, str, str]] = parse_rows(rows, lambda row: (
+            render(tokenizer, to_messages(row.get(prompt_key)), chat_template),
+            _response_text(row.get("chosen"), "chosen"), _response_text(row.get("rejected"), "rejected"),
+        ), name, strict)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> PreferenceDataset:

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_sft
 from hybridflow.data.parquet_io import read_rows
-from hybridflow.data.templates import MalformedRow, encode, render, to_messages
+from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -61,19 +61,8 @@ class SFTDataset(Dataset):
                  prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
                  name: str = "sft") -> None:
         self.tokenizer, self.max_length, self.name = tokenizer, max_length, name
-        self.samples: list[list[tuple[str, bool]]] = []
-        bad = []
-        for i, row in enumerate(rows):
-            try:
-                self.samples.append(_segments(row, prompt_key, tokenizer, chat_template))
-            except MalformedRow as err:
-                if strict:
-                    raise ValueError(f"{name} row {i} is malformed: {err}; fix it or set data.strict=false") from err
-                bad.append(i)
-        if bad:
-            logger.warning("%s: skipped %d malformed rows (first indices %s)", name, len(bad), bad[:10])
-        if not self.samples:
-            raise ValueError(f"{name} dataset is empty ({len(rows)} rows, {len(bad)} malformed)")
+        self.samples: list[list[tuple[str, bool]]] = parse_rows(
+            rows, lambda row: _segments(row, prompt_key, tokenizer, chat_template), name, strict)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> SFTDataset:

@@ -7,8 +7,11 @@ plain "User: ...\\nAssistant:" template — the same text the built-in tokenizer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 RAW_TEMPLATE = "raw"
@@ -16,6 +19,24 @@ RAW_TEMPLATE = "raw"
 
 class MalformedRow(ValueError):
     """A dataset row that cannot be used (missing prompt, wrong types)."""
+
+
+def parse_rows(rows: Sequence[Any], parse: Callable[[Any], Any], name: str, strict: bool) -> list[Any]:
+    """`parse(row)` for every row; a MalformedRow is an error when `strict`, else skipped and counted in one
+    warning with the first row indices. An empty result is an error either way."""
+    out, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(parse(row))
+        except MalformedRow as err:
+            if strict:
+                raise ValueError(f"{name} row {i} is malformed: {err}; fix it or set data.strict=false") from err
+            bad.append(i)
+    if bad:
+        logger.warning("%s: skipped %d malformed rows (first indices %s)", name, len(bad), bad[:10])
+    if not out:
+        raise ValueError(f"{name} dataset is empty ({len(rows)} rows, {len(bad)} malformed)")
+    return out
 
 
 def to_messages(prompt: Any) -> Messages:
