@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from hybridflow.config import load_config
 from hybridflow.models.presets import preset_config
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout import RolloutEngine, forward
 from hybridflow.rollout.kv_cache import bytes_per_slot
 
 log = logging.getLogger("bench.rollout")
@@ -68,8 +68,9 @@ def make_prompts(B: int, P: int, vocab: int, dev: torch.device) -> DataProto:
                                        "position_ids": pos.to(dev)})
 
 
-def weight_bytes_read(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every matrix once; an untied embedding table is only gathered."""
+def weight_bytes_read(model: torch.nn.Module, elem_size: int | None = None) -> int:
+    """Bytes of weights one decode step reads: every matrix once; an untied embedding table is only gathered.
+    `elem_size` = bytes per element of the generation copy (bf16 views of fp32 master weights)."""
     seen, total = set(), 0
     emb = model.get_input_embeddings().weight
     tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
@@ -77,7 +78,7 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
         if p.data_ptr() in seen or (p is emb and not tied):
             continue
         seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+        total += p.numel() * (elem_size or p.element_size())
     return total
 
 
@@ -94,8 +95,12 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
                                max_num_seqs=B, max_num_batched_tokens=args.prefill_tokens, free_cache_engine=False,
                                enforce_eager=args.eager, gpu_memory_utilization=0.6)
     cfg = model.config
+    gen_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.fp32_master:
+        model.float()  # training's master weights: generation reads bf16 copies (fused q/k/v and gate/up)
     engine = RolloutEngine(model, rcfg, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                           max_prompt_length=P, max_response_length=R, compile_decode=False if args.no_compile else None)
+                           max_prompt_length=P, max_response_length=R, dtype=gen_dtype,
+                           compile_decode=False if args.no_compile else None)
     prompts = make_prompts(B, P, cfg.vocab_size, dev)
     _, t_first = timed(lambda: engine.generate(prompts), dev)  # allocates the cache, compiles, captures graphs
     runs = []
@@ -108,7 +113,7 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
     _, t_prefill = timed(lambda: engine.generate(one), dev)  # prefill + first token
     t_decode = max(t_gen - t_prefill, 1e-9)
     kv_tok = bytes_per_slot(engine.spec, 1, engine.dtype)
-    w_bytes = weight_bytes_read(model)
+    w_bytes = weight_bytes_read(model, torch.empty(0, dtype=gen_dtype).element_size())
     runner = engine._runner
     read_cols, hs = 0, 1  # replay the scheduler's choice of attended columns L per chunk of decode steps
     while hs < R:
@@ -121,6 +126,9 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
     res = {
         "engine": "hybridflow", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
         "compiled": bool(runner.ops.is_compiled), "cuda_graphs": runner.use_graphs,
+        "compiled_ok": {n: getattr(getattr(runner.ops, n), "ok", False) for n in ("qkv", "mlp_block", "sample")},
+        "attention": getattr(runner.ops.attention, "__name__", "sdpa"), "fp32_master": args.fp32_master,
+        "fused_qkv": runner.weights.layers[0].qkv is not None,
         "graphs": sorted(runner.graphs), "check_every": engine.check_every,
         "first_call_s": t_first, "generate_s": t_gen, "tokens_per_s": B * R / t_gen,
         "prefill_s": t_prefill, "decode_s": t_decode, "decode_tokens_per_s": decode_tps,
@@ -131,6 +139,8 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
         "metrics": {k: v for k, v in out.meta_info.get("metrics", {}).items()},
     }
     engine.release_cache()
+    if args.fp32_master:
+        model.to(gen_dtype)
     return res
 
 
@@ -218,7 +228,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="rollout.enforce_eager (no CUDA graphs, no compile)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of eager ops (no torch.compile)")
+    ap.add_argument("--sdpa", action="store_true", help="SDPA decode attention instead of the Triton kernel")
+    ap.add_argument("--fp32-master", action="store_true",
+                    help="fp32 parameters generating in bf16 (the RL setting: cast into fused buffers)")
     args = ap.parse_args()
+    if args.sdpa:
+        forward._triton_attention = lambda device: None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

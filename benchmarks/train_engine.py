@@ -60,9 +60,14 @@ def pg_loss(outputs: dict[str, torch.Tensor], mb: DataProto, norm: dict[str, tor
     return loss, {}
 
 
-def build_engine(model: str, args: argparse.Namespace, grad_ckpt: bool, num_seqs: int) -> TrainEngine:
+VARIANTS = {"eager": (False, False), "compile": (False, True), "ckpt": (True, False), "compile+ckpt": (True, True)}
+
+
+def build_engine(model: str, args: argparse.Namespace, variant: str, num_seqs: int) -> TrainEngine:
+    grad_ckpt, compiled = VARIANTS[variant]
     overrides = [
         f"model.preset={model}", f"model.enable_gradient_checkpointing={str(grad_ckpt).lower()}",
+        f"model.use_torch_compile={str(compiled).lower()}",
         f"data.train_batch_size={num_seqs}", f"actor.ppo_mini_batch_size={num_seqs}",
         f"actor.ppo_micro_batch_size_per_gpu={num_seqs}", "actor.use_dynamic_bsz=true",
         f"actor.ppo_max_token_len_per_gpu={args.max_token_len}",
@@ -159,11 +164,11 @@ def main() -> None:
     p.add_argument("--variable-lengths", action="store_true", help="random left/right padding instead of full rows")
     p.add_argument("--max-token-len", type=int, default=16384, help="tokens per packed micro-batch")
     p.add_argument("--chunk-size", type=int, default=2048, help="actor.logprob_chunk_size")
-    p.add_argument("--grad-ckpt", default="off,on", help="activation checkpointing settings to measure")
+    p.add_argument("--variants", default="eager,compile,compile+ckpt",
+                   help=f"comma-separated engine settings to measure, of {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--logprob-tokens", default="8192,32768,65536", help="token counts for the log-prob memory test")
     p.add_argument("--num-layers", type=int, default=0, help="override num_hidden_layers (smoke tests)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (experimental)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -180,27 +185,23 @@ def main() -> None:
     }
     for model in args.models.split(","):
         entry: dict[str, Any] = {}
-        for ckpt in args.grad_ckpt.split(","):
-            on = ckpt == "on"
+        for variant in args.variants.split(","):
             engine = None
             try:
-                engine = build_engine(model, args, on, args.num_seqs)
-                if args.compile:
-                    for layer in engine.module.base_model.layers:
-                        layer.compile()
+                engine = build_engine(model, args, variant, args.num_seqs)
                 vocab = engine.module.config.vocab_size
                 data = make_batch(args.num_seqs, args.seq_len, vocab, args.variable_lengths)
-                entry[f"train_grad_ckpt_{ckpt}"] = bench_train(engine, data, args.steps)
+                entry[f"train_{variant}"] = bench_train(engine, data, args.steps)
                 entry["packed_attention"] = packed_backend(engine.device, engine.compute_dtype)
                 entry["varlen_error"] = attention._varlen_error
-                log.info("%s grad_ckpt=%s %s", model, ckpt, entry[f"train_grad_ckpt_{ckpt}"])
+                log.info("%s %s %s", model, variant, entry[f"train_{variant}"])
                 if "logprob_memory" not in entry:
                     entry["logprob_memory"] = bench_logprobs(engine, args, vocab)
                     entry["offload_round_trip"] = check_offload(engine, vocab, args)
                     log.info("offload %s", entry["offload_round_trip"])
             except Exception as e:  # record and go on: one failed setting must not lose the others' numbers
-                entry[f"train_grad_ckpt_{ckpt}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                log.exception("%s grad_ckpt=%s failed", model, ckpt)
+                entry[f"train_{variant}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                log.exception("%s %s failed", model, variant)
             finally:
                 engine = None
                 gc.collect()

@@ -36,12 +36,15 @@ class ModelConfig:
     tokenizer_path: str | None  # defaults to `path`, or the built-in tokenizer for presets
     trust_remote_code: bool
     enable_gradient_checkpointing: bool
+    use_torch_compile: bool | str  # auto (GPU only) | true | false: torch.compile each decoder layer
     dtype: str  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     override_config: dict[str, Any]  # keys applied to the HF config (e.g. num_hidden_layers) before init
     seed: int  # seed for random init of presets
 
     def __post_init__(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        if self.use_torch_compile not in ("auto", True, False):
+            raise ValueError(f"model.use_torch_compile={self.use_torch_compile!r}: must be auto, true or false")
 
 
 # --------------------------------------------------------------------------------------------------- data

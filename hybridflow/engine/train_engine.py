@@ -26,7 +26,16 @@ from hybridflow.config.schema import DataConfig, ModelConfig
 from hybridflow.engine import checkpoint as ckpt
 from hybridflow.engine.attention import register as register_attention
 from hybridflow.engine.flops import FlopsCounter, peak_flops
-from hybridflow.engine.fsdp import DTYPES, apply_fsdp2, build_mesh, move_model, move_optimizer, resolve_dtype
+from hybridflow.engine.compile import compile_layers, wants_compile
+from hybridflow.engine.fsdp import (
+    DTYPES,
+    apply_fsdp2,
+    build_mesh,
+    decoder_layers,
+    move_model,
+    move_optimizer,
+    resolve_dtype,
+)
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
@@ -71,6 +80,8 @@ class TrainEngine:
         if not s.trainable:
             model.requires_grad_(False)
         model.to(self.device)
+        if wants_compile(model_cfg.use_torch_compile, self.device):
+            compile_layers(decoder_layers(model))
         apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, DTYPES[s.fsdp.reduce_dtype],
                     s.fsdp.reshard_after_forward)
         install_engine_forward(model)

@@ -116,7 +116,7 @@ class RolloutEngine:
                                gpu_memory_utilization=self.cfg.gpu_memory_utilization)
             cache = KVCache(self.spec, slots, max_len, self.dtype, self.device)
             rope = RopeTable(self.module, cache.max_len, self.dtype, self.device)
-            ops = DecodeOps.compiled() if self.compile_decode else DecodeOps()
+            ops = DecodeOps.for_device(self.device, self.compile_decode)
             self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
                                        use_graphs=self.use_graphs, ops=ops)
             self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
@@ -161,6 +161,10 @@ class RolloutEngine:
         if P > self.P:
             raise ValueError(f"prompts are {P} tokens wide > max_prompt_length={self.P}; raise "
                              "data.max_prompt_length or truncate the prompts")
+        bad = (mask[:, 1:].long() < mask[:, :-1].long()).any(-1).nonzero()
+        if len(bad):
+            raise ValueError(f"prompt row {int(bad[0])} is not left-padded (attention_mask has a 0 after a 1); "
+                             "the rollout expects left padding — pad prompts on the left, as RLHFDataset does")
         max_new = min(params.max_new_tokens or self.R, self.R)
         seeds = self._row_seeds(meta, params, B)
         self._calls += 1

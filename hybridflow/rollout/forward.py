@@ -11,7 +11,9 @@ Legend: B prompts, P prompt length, b decode rows, T cache length, H heads, Hkv 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from torch import nn
 from hybridflow.rollout import sampling
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,9 +45,13 @@ def qkv(x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
     """x [..., hidden] (pre-norm residual) → q [..., H, D], k, v [..., Hkv, D] with RoPE applied."""
     h, hkv, d = heads
     xn = rms_norm(x, lw.ln1, eps)
-    q = F.linear(xn, lw.q, lw.q_bias).unflatten(-1, (h, d))
-    k = F.linear(xn, lw.k, lw.k_bias).unflatten(-1, (hkv, d))
-    v = F.linear(xn, lw.v, lw.v_bias).unflatten(-1, (hkv, d))
+    if lw.qkv is not None and (lw.qkv_bias is not None or lw.q_bias is None):
+        q, k, v = F.linear(xn, lw.qkv, lw.qkv_bias).split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
+    else:
+        q = F.linear(xn, lw.q, lw.q_bias).unflatten(-1, (h, d))
+        k = F.linear(xn, lw.k, lw.k_bias).unflatten(-1, (hkv, d))
+        v = F.linear(xn, lw.v, lw.v_bias).unflatten(-1, (hkv, d))
     if lw.q_norm is not None:
         q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
@@ -56,17 +64,53 @@ def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float)
     """Residual stream after o_proj and the SwiGLU MLP; attn [..., H*D]."""
     x = x + F.linear(attn, lw.o, lw.o_bias)
     xn = rms_norm(x, lw.ln2, eps)
-    return x + F.linear(F.silu(F.linear(xn, lw.gate)) * F.linear(xn, lw.up), lw.down)
+    if lw.gate_up is not None:
+        gate, up = F.linear(xn, lw.gate_up).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(xn, lw.gate), F.linear(xn, lw.up)
+    return x + F.linear(F.silu(gate) * up, lw.down)
+
+
+def sdpa_attention(q_bHGD: torch.Tensor, k_bHTD: torch.Tensor, v_bHTD: torch.Tensor,
+                   mask_b11T: torch.Tensor) -> torch.Tensor:
+    """GQA decode attention through SDPA: the G query heads of a kv head ride on SDPA's query axis."""
+    return F.scaled_dot_product_attention(q_bHGD, k_bHTD, v_bHTD, attn_mask=mask_b11T)
+
+
+class GuardedCompile:
+    """`torch.compile(fn)` that, on its first failure (Dynamo, Inductor or the kernel launch), logs why and runs
+    `fn` eagerly for the rest of the process — never retried, so a broken compiler costs one attempt, not one per
+    generate call."""
+
+    def __init__(self, fn: Callable, name: str) -> None:
+        self.fn, self.name = fn, name
+        self.compiled: Callable | None = torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 — Dynamo/Inductor/Triton raise many unrelated types
+                logger.warning("torch.compile of the rollout's %s failed (%s: %s); it runs eagerly from now on",
+                               self.name, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                self.compiled = None
+        return self.fn(*args, **kwargs)
+
+    @property
+    def ok(self) -> bool:
+        return self.compiled is not None
 
 
 @dataclass
 class DecodeOps:
     """The pure pieces of a decode step; eager by default, `torch.compile`d on GPU when asked (fuses the norms,
-    RoPE, SwiGLU and the sampler's passes over the vocab)."""
+    RoPE, SwiGLU and the sampler's passes over the vocab). `attention` is None for SDPA over the additive mask,
+    or a kernel taking each row's contiguous valid column range (q, k, v, start, end) -> o."""
 
     qkv: Callable = qkv
     mlp_block: Callable = mlp_block
     sample: Callable = sampling.sample
+    attention: Callable | None = None
     is_compiled: bool = False
 
     @classmethod
@@ -74,11 +118,29 @@ class DecodeOps:
         """One process-wide compiled set (dynamic shapes: every batch bucket and layer reuses the same code)."""
         return _compiled_ops()
 
+    @classmethod
+    def for_device(cls, device: torch.device, compile_ops: bool) -> DecodeOps:
+        """Compiled pieces when asked, and the Triton decode-attention kernel on CUDA when Triton imports."""
+        ops = cls.compiled() if compile_ops else cls()
+        attention = _triton_attention(device)
+        return ops if attention is None else dataclasses.replace(ops, attention=attention)
+
 
 @functools.lru_cache(maxsize=1)
 def _compiled_ops() -> DecodeOps:
-    return DecodeOps(qkv=torch.compile(qkv, dynamic=True), mlp_block=torch.compile(mlp_block, dynamic=True),
-                     sample=torch.compile(sampling.sample, dynamic=True), is_compiled=True)
+    return DecodeOps(qkv=GuardedCompile(qkv, "qkv"), mlp_block=GuardedCompile(mlp_block, "mlp_block"),
+                     sample=GuardedCompile(sampling.sample, "sampler"), is_compiled=True)
+
+
+def _triton_attention(device: torch.device) -> Callable | None:
+    if device.type != "cuda":
+        return None
+    try:
+        from hybridflow.rollout import decode_attention
+    except ImportError as err:  # triton missing: SDPA it is
+        logger.info("rollout: Triton decode attention unavailable (%s); using SDPA", err)
+        return None
+    return decode_attention.decode_attention if decode_attention.triton_available(device) else None
 
 
 class RopeTable:
@@ -119,10 +181,12 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
 
 
 def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok_b: torch.Tensor,
-           pos_b: torch.Tensor, cidx_b: torch.Tensor, valid_bT: torch.Tensor, cache: KVCache,
+           pos_b: torch.Tensor, cidx_b: torch.Tensor, valid_bT: torch.Tensor, start_b: torch.Tensor, cache: KVCache,
            kv_len: int) -> torch.Tensor:
     """One token per row: write its K/V at column cidx, attend over the row's valid columns among the first
-    `kv_len` (the caller guarantees cidx < kv_len for live rows); logits [b, V].
+    `kv_len` (the caller guarantees cidx < kv_len for live rows); logits [b, V]. A row's valid columns are the
+    contiguous range [start, cidx] (left-padded prompt, then its tokens): `ops.attention` kernels use that range,
+    SDPA uses the `valid` mask.
 
     Mutates `valid_bT` (marks cidx) and the cache; shapes are static so the call can be captured in a CUDA graph.
     """
@@ -131,17 +195,22 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     rows = torch.arange(b, device=tok_b.device)
     valid_bT.scatter_(1, cidx_b[:, None], True)
     x = F.embedding(tok_b, w.embed)
-    # Additive mask built once per step (not converted from bool inside every layer's SDPA call).
-    valid = valid_bT[:, :kv_len]
-    attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
-    attn_mask = attn_mask[:, None, None, :]
+    if ops.attention is None:  # additive mask built once per step (not converted from bool inside every layer)
+        valid = valid_bT[:, :kv_len]
+        attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
+        attn_mask = attn_mask[:, None, None, :]
+    else:
+        end_b = cidx_b + 1
     cos, sin = rope.cos[pos_b], rope.sin[pos_b]
     for layer, lw in enumerate(w.layers):
         q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
-        kc, vc = cache.k[layer][:b], cache.v[layer][:b]
+        kc, vc = cache.k[layer], cache.v[layer]
         kc[rows, :, cidx_b] = k
         vc[rows, :, cidx_b] = v
         qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
-        o = F.scaled_dot_product_attention(qg, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=attn_mask)
+        if ops.attention is None:
+            o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask)
+        else:
+            o = ops.attention(qg, kc, vc, start_b, end_b)
         x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
     return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)

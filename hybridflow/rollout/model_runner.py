@@ -59,6 +59,7 @@ class ModelRunner:
         self.device = dev
         zeros = dict(dtype=torch.long, device=dev)
         self.tok, self.pos, self.cidx, self.step = (torch.zeros(S, **zeros) for _ in range(4))
+        self.start = torch.zeros(S, **zeros)  # first valid cache column of each slot (after the left padding)
         self.seed, self.max_new = torch.zeros(S, **zeros), torch.full((S,), max_new_tokens, **zeros)
         self.done = torch.ones(S, dtype=torch.bool, device=dev)
         self.valid = torch.zeros(S, T, dtype=torch.bool, device=dev)
@@ -112,6 +113,7 @@ class ModelRunner:
                            torch.zeros_like(seeds_t))
         self.valid[slot_t] = False
         self.valid[slot_t, :P] = mask_BP.bool()[src]
+        self.start[slot_t] = (P - mask_BP.long().sum(-1))[src]
         self.out_tok[slot_t] = self.pad_id
         self.out_logp[slot_t] = 0.0
         self.out_tok[slot_t, 0] = tok
@@ -129,7 +131,7 @@ class ModelRunner:
     def _step(self, b: int, L: int, mode: str) -> None:
         T = self.cache.max_len
         logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
-                                self.cidx[:b], self.valid[:b], self.cache, L)
+                                self.cidx[:b], self.valid[:b], self.start[:b], self.cache, L)
         step, done = self.step[:b], self.done[:b]
         tok, logp = self.ops.sample(logits, mode, self.temperature, self.top_k, self.top_p, self.seed[:b], step)
         live = ~done
@@ -183,9 +185,9 @@ class ModelRunner:
             for t, saved in zip(self._state(), snapshot):
                 t[:b].copy_(saved)
             self.graphs.clear()
-            if self.ops.is_compiled:
-                logger.warning("CUDA-graph capture of compiled decode failed (%s: %s); retrying with eager ops",
-                               type(err).__name__, err)
+            if self.ops.is_compiled or self.ops.attention is not None:
+                logger.warning("CUDA-graph capture with compiled ops / the decode-attention kernel failed (%s: %s);"
+                               " retrying with eager ops and SDPA", type(err).__name__, err)
                 self.ops = DecodeOps()
                 self.ensure_graph(b, L)
                 return

@@ -75,8 +75,8 @@ class Scheduler:
                 decode_steps += todo
                 for s in live:
                     host_steps[s] += todo
-            done = r.done_mask()
-            finished = [s for s in live if bool(done[s])]
+            done = r.done_mask().numpy()
+            finished = [s for s in live if done[s]]
             if not finished and todo == 0:
                 raise RuntimeError(f"scheduler made no progress: live slots {sorted(live)} not done at max length")
             if finished:

@@ -36,6 +36,11 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head of q and k before RoPE
     k_norm: torch.Tensor | None = None
+    # One [q; k; v] and one [gate; up] matrix (q/k/v/gate/up are then row slices of them): fewer, larger matmuls
+    # per decode step. Built only when the views are copies anyway (cast or gathered); zero-copy views stay apart.
+    qkv: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None
 
 
 @dataclass
@@ -54,9 +59,11 @@ class ModelWeights:
         return out
 
     def nbytes(self) -> int:
+        """Bytes of distinct storages (a fused matrix and its row slices count once)."""
         seen: dict[int, int] = {}
         for t in self.tensors():
-            seen[t.data_ptr()] = t.numel() * t.element_size()
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
 
 
@@ -134,8 +141,22 @@ class WeightView:
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         self.module, self.dtype, self.device = module, dtype, device
-        self._buffers: dict[int, torch.Tensor] = {}  # id(param) -> reused generation buffer
-        self._gathered: set[int] = set()  # ids whose buffer holds a full (multi-rank) tensor
+        self._buffers: dict[object, torch.Tensor] = {}  # id(param) or ("fused", id) -> reused generation buffer
+        self._gathered: set[object] = set()  # keys whose buffer holds a full (multi-rank) tensor
+
+    def _zero_copy(self, p: torch.Tensor) -> bool:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        single = not hasattr(p, "to_local") or p.device_mesh.size() == 1
+        return single and local.dtype == self.dtype and local.device == self.device
+
+    def _buffer(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape:
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._buffers[key] = buf
+        if gathered:
+            self._gathered.add(key)
+        return buf
 
     def _get(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None:
@@ -143,15 +164,29 @@ class WeightView:
         src, temporary = _source(p)
         if not temporary and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
-        buf = self._buffers.get(id(p))
-        if buf is None or buf.shape != src.shape:
-            buf = torch.empty(src.shape, dtype=self.dtype, device=self.device)
-            self._buffers[id(p)] = buf
+        buf = self._buffer(id(p), src.shape, temporary)
         buf.copy_(src)
-        if temporary:
-            self._gathered.add(id(p))
         del src  # gathered full tensors are freed one parameter at a time
         return buf
+
+    def _get_fused(self, params: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """(fused buffer, row-slice views) when every part needs a copy anyway; else (None, plain `_get`s)."""
+        if any(p is None for p in params) or any(self._zero_copy(p) for p in params):
+            return None, [self._get(p) for p in params]
+        rows = [p.shape[0] for p in params]
+        buf = self._buffer(("fused", id(params[0])), torch.Size([sum(rows), *params[0].shape[1:]]),
+                           gathered=not all(self._zero_copy_shape(p) for p in params))
+        parts = list(buf.split(rows, dim=0))
+        for p, part in zip(params, parts):
+            src, _ = _source(p)
+            part.copy_(src)
+            del src
+        return buf, parts
+
+    @staticmethod
+    def _zero_copy_shape(p: torch.Tensor) -> bool:
+        """True when the parameter is whole on this rank (not a shard that had to be gathered)."""
+        return not hasattr(p, "to_local") or p.device_mesh.size() == 1
 
     def build(self) -> ModelWeights:
         """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved."""
@@ -161,15 +196,21 @@ class WeightView:
         layers = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
+            qkv, (q, k, v) = self._get_fused([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+            biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
+            if qkv is not None and all(b is not None for b in biases):
+                qkv_bias, (qb, kb, vb) = self._get_fused(biases)
+            else:
+                qkv_bias, (qb, kb, vb) = None, [self._get(b) for b in biases]
+            gate_up, (gate, up) = self._get_fused([mlp.gate_proj.weight, mlp.up_proj.weight])
             layers.append(LayerWeights(
                 ln1=self._get(layer.input_layernorm.weight), ln2=self._get(layer.post_attention_layernorm.weight),
-                q=self._get(att.q_proj.weight), k=self._get(att.k_proj.weight), v=self._get(att.v_proj.weight),
-                o=self._get(att.o_proj.weight), q_bias=self._get(att.q_proj.bias), k_bias=self._get(att.k_proj.bias),
-                v_bias=self._get(att.v_proj.bias), o_bias=self._get(att.o_proj.bias),
+                q=q, k=k, v=v, o=self._get(att.o_proj.weight), q_bias=qb, k_bias=kb, v_bias=vb,
+                o_bias=self._get(att.o_proj.bias),
                 q_norm=self._get(getattr(getattr(att, "q_norm", None), "weight", None)),
                 k_norm=self._get(getattr(getattr(att, "k_norm", None), "weight", None)),
-                gate=self._get(mlp.gate_proj.weight), up=self._get(mlp.up_proj.weight),
-                down=self._get(mlp.down_proj.weight)))
+                gate=gate, up=up, down=self._get(mlp.down_proj.weight), qkv=qkv, qkv_bias=qkv_bias,
+                gate_up=gate_up))
         embed = self._get(inner.embed_tokens.weight)
         lm_head = self._get(m.lm_head.weight)
         weights = ModelWeights(embed=embed, layers=layers, norm=self._get(inner.norm.weight), lm_head=lm_head,

@@ -53,6 +53,7 @@ def _reference(data):
     ("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=25"),
     ("data.use_packed_dataset=false", "actor.ppo_micro_batch_size_per_gpu=2"),
     ("model.enable_gradient_checkpointing=true", "actor.ppo_micro_batch_size_per_gpu=4"),
+    ("model.use_torch_compile=true", "actor.ppo_micro_batch_size_per_gpu=4"),
 ])
 def test_gradients_match_reference_for_any_micro_batching(overrides):
     data = make_batch(seed=0)
