@@ -127,7 +127,8 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
         "engine": "hybridflow", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
         "compiled": bool(runner.ops.is_compiled), "cuda_graphs": runner.use_graphs,
         "compiled_ok": {n: getattr(getattr(runner.ops, n), "ok", False) for n in ("qkv", "mlp_block", "sample")},
-        "attention": getattr(runner.ops.attention, "__name__", "sdpa"), "fp32_master": args.fp32_master,
+        "attention": getattr(runner.ops.attention, "__name__", "sdpa"),
+        "sampler": f"{runner.ops.sample.__module__}.{getattr(runner.ops.sample, '__name__', 'compiled')}", "fp32_master": args.fp32_master,
         "fused_qkv": runner.weights.layers[0].qkv is not None,
         "graphs": sorted(runner.graphs), "check_every": engine.check_every,
         "first_call_s": t_first, "generate_s": t_gen, "tokens_per_s": B * R / t_gen,
@@ -138,10 +139,24 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_tok,
         "metrics": {k: v for k, v in out.meta_info.get("metrics", {}).items()},
     }
+    if args.profile and dev.type == "cuda":
+        res["top_kernels"] = profile_kernels(lambda: engine.generate(prompts))
     engine.release_cache()
     if args.fp32_master:
         model.to(gen_dtype)
     return res
+
+
+def profile_kernels(fn, top: int = 25) -> list[dict[str, Any]]:
+    """Device time per kernel name over one call of fn (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:top]
+    return [{"name": a.key[:200], "ms": a.device_time_total / 1e3, "calls": a.count} for a in rows]
 
 
 def bench_switch(model, dev: torch.device, P: int, R: int, fp32_master: bool) -> dict[str, Any]:
@@ -228,12 +243,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="rollout.enforce_eager (no CUDA graphs, no compile)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of eager ops (no torch.compile)")
-    ap.add_argument("--sdpa", action="store_true", help="SDPA decode attention instead of the Triton kernel")
+    ap.add_argument("--profile", action="store_true", help="kernel breakdown of one generate per case")
+    ap.add_argument("--sdpa", action="store_true", help="SDPA and the torch sampler instead of our Triton kernels")
     ap.add_argument("--fp32-master", action="store_true",
                     help="fp32 parameters generating in bf16 (the RL setting: cast into fused buffers)")
     args = ap.parse_args()
     if args.sdpa:
-        forward._triton_attention = lambda device: None
+        forward._triton_kernels = lambda device: (None, None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

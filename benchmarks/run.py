@@ -149,8 +149,8 @@ def busy_fraction(trainer: Any, batch: DataProto) -> dict[str, Any]:
             busy += e - end
             end = e
     window = (spans[-1][1] - spans[0][0]) / 1e9 if spans else 0.0
-    top = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:15]
-    kernels = [{"name": a.key[:90], "ms": a.device_time_total / 1e3, "calls": a.count} for a in top]
+    top = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:25]
+    kernels = [{"name": a.key[:160], "ms": a.device_time_total / 1e3, "calls": a.count} for a in top]
     return {"busy_s": busy / 1e9, "wall_s": wall, "first_to_last_kernel_s": window,
             "busy_fraction": busy / 1e9 / wall if wall else 0.0, "top_kernels": kernels}
 
@@ -290,7 +290,7 @@ def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict
     for r in results:
         if r.get("profile"):
             lines += ["", f"top kernels over one {r['preset']} step (ms, calls):"]
-            lines += [f"- {k['ms']:.1f} ms x{k['calls']}: {k['name']}" for k in r["profile"]["top_kernels"][:10]]
+            lines += [f"- {k['ms']:.1f} ms x{k['calls']}: {k['name']}" for k in r["profile"]["top_kernels"][:20]]
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     if compute_dtype != master or reduce_dtype != master:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=True)
     kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    if mesh.size() == 1 and reshard_after_forward:
+        # One rank: "resharding" frees the unsharded compute-dtype copy after forward only to cast it again
+        # for backward. Keep it; the rollout's weight view reshards before generating (weights.py).
+        reshard_after_forward = False
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again at once in backward: keep them gathered.
@@ -58,7 +62,11 @@ def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
 
 
 def move_model(model: torch.nn.Module, device: torch.device) -> None:
-    """Move sharded parameters (and gradients) to `device`; FSDP2 keeps its sharding metadata."""
+    """Move sharded parameters (and gradients) to `device`; FSDP2 keeps its sharding metadata. Unsharded
+    copies left by a forward without resharding are freed first."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     model.to(device)
     for p in model.parameters():
         if p.grad is not None and p.grad.device != p.device:

@@ -25,8 +25,8 @@ from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, loss_normalizer
 from hybridflow.config.schema import DataConfig, ModelConfig
 from hybridflow.engine import checkpoint as ckpt
 from hybridflow.engine.attention import register as register_attention
-from hybridflow.engine.flops import FlopsCounter, peak_flops
 from hybridflow.engine.compile import compile_layers, wants_compile
+from hybridflow.engine.flops import FlopsCounter, peak_flops
 from hybridflow.engine.fsdp import (
     DTYPES,
     apply_fsdp2,

@@ -27,44 +27,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["decode_attention", "decode_attention_ref", "triton_available"]
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.runtime.jit import JITFunction
-except ImportError:  # pragma: no cover - triton is optional (CPU-only installs)
-    triton = None
-    tl = None
-
-# Mode triton was imported in (its own tl.zeros / tl.sum / ... are interpreted or compiled from then on).
-_INTERPRETED = triton is not None and not isinstance(tl.zeros, JITFunction)
-
-
-def _jit(fn):
-    if triton is None:
-        return fn
-    if _INTERPRETED:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn)
-    return JITFunction(fn)
-
-
-def triton_available(device: torch.device | str) -> bool:
-    """True when triton imports and the kernel can run on `device`: CUDA with compiled triton, or any device when
-    triton was imported in interpreter mode and TRITON_INTERPRET=1 is still set (tests)."""
-    if triton is None:
-        return False
-    if _INTERPRETED:
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return torch.device(device).type == "cuda"
-
+from hybridflow.rollout.triton_util import INTERPRETED as _INTERPRETED
+from hybridflow.rollout.triton_util import jit as _jit
+from hybridflow.rollout.triton_util import tl, triton, triton_available
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels

@@ -120,10 +120,12 @@ class DecodeOps:
 
     @classmethod
     def for_device(cls, device: torch.device, compile_ops: bool) -> DecodeOps:
-        """Compiled pieces when asked, and the Triton decode-attention kernel on CUDA when Triton imports."""
+        """Compiled pieces when asked; on CUDA with Triton, our decode-attention and sampler kernels."""
         ops = cls.compiled() if compile_ops else cls()
-        attention = _triton_attention(device)
-        return ops if attention is None else dataclasses.replace(ops, attention=attention)
+        attention, sampler = _triton_kernels(device)
+        if attention is None:
+            return ops
+        return dataclasses.replace(ops, attention=attention, sample=sampler)
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,15 +134,18 @@ def _compiled_ops() -> DecodeOps:
                      sample=GuardedCompile(sampling.sample, "sampler"), is_compiled=True)
 
 
-def _triton_attention(device: torch.device) -> Callable | None:
+def _triton_kernels(device: torch.device) -> tuple[Callable | None, Callable | None]:
+    """(decode attention, sampler) Triton kernels for `device`, or (None, None) to stay with torch ops."""
     if device.type != "cuda":
-        return None
+        return None, None
     try:
-        from hybridflow.rollout import decode_attention
-    except ImportError as err:  # triton missing: SDPA it is
-        logger.info("rollout: Triton decode attention unavailable (%s); using SDPA", err)
-        return None
-    return decode_attention.decode_attention if decode_attention.triton_available(device) else None
+        from hybridflow.rollout import decode_attention, sample_kernel
+    except ImportError as err:  # triton missing: SDPA and the torch sampler it is
+        logger.info("rollout: Triton kernels unavailable (%s); using SDPA and the torch sampler", err)
+        return None, None
+    if not decode_attention.triton_available(device):
+        return None, None
+    return decode_attention.decode_attention, sample_kernel.fused_sample
 
 
 class RopeTable:

@@ -19,7 +19,7 @@ import torch
 from hybridflow.rollout import forward
 from hybridflow.rollout.forward import DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
-from hybridflow.rollout.sampling import SamplingParams, sample
+from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.rollout.weights import ArchSpec, ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class ModelRunner:
         src = torch.arange(B, device=dev).repeat_interleave(n)
         logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t, src)
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
-        tok, logp = sample(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
+        tok, logp = self.ops.sample(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
                            torch.zeros_like(seeds_t))
         self.valid[slot_t] = False
         self.valid[slot_t, :P] = mask_BP.bool()[src]
@@ -186,8 +186,8 @@ class ModelRunner:
                 t[:b].copy_(saved)
             self.graphs.clear()
             if self.ops.is_compiled or self.ops.attention is not None:
-                logger.warning("CUDA-graph capture with compiled ops / the decode-attention kernel failed (%s: %s);"
-                               " retrying with eager ops and SDPA", type(err).__name__, err)
+                logger.warning("CUDA-graph capture with compiled ops / Triton kernels failed (%s: %s); retrying "
+                               "with eager torch ops", type(err).__name__, err)
                 self.ops = DecodeOps()
                 self.ensure_graph(b, L)
                 return

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -84,6 +84,7 @@ class RayBackend(Backend):
     kind = "ray"
     placement_timeout_s = 60.0
     start_timeout_s = 600.0  # includes the workers' __init__ (model loading)
+    death_grace_s = 2.0  # how long a worker's exception waits for news of another rank's death (see _worker_error)
 
     # ---------------------------------------------------------------------------------------- placement
     def _placement(self, pool: ResourcePool) -> _Placement:
@@ -168,11 +169,31 @@ class RayBackend(Backend):
             pending = [rank for rank, ref in zip(ranks, refs) if ref not in done]
             raise WorkerTimeoutError(group, method, float(timeout_s or 0), pending) from None
         except RayError as err:
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, RemoteCallError):
-                raise WorkerError(group, method, cause.rank, cause.summary, cause.traceback_text) from None
-            rank = _failed_rank(refs, ranks)
-            raise WorkerError(group, method, rank, f"worker process failed ({type(err).__name__}): {err}") from None
+            raise self._worker_error(refs, ranks, group, method, err) from None
+
+    def _worker_error(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,
+                      err: RayError) -> WorkerError:
+        """The error to raise: a rank whose process died comes first, since the exceptions of live ranks are often
+        its echo (a collective that lost its peer: gloo raises "Connection reset by peer" at once, and can reach
+        the driver before Ray reports the death), so a worker's own exception waits up to `death_grace_s` for the
+        other ranks first; then that exception, with its traceback."""
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, RemoteCallError) and len(refs) > 1:
+            ray.wait(list(refs), num_returns=len(refs), timeout=self.death_grace_s)
+        failures = _failures(refs, ranks)
+        dead = [(rank, e) for rank, e in failures if isinstance(e, RayActorError)]
+        if dead:  # the death Ray raised first (same actor), else the lowest dead rank
+            first = getattr(err, "actor_id", None) if isinstance(err, RayActorError) else None
+            rank, e = next(((r, x) for r, x in dead if first and getattr(x, "actor_id", None) == first), dead[0])
+            echoes = [f"rank {r}: {_first_line(x)}" for r, x in failures if r != rank]
+            detail = f"worker process failed ({type(e).__name__}): {e}"
+            if echoes:
+                detail += "\nafterwards (likely a consequence): " + "; ".join(echoes)
+            return WorkerError(group, method, rank, detail)
+        if isinstance(cause, RemoteCallError):
+            return WorkerError(group, method, cause.rank, cause.summary, cause.traceback_text)
+        rank = failures[0][0] if failures else -1
+        return WorkerError(group, method, rank, f"worker process failed ({type(err).__name__}): {err}")
 
     def ready(self, refs: Sequence[Any]) -> bool:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
@@ -197,16 +218,27 @@ def _actor_runtime_env() -> dict[str, Any] | None:
     return {"env_vars": dict(WORKER_BASE_ENV)}
 
 
-def _failed_rank(refs: Sequence[Any], ranks: Sequence[int]) -> int:
+def _failures(refs: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, RayError]]:
+    """(rank, error) of every finished call that failed, in rank order."""
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
     done = set(ready)
+    out = []
     for rank, ref in zip(ranks, refs):
         if ref in done:
             try:
                 ray.get(ref, timeout=0)
-            except RayError:
-                return rank
-    return -1
+            except RayError as e:
+                out.append((rank, e))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    """`Type: first line` of a failure; a worker's own exception rather than Ray's wrapper of it."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, RemoteCallError):
+        return cause.summary.splitlines()[0][:200] if cause.summary else type(cause).__name__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def _check_resources(pool: ResourcePool, use_gpu: bool, total: dict[str, float]) -> None:
