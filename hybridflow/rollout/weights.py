@@ -126,14 +126,15 @@ def _reshard_fsdp(module: nn.Module) -> None:
             m.reshard()
 
 
-def _source(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(full tensor, is_temporary). A DTensor on one rank is its local shard (zero copy); on N ranks, gathered."""
+def _source(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(full tensor, is_temporary). A DTensor on one rank is its local shard (zero copy); on N ranks, each shard is
+    cast to the generation dtype first and then gathered (bf16 over the wire, not the fp32 master weights)."""
     to_local = getattr(p, "to_local", None)
     if to_local is None:
         return p.detach(), False
     if p.device_mesh.size() == 1:
         return to_local().detach(), False
-    return p.full_tensor().detach(), True
+    return p.detach().to(dtype).full_tensor(), True
 
 
 class WeightView:
@@ -161,7 +162,7 @@ class WeightView:
     def _get(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None:
             return None
-        src, temporary = _source(p)
+        src, temporary = _source(p, self.dtype)
         if not temporary and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
         buf = self._buffer(id(p), src.shape, temporary)
@@ -178,7 +179,7 @@ class WeightView:
                            gathered=not all(self._zero_copy_shape(p) for p in params))
         parts = list(buf.split(rows, dim=0))
         for p, part in zip(params, parts):
-            src, _ = _source(p)
+            src, _ = _source(p, self.dtype)
             part.copy_(src)
             del src
         return buf, parts
@@ -212,7 +213,8 @@ class WeightView:
                 gate=gate, up=up, down=self._get(mlp.down_proj.weight), qkv=qkv, qkv_bias=qkv_bias,
                 gate_up=gate_up))
         embed = self._get(inner.embed_tokens.weight)
-        lm_head = self._get(m.lm_head.weight)
+        tied = m.lm_head.weight is inner.embed_tokens.weight
+        lm_head = embed if tied else self._get(m.lm_head.weight)  # tied: one gather/cast, not two
         weights = ModelWeights(embed=embed, layers=layers, norm=self._get(inner.norm.weight), lm_head=lm_head,
                                owned_buffers=bool(self._buffers))
         weights.ptrs = tuple(t.data_ptr() for t in weights.tensors())

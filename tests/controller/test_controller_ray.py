@@ -322,6 +322,39 @@ def test_resource_over_request_fails_early(ray_cluster):
     assert time.monotonic() - start < 5
 
 
+def test_dead_rank_named_before_its_echo(monkeypatch):
+    """A rank killed inside a collective: its peers' "connection reset" can reach the driver before Ray reports
+    the death; the driver must still name the dead rank (and not rank 0, the first rank that failed)."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from hybridflow.controller.backends import ray as ray_backend
+    from hybridflow.controller.errors import RemoteCallError
+
+    echo_err = RayTaskError("call", "tb", RemoteCallError(0, "RuntimeError: Connection reset by peer", "tb0"))
+    waited = []
+    monkeypatch.setattr(ray_backend.ray, "wait", lambda refs, num_returns, timeout: waited.append(timeout))
+    backend = ray_backend.RayBackend()
+    refs, ranks = [object(), object()], [0, 1]
+    # the peer's echo arrived first; the death is known once the grace wait is over
+    monkeypatch.setattr(ray_backend, "_failures", lambda r, k: [(0, echo_err), (1, ActorDiedError())])
+    err = backend._worker_error(refs, ranks, "g", "update_actor", echo_err)
+    assert err.rank == 1 and waited == [backend.death_grace_s]
+    assert "ActorDiedError" in str(err) and "rank 0: RuntimeError: Connection reset by peer" in str(err)
+    # the death was raised first: still rank 1 (rank 0's failure comes first in rank order)
+    err = backend._worker_error(refs, ranks, "g", "update_actor", ActorDiedError())
+    assert err.rank == 1 and len(waited) == 1
+    # both processes gone by the time the driver looks (e.g. rank 0 aborted by its NCCL watchdog): the death Ray
+    # raised first wins, matched by actor id
+    d0, d1 = ActorDiedError(), ActorDiedError()
+    d0.actor_id, d1.actor_id = "a0", "a1"
+    monkeypatch.setattr(ray_backend, "_failures", lambda r, k: [(0, d0), (1, d1)])
+    assert backend._worker_error(refs, ranks, "g", "update_actor", d1).rank == 1
+    # no death: the worker's own exception and traceback, as before
+    monkeypatch.setattr(ray_backend, "_failures", lambda r, k: [(0, echo_err)])
+    err = backend._worker_error(refs, ranks, "g", "update_actor", echo_err)
+    assert err.rank == 0 and err.remote_traceback == "tb0"
+
+
 def test_dead_worker_reported_quickly(colocated):
     """Last: kills a process of the colocated group."""
     start = time.monotonic()
