@@ -15,7 +15,7 @@ from hybridflow.rewards.synthetic import sort as sort_score
 from hybridflow.trainer.rm import RMTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs, pair_halves, split_pair
 from hybridflow.trainer.supervised_losses import make_bt_loss
-from hybridflow.trainer.synthetic_pairs import preference_rows
+from hybridflow.trainer.synthetic_pairs import preference_rows, sampled_preference_rows
 
 
 def _cfg(tmp_path, *extra: str):
@@ -47,6 +47,25 @@ def test_synthetic_pairs_prefer_the_correct_answer():
     for p in preference_rows(srows, seed=1):
         truth = p["reward_model"]["ground_truth"]
         assert sort_score("", p["chosen"], truth) == 1.0 and sort_score("", p["rejected"], truth) == 0.0
+
+
+def test_sampled_pairs_reject_wrong_policy_samples():
+    rows, _ = task_splits("sort", 6, 2, seed=0)
+    truths = [r["response"] for r in rows]
+    samples = [[t, t, "#### 9 9 9 9", "", "#### 9 9 9 9"] for t in truths[:3]] + [[t] for t in truths[3:5]] + [[]]
+    pairs = sampled_preference_rows(rows, samples, seed=1, max_pairs_per_prompt=2)
+    assert pairs == sampled_preference_rows(rows, samples, seed=1, max_pairs_per_prompt=2)
+    assert len(pairs) == 6  # two distinct wrong samples for each of the first three prompts, none for the rest
+    for p in pairs:
+        truth = p["reward_model"]["ground_truth"]
+        assert p["rejected_kind"] == "sampled" and p["rejected"] in ("#### 9 9 9 9", "")
+        assert sort_score("", p["chosen"], truth) == 1.0 and sort_score("", p["rejected"], truth) == 0.0
+    # prompts whose samples are all right fall back to hand-made wrong answers when asked
+    fallback = sampled_preference_rows(rows, samples, seed=1, fallback_mix={})
+    assert len(fallback) == 6 and {p["rejected_kind"] for p in fallback[3:]} <= {"unsorted", "wrong_digits"}
+    assert all(sort_score("", p["rejected"], p["reward_model"]["ground_truth"]) == 0.0 for p in fallback)
+    with pytest.raises(ValueError, match="one list per row"):
+        sampled_preference_rows(rows, samples[:2], seed=1)
 
 
 def test_split_pair_and_interleaved_batch():
