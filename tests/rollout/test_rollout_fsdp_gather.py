@@ -1,5 +1,5 @@
-"""FSDP2 over 2 ranks (gloo, CPU): the engine gathers full weights parameter by parameter into reused buffers and
-generates exactly what the unsharded model generates."""
+"""FSDP2 over 2 ranks (gloo, CPU): the engine gathers full weights one FSDP2 group (layer) at a time into reused
+buffers and generates exactly what the unsharded model generates."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def _worker(rank: int, out_dir: str) -> None:
         ptr = w.layers[0].q.data_ptr()
         engine.sync_weights()  # second sync reuses the gather buffers
         assert engine._weights.layers[0].q.data_ptr() == ptr
+        layer = model.model.layers[0]  # gathering = one FSDP2 unshard per layer, not a collective per parameter
+        with engine._view._fsdp_unsharded(layer):
+            assert not hasattr(layer.self_attn.q_proj.weight, "to_local")
+        assert hasattr(layer.self_attn.q_proj.weight, "to_local")  # resharded afterwards
         torch.save(tokens, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
