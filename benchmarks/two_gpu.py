@@ -354,7 +354,7 @@ def derive(cases: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         frac = (w - 1) / w
         bf16 = p["numel"] * 2 * frac
-        actual = p["gathered_bytes_own_dtype"] * frac
+        actual = bf16  # rollout/weights.py unshards each FSDP2 group in its compute dtype: bf16, each tensor once
         sw = c["median"].get("timing/switch")
         row = {"case": c["case"], "switch_s": sw, "param_numel": p["numel"], "param_dtype": p["dtype"],
                "bytes_per_rank_bf16": bf16, "bytes_per_rank_as_gathered": actual,
@@ -411,12 +411,12 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str
                   "| case | timing/switch (ms) | all-gathered per rank (MB) | bf16 weights once (MB) "
                   "| bound at 450 GB/s, as gathered / bf16 (ms) "
                   + (f"| bound at the measured {bw:.0f} GB/s (ms) " if bw else "")
-                  + "| effective GB/s | the per-parameter gathers alone (ms) |",
+                  + "| effective GB/s | a full_tensor() per parameter instead (ms) |",
                   "|---|---:|---:|---:|---:|" + ("---:|" if bw else "") + "---:|---:|"]
         for sw in derived["switch"]:
             lines.append(
                 f"| {sw['case']} | {f(sw['switch_s'] and sw['switch_s'] * 1e3, '{:.1f}')} "
-                f"| {sw['bytes_per_rank_as_gathered'] / 1e6:.1f} ({sw['param_dtype'].replace('torch.', '')}) "
+                f"| {sw['bytes_per_rank_as_gathered'] / 1e6:.1f} (bf16; master {sw['param_dtype'].replace('torch.', '')}) "
                 f"| {sw['bytes_per_rank_bf16'] / 1e6:.1f} "
                 f"| {sw['bound_s_as_gathered_at_450GBs'] * 1e3:.2f} / {sw['bound_s_bf16_at_450GBs'] * 1e3:.2f} "
                 + (f"| {sw['bound_s_as_gathered_at_measured'] * 1e3:.2f} / {sw['bound_s_bf16_at_measured'] * 1e3:.2f} "
