@@ -32,7 +32,7 @@ def overlong_penalty(
     if overlong_penalty_factor < 0:
         raise ValueError(f"overlong_penalty_factor={overlong_penalty_factor} must be >= 0 (it is subtracted)")
     expected = max_response_length - overlong_buffer_len
-    exceed = response_lengths.float() - expected
+    exceed = (response_lengths if response_lengths.is_floating_point() else response_lengths.float()) - expected
     return torch.clamp(-exceed / overlong_buffer_len * overlong_penalty_factor, max=0.0)
 
 

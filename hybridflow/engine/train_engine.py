@@ -93,7 +93,7 @@ class TrainEngine:
             self.optimizer = build_optimizer(model.parameters(), s.optim)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, s.optim, total_training_steps)
         self._params_on_device = self._optim_on_device = True
-        self._exit()  # start offloaded where configured
+        self.to_rest()  # start offloaded where configured
 
     # ----------------------------------------------------------------------------------------- placement
     def to_mode(self, mode: str) -> None:
@@ -122,7 +122,9 @@ class TrainEngine:
     def _enter(self, optim: bool) -> None:
         self._place(params=True, optim=optim or self._optim_on_device)
 
-    def _exit(self) -> None:
+    def to_rest(self) -> None:
+        """Back to the resting placement after an operation: on the CPU whatever `fsdp.param_offload` /
+        `optimizer_offload` ask for (checkpoint loads and saves, forward passes and steps end here)."""
         f = self.settings.fsdp
         self._place(params=not f.param_offload, optim=self._optim_on_device and not f.optimizer_offload)
 
@@ -162,7 +164,7 @@ class TrainEngine:
                         results[k] = torch.zeros((len(data), *v.shape[1:]), dtype=v.dtype)
                     results[k][index] = v.float().cpu()
         finally:
-            self._exit()
+            self.to_rest()
         return results
 
     def forward_logprobs(self, data: DataProto, temperature: float | None = None,
@@ -248,7 +250,7 @@ class TrainEngine:
                 self.lr_scheduler.step()
             self.global_step += 1
         finally:
-            self._exit()
+            self.to_rest()
         sync()
         elapsed = time.perf_counter() - start
         out = {k: sums[k] / counts[k] for k in sums}
@@ -342,14 +344,14 @@ class TrainEngine:
         self.global_step = int(extra.get("global_step", 0))
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        self._exit()
+        self.to_rest()
 
     def save(self, path: str | Path) -> None:
         """Sharded checkpoint into directory `path` (all ranks call it)."""
         state = self.state_dict()
         extra = state.pop("extra")
         ckpt.save_dir(path, state, extra)
-        self._exit()
+        self.to_rest()
 
     def load(self, path: str | Path) -> None:
         state = self.state_dict()
@@ -362,7 +364,7 @@ class TrainEngine:
         """Export full weights + config + tokenizer in HF format (all ranks call it; rank 0 writes)."""
         self._enter(optim=False)
         ckpt.export_hf(self.module, path, self.tokenizer, dtype)
-        self._exit()
+        self.to_rest()
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) per parameter, gathered across ranks (for weight sync to another engine)."""

@@ -114,9 +114,14 @@ def p_reward(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 
 def p_validation(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
     keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in ("val/reward", "val/loss")})
+    # One line per distinct series: with a single data source `val/accuracy` equals `val/<source>/accuracy`.
+    drawn: dict[tuple, list[str]] = {}
+    for key in keys:
+        series = tuple((r.get("step"), r[key]) for r in rows if key in r)
+        drawn.setdefault(series, []).append(key.removeprefix("val/"))
     ok = False
-    for i, key in enumerate(keys[: len(CYCLE)]):
-        ok |= line(ax, rows, key, CYCLE[i], key.removeprefix("val/"), marker="o")
+    for i, (series, names) in enumerate(list(drawn.items())[: len(CYCLE)]):
+        ok |= line(ax, rows, "val/" + names[0], CYCLE[i], " = ".join(names), marker="o")
     finish(ax, "Validation metrics", "accuracy / score")
     return ok
 

@@ -157,7 +157,8 @@ class PPOTrainer:
         timer.add("step", time.perf_counter() - start)
         metrics |= compute_data_metrics(batch, self.cfg.data.max_response_length)
         metrics |= timer.metrics() | throughput_metrics(batch, timer.times["step"], self.res.world_size)
-        metrics |= memory_metrics()
+        for key, value in memory_metrics().items():  # the workers' GPU peaks win over the driver's (Ray: no GPU)
+            metrics.setdefault(key, value)
         return metrics  # 9. the caller logs, validates and checkpoints
 
     def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:

@@ -86,6 +86,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -125,7 +125,7 @@ class CheckpointingWorker:
         for engine in engines.values():
             # state_dict() brings offloaded params/optimizer onto the device; async saves have already staged
             # them to CPU memory and sync saves have written them, so put them back where they rest.
-            engine._exit()  # noqa: SLF001 — no public "rest" placement on TrainEngine yet
+            engine.to_rest()
         return str(path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
