@@ -2,6 +2,11 @@
 
 Saved as a standard `tokenizer.json` (+ `tokenizer_config.json` with a chat template) so any HF tool loads it with
 `AutoTokenizer.from_pretrained(dir)`. Characters are tokens: small vocab, exact round trips, no training needed.
+
+Decision: it is a byte-level BPE with no merges (space is stored as "Ġ", newline as "Ċ", as GPT-2/Qwen vocabularies
+do). Next to a Qwen2/Llama config.json, transformers 5 rebuilds a tokenizer as the model type's class (e.g.
+Qwen2Tokenizer: byte-level BPE from our vocab and merges); in this form that rebuild encodes exactly as we do,
+where a word-level vocab with a literal " " lost every space.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import string
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, BOS = "<|pad|>", "<|endoftext|>", "<|bos|>"
@@ -28,15 +33,18 @@ CHAT_TEMPLATE = (
 )
 
 
+BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}  # "Ġ", "Ċ": the byte-level alphabet's names for space and newline
+
+
 def _vocab() -> dict[str, int]:
-    tokens = SPECIAL_TOKENS + list(CHARS)
+    tokens = SPECIAL_TOKENS + [BYTE_LEVEL.get(c, c) for c in CHARS]
     return {tok: i for i, tok in enumerate(tokens)}
 
 
 def build_tokenizer_json() -> Tokenizer:
-    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newlines too
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[]))  # no merges: every character is its own token
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
 

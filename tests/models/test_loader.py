@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2ForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForSequenceClassification
 
 from hybridflow.config import load_config
 from hybridflow.models import load_model, load_tokenizer, save_pretrained
@@ -36,11 +36,12 @@ def test_save_then_load_round_trip(actor_dir):
         ref = original(input_ids=ids).logits
         torch.testing.assert_close(loaded(input_ids=ids).logits, ref, atol=0, rtol=0)
         torch.testing.assert_close(hf(input_ids=ids).logits, ref, atol=1e-6, rtol=1e-6)
-    # Through load_tokenizer: transformers 5's AutoTokenizer would rebuild the built-in tokenizer as
-    # Qwen2Tokenizer next to a qwen2 config.json and drop spaces.
+    # Ours and plain AutoTokenizer (which rebuilds it as Qwen2Tokenizer next to a qwen2 config.json) agree.
     tok = load_tokenizer(_model_cfg(f"model.path={actor_dir}"))
-    text = "User: 12+7=?\nAssistant: 19"
+    auto = AutoTokenizer.from_pretrained(actor_dir)
+    text = "User: 12+7=?\nAssistant: 19<|endoftext|>"
     assert tok.decode(tok(text)["input_ids"]) == text
+    assert auto(text)["input_ids"] == tok(text)["input_ids"] and auto.decode(auto(text)["input_ids"]) == text
     assert tok.pad_token == "<|pad|>" and tok.padding_side == "left"
 
 
