@@ -44,11 +44,11 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory) -> QuickstartResult:
 
 
 def test_quickstart_grpo_raises_validation_accuracy(quickstart: QuickstartResult) -> None:
-    # Issue #8 asks for +20 points; the quickstart reaches about +5 to +10 today (see docs/benchmarks.md), so this
-    # asserts the margin it reliably clears. Raise it when the recipe improves.
+    # Issue #8's target, +20 points. The quickstart gained +52 (default seeds), +62 and +58 (two other seeds) in our
+    # runs (docs/benchmarks.md); +20 leaves room for a seed whose SFT has not yet learnt the units digit sharply.
     acc = [a for _, a, _ in quickstart.val_accuracy()]
     assert len(acc) >= 2, quickstart.history
-    assert acc[-1] - acc[0] >= 0.04, f"GRPO validation accuracy {acc} did not rise by 4 points"
+    assert acc[-1] - acc[0] >= 0.20, f"GRPO validation accuracy {acc} did not rise by 20 points"
 
 
 def test_ppo_with_critic_improves(quickstart: QuickstartResult, tmp_path: Path) -> None:
