@@ -120,7 +120,7 @@ def p_validation(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
         series = tuple((r.get("step"), r[key]) for r in rows if key in r)
         drawn.setdefault(series, []).append(key.removeprefix("val/"))
     ok = False
-    for i, (series, names) in enumerate(list(drawn.items())[: len(CYCLE)]):
+    for i, names in enumerate(list(drawn.values())[: len(CYCLE)]):
         ok |= line(ax, rows, "val/" + names[0], CYCLE[i], " = ".join(names), marker="o")
     finish(ax, "Validation metrics", "accuracy / score")
     return ok
