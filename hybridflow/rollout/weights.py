@@ -135,17 +135,6 @@ def _sharded(module: nn.Module) -> bool:
     return p is not None and hasattr(p, "to_local") and p.device_mesh.size() > 1
 
 
-def _reshard_fsdp(module: nn.Module) -> None:
-    """FSDP2 modules left unsharded (reshard_after_forward=False) hold temporary buffers; we read the shards."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without distributed
-        return
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 def _source(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """(full tensor, is_temporary). A DTensor on one rank is its local shard (zero copy); on N ranks, each shard is
     cast to the generation dtype first and then gathered (bf16 over the wire, not the fp32 master weights)."""
@@ -165,6 +154,9 @@ class WeightView:
         self._buffers: dict[object, torch.Tensor] = {}  # id(param) or ("fused", id) -> reused generation buffer
         self._gathered: set[object] = set()  # keys whose buffer holds a full (multi-rank) tensor
         self._unsharded = False  # inside `_fsdp_unsharded`: parameters are FSDP's temporary full tensors
+        self._parts: dict[object, list[torch.Tensor]] = {}  # fused buffer key -> its row-slice views
+        self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
+        self._fsdp_modules = [m for m in module.modules() if _is_fsdp(m)]
 
     def _zero_copy(self, p: torch.Tensor) -> bool:
         if self._unsharded:
@@ -185,9 +177,21 @@ class WeightView:
         self._unsharded = True
         try:
             yield
+            self._flush()  # copy out before the unsharded tensors are freed
         finally:
             self._unsharded = False
             group.reshard()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._pending[0].append(dst)
+        self._pending[1].append(src)
+
+    def _flush(self) -> None:
+        """All pending casts/copies as one `_foreach_copy_` (a few kernels instead of one per tensor)."""
+        dst, src = self._pending
+        if dst:
+            torch._foreach_copy_(dst, src)
+        self._pending = ([], [])
 
     def _buffer(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -209,8 +213,10 @@ class WeightView:
         if not temporary and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
         buf = self._buffer((id(owner), attr), src.shape, temporary)
-        buf.copy_(src)
-        del src  # gathered full tensors are freed one parameter at a time
+        if temporary and not self._unsharded:
+            buf.copy_(src)  # a parameter gathered on its own is copied and freed at once
+        else:
+            self._copy(buf, src)
         return buf
 
     def _get_fused(self, owners: list[nn.Module], attr: str = "weight"
@@ -220,13 +226,18 @@ class WeightView:
         if any(p is None for p in params) or any(self._zero_copy(p) for p in params):
             return None, [self._get(o, attr) for o in owners]
         rows = [p.shape[0] for p in params]
-        buf = self._buffer(("fused", id(owners[0]), attr), torch.Size([sum(rows), *params[0].shape[1:]]),
+        key = ("fused", id(owners[0]), attr)
+        buf = self._buffer(key, torch.Size([sum(rows), *params[0].shape[1:]]),
                            gathered=not all(self._zero_copy_shape(p) for p in params))
-        parts = list(buf.split(rows, dim=0))
+        parts = self._parts.get(key)
+        if parts is None or parts[0].data_ptr() != buf.data_ptr():
+            parts = self._parts[key] = list(buf.split(rows, dim=0))
         for p, part in zip(params, parts):
-            src, _ = _source(p, self.dtype)
-            part.copy_(src)
-            del src
+            src, temporary = _source(p, self.dtype)
+            if temporary and not self._unsharded:
+                part.copy_(src)
+            else:
+                self._copy(part, src)
         return buf, parts
 
     def _zero_copy_shape(self, p: torch.Tensor) -> bool:
@@ -250,7 +261,8 @@ class WeightView:
 
     def build(self) -> ModelWeights:
         """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved."""
-        _reshard_fsdp(self.module)
+        for fsdp_module in self._fsdp_modules:  # unsharded leftovers of a forward: we read (or gather) the shards
+            fsdp_module.reshard()
         m = self.module
         inner = m.model
         tied = m.lm_head.weight is inner.embed_tokens.weight
@@ -262,6 +274,7 @@ class WeightView:
             embed = self._get(inner.embed_tokens)
             lm_head = embed if tied else self._get(m.lm_head)  # tied: one gather/cast, not two
             norm = self._get(inner.norm)
+        self._flush()
         weights = ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
                                owned_buffers=bool(self._buffers))
         weights.ptrs = tuple(t.data_ptr() for t in weights.tensors())
