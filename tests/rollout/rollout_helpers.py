@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -49,3 +53,14 @@ def make_prompts(B: int, P: int, vocab: int, seed: int = 0, meta: dict | None = 
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos},
                                       meta_info=dict(meta or {}))
+
+
+def rerun_under_triton_interpreter(test_file: str) -> None:
+    """Run `test_file` in a fresh pytest process with TRITON_INTERPRET=1 and fail with its output unless it passed.
+    Triton fixes interpreted-vs-compiled mode when first imported, which torch >= 2.13 does with torch itself."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "--noconftest"]
+    r = subprocess.run(cmd, env=env, cwd=Path(test_file).resolve().parents[2], capture_output=True, text=True,
+                       timeout=600)
+    tail = r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and " passed" in tail and "failed" not in tail, tail

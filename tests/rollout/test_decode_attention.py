@@ -11,13 +11,10 @@ this file in a subprocess with TRITON_INTERPRET=1 (`TRITON_INTERPRET=1 pytest <t
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from rollout_helpers import rerun_under_triton_interpreter
 
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
@@ -130,13 +127,8 @@ def test_triton_available(monkeypatch):
 
 @pytest.mark.skipif(KERNEL_HERE, reason="the kernel tests run in this process")
 def test_kernel_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest"]
-    r = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                       timeout=600)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, tail
-    assert " passed" in tail and "failed" not in tail, tail
+    rerun_under_triton_interpreter(__file__)
+
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 tl.dot is wrong under the 3.6 interpreter; GPU only")

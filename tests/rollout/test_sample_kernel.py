@@ -7,13 +7,9 @@ with TRITON_INTERPRET=1 (triton fixes its mode when first imported, which torch 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from rollout_helpers import rerun_under_triton_interpreter
 
 pytest.importorskip("triton")
 from hybridflow.rollout import sample_kernel as sk  # noqa: E402
@@ -69,9 +65,4 @@ def test_filtered_mode_uses_torch():
 
 @pytest.mark.skipif(CUDA or triton_util.INTERPRETED, reason="the kernel runs in this process")
 def test_kernel_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest"]
-    r = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                       timeout=600)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0 and " passed" in tail and "failed" not in tail, tail
+    rerun_under_triton_interpreter(__file__)
