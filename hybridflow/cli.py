@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from hybridflow import __version__
+from hybridflow.commands.common import fail
+from hybridflow.config import ConfigError
 
 # name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
 # so `hybridflow --help` stays fast and a missing optional dependency breaks only its own command.
@@ -64,7 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as err:  # any command: a bad key or value is a usage error (exit 2), not a traceback
+        return fail(err)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+from hybridflow.commands.common import add_config_args, load_from_args
 from hybridflow.config import to_yaml
 
 
@@ -14,10 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_from_args(args.args)
-    except ConfigError as err:
-        return fail(err)
+    cfg = load_from_args(args.args)
     if args.action == "show":
         print(to_yaml(cfg), end="")
     else:

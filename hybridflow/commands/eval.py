@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+from hybridflow.commands.common import add_config_args, fail, load_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,10 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridflow.trainer.ppo import PPOTrainer
 
-    try:
-        cfg = load_from_args(args.args)
-    except ConfigError as err:
-        return fail(err)
+    cfg = load_from_args(args.args)
     trainer = PPOTrainer(cfg)
     try:
         if trainer.validator is None:

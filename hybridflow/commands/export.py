@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+from hybridflow.commands.common import add_config_args, fail, load_from_args
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         model_cfg = load_from_args(args.args).model if args.args else None
         out = export_hf(args.checkpoint, args.out, component=args.component, model_cfg=model_cfg,
                         dtype=_DTYPES[args.dtype] if args.dtype else None)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:
         return fail(err)
     print(f"wrote Hugging Face model to {out}")
     return 0

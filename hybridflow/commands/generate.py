@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+from hybridflow.commands.common import add_config_args, fail, load_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,7 @@ def _prompt_text(tokenizer: Any, value: Any, key: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_from_args(args.args)
-    except ConfigError as err:
-        return fail(err)
+    cfg = load_from_args(args.args)
     if args.batch_size < 1:
         return fail(ValueError(f"--batch-size={args.batch_size} must be >= 1"))
     try:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.commands.common import ConfigError, fail
 from hybridflow.config import Config, load_config
 
 QUICKSTART_YAML = Path(__file__).resolve().parent.parent / "config" / "quickstart.yaml"
@@ -82,10 +81,7 @@ def run(args: argparse.Namespace) -> int:
         # ran ~10x slower than 1 whenever anything else was running on our 2-core machine.
         torch.set_num_threads(1)
     console = Console()
-    try:
-        cfg = load_config([QUICKSTART_YAML], args.overrides)
-    except ConfigError as err:
-        return fail(err)
+    cfg = load_config([QUICKSTART_YAML], args.overrides)
     console.rule("[bold]hybridflow quickstart")
     console.print(versions_line(), style="dim")
     console.print(f"task: {cfg.data.task} · model: {cfg.model.preset} {cfg.model.override_config} · "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+from hybridflow.commands.common import add_config_args, fail, load_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_from_args(args.args)
         path, history = run_supervised(SFTTrainer, cfg)
-    except (ConfigError, ValueError, KeyError) as err:
+    except (ValueError, KeyError) as err:
         return fail(err)
     last = history[-1] if history else {}
     val = ", ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("val/"))

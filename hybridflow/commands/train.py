@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from hybridflow.commands.common import ConfigError, add_config_args, fail, load_from_args
+from hybridflow.commands.common import add_config_args, fail, load_from_args
 from hybridflow.config import to_yaml
 
 logger = logging.getLogger(__name__)
@@ -22,10 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.trainer.run import run_ppo, versions_line
 
     console = Console()
-    try:
-        cfg = load_from_args(args.args)
-    except ConfigError as err:
-        return fail(err)
+    cfg = load_from_args(args.args)
     console.print(versions_line(), style="dim")
     if not args.quiet_config:
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)

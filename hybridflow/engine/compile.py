@@ -16,11 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 def wants_compile(setting: bool | str, device: torch.device) -> bool:
-    if setting == "auto":
-        return device.type == "cuda"
-    if isinstance(setting, bool):
-        return setting
-    raise ValueError(f"model.use_torch_compile={setting!r}: must be auto, true or false")
+    """`model.use_torch_compile` (auto | true | false, checked by the config schema) for `device`."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def compile_layers(layers: list[torch.nn.Module]) -> None:

@@ -10,31 +10,17 @@ import shutil
 from pathlib import Path
 
 import torch
+from ppo_testlib import SimulatedCrash, tiny_ppo_config
 
 from hybridflow.checkpoint.storage import read_flat_tensors
-from hybridflow.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
 
-REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
-         "    return (sum(map(ord, solution_str)) % 5) / 4.0\n"
 # Wall-clock and memory numbers differ between runs; everything else must be identical.
 NONDETERMINISTIC = ("timing/", "perf/", "tokens_per_s", "step_time_s", "throughput", "mfu")
 
 
-class SimulatedCrash(RuntimeError):
-    pass
-
-
 def _cfg(tmp_path: Path, root: str, *extra: str):
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    return load_config(overrides=[
-        "trainer.device=cpu", "trainer.backend=local", "model.override_config={num_hidden_layers: 1}",
-        "data.train_size=16", "data.val_size=2", "data.max_response_length=6", "data.train_batch_size=2",
-        "rollout.n=4", "actor.ppo_mini_batch_size=1", "critic.ppo_mini_batch_size=1", "actor.optim.lr=1e-3",
-        "reward.sources=[{name: custom, weight: 1.0}]", f"reward.custom.path={reward}",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path / root}",
-        "trainer.resume_mode=auto", *extra])
+    return tiny_ppo_config(tmp_path, tmp_path / root, 1, "trainer.resume_mode=auto", *extra)
 
 
 def _fit(cfg, crash_at: int | None = None) -> list[dict[str, float]]:

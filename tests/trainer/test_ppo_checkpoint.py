@@ -12,18 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from ppo_testlib import SimulatedCrash, tiny_ppo_config
 
 from hybridflow.checkpoint import CheckpointManager, NonFiniteError
 from hybridflow.checkpoint.storage import read_flat_tensors
-from hybridflow.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
-
-REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
-         "    return (sum(map(ord, solution_str)) % 5) / 4.0\n"
-
-
-class SimulatedCrash(RuntimeError):
-    pass
 
 
 class RecordingTracker:
@@ -58,15 +51,7 @@ class ScriptedValidator:
 
 
 def _cfg(tmp_path: Path, *extra: str):
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    return load_config(overrides=[
-        "trainer.device=cpu", "trainer.backend=local", "model.override_config={num_hidden_layers: 1}",
-        "data.train_size=16", "data.val_size=2", "data.max_response_length=6", "data.train_batch_size=2",
-        "rollout.n=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2", "actor.optim.lr=1e-3",
-        "reward.sources=[{name: custom, weight: 1.0}]", f"reward.custom.path={reward}",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        "trainer.checkpoint.async_save=false", *extra])
+    return tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, "trainer.checkpoint.async_save=false", *extra)
 
 
 def _fit(trainer: PPOTrainer, crash_at: int | None = None, uids: list | None = None) -> list[dict[str, float]]:
