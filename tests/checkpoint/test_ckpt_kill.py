@@ -26,6 +26,16 @@ def _state(step: int) -> dict:
 
 def _save_forever(root: str, start: int, atomic_save: bool, async_save: bool, started) -> None:
     torch.set_num_threads(1)
+    # Widen the dangerous window (files written, marker/rename not yet) so that the random kills land in it often:
+    # a small state on a fast disk saves in milliseconds, and a run of 6 kills could otherwise miss every save
+    # (CI saw 0/6 once). Patched in this child only; the commit itself is the real one.
+    commit_dir = atomic.commit_dir
+
+    def slow_commit_dir(*args, **kwargs):
+        time.sleep(0.03)
+        return commit_dir(*args, **kwargs)
+
+    atomic.commit_dir = slow_commit_dir
     mgr = CheckpointManager(root, atomic_save=atomic_save, async_save=async_save, keep_last_n=3)
     step = start
     started.set()
