@@ -250,6 +250,7 @@ class TrainEngine:
                 self.lr_scheduler.step()
             self.global_step += 1
         finally:
+            self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
             self.to_rest()
         sync()
         elapsed = time.perf_counter() - start
@@ -269,10 +270,11 @@ class TrainEngine:
         global_norm = self._global_norms(mini.batch["response_mask"])
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), device=self.device)
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict[str, torch.Tensor | float] = {}
         micro = self._micro_batches(mini, training=True)
         tokens, flops = 0, 0.0
-        for idx in micro:
+        for i, idx in enumerate(micro):
+            self._set_grad_sync(i == len(micro) - 1)
             mb = mini.select_idxs(idx)
             mb_dev = mb.to(self.device)
             outputs, n_tok = self._forward_micro(mb_dev.batch, req)
@@ -281,8 +283,8 @@ class TrainEngine:
             # ranks, so scale by the DP size to get the sum.
             (loss * self.dp_size).backward()
             loss_total += loss.detach()
-            for k, v in metrics.items():
-                sums[k] += float(v)
+            for k, v in metrics.items():  # device tensors stay on device: one host sync per mini-batch, not per metric
+                sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
             tokens += n_tok
             head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
@@ -296,10 +298,20 @@ class TrainEngine:
             self.optimizer.step()
         if self.dp_size > 1:
             dist.all_reduce(loss_total)
-        out = {k: v / len(micro) for k, v in sums.items()}
+        out = {k: v / len(micro) for k, v in _host_floats(sums).items()}
         out.update(loss=float(loss_total), grad_norm=float(grad_norm), skipped=float(skipped),
                    num_tokens=float(tokens))
         return out, flops
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        """On one rank, micro-batches before the last neither reduce nor reshard: FSDP2 accumulates their
+        gradients unsharded in `reduce_dtype` (fp32; the same size as the shard on one rank) and keeps the
+        compute-dtype weights gathered, so a mini-batch casts the weights once and writes the sharded gradient once,
+        instead of once per micro-batch (an fp32 add over every parameter per micro-batch). Same sums in the same
+        order. With N ranks gradients reduce per micro-batch: deferring would hold full-size fp32 gradients."""
+        if self.dp_size == 1:
+            self.module.set_requires_gradient_sync(sync)
+            self.module.set_reshard_after_backward(sync)
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -370,3 +382,15 @@ class TrainEngine:
         """(name, full tensor) per parameter, gathered across ranks (for weight sync to another engine)."""
         for name, p in self.module.named_parameters():
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p.data)
+
+
+def _host_floats(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Device scalars → floats with one copy to the host per device."""
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
+            by_device[v.device].append(k)
+    for keys in by_device.values():
+        out |= dict(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).tolist()))
+    return out

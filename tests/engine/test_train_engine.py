@@ -70,6 +70,24 @@ def test_gradients_match_reference_for_any_micro_batching(overrides):
     assert metrics["skipped"] == 0 and metrics["num_tokens"] == data.batch["attention_mask"].sum()
 
 
+def test_deferred_grad_sync_on_one_rank_is_bitwise_the_per_micro_batch_sum(monkeypatch):
+    """bf16 compute over fp32 master weights, 4 micro-batches: FSDP2's unsharded fp32 accumulation (one reduce per
+    mini-batch) gives exactly the gradients of reducing every micro-batch."""
+    data = make_batch(seed=0)
+    overrides = ("model.dtype=bfloat16", "actor.ppo_micro_batch_size_per_gpu=2")
+    deferred = _engine(*overrides)
+    deferred.train_step(data, nll_loss)
+    monkeypatch.setattr(TrainEngine, "_set_grad_sync", lambda self, sync: None)
+    synced = _engine(*overrides)
+    synced.train_step(data, nll_loss)
+    gd, gs = _grads(deferred), _grads(synced)
+    assert all(g.dtype == torch.float32 for g in gd.values())
+    for name in gs:
+        assert torch.equal(gd[name], gs[name]), name
+    wd, ws = _weights(deferred), _weights(synced)
+    assert all(torch.equal(wd[n], ws[n]) for n in ws)
+
+
 def test_offload_on_off_same_result():
     data = make_batch(seed=1)
     runs = []
