@@ -138,21 +138,28 @@ def busy_fraction(trainer: Any, batch: DataProto) -> dict[str, Any]:
     spans = []
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.duration_ns() > 0:
-            spans.append((ev.start_ns(), ev.start_ns() + ev.duration_ns()))
+            spans.append((ev.start_ns(), ev.start_ns() + ev.duration_ns(), ev.name()))
     spans.sort()
-    busy, end = 0, None
-    for s, e in spans:
+    busy, end, last = 0, None, ""
+    gaps = []  # (idle ns, offset from the first kernel, kernel before, kernel after)
+    for s, e, name in spans:
         if end is None or s > end:
+            if end is not None:
+                gaps.append((s - end, end - spans[0][0], last, name))
             busy += e - s
-            end = e
+            end, last = e, name
         elif e > end:
             busy += e - end
-            end = e
+            end, last = e, name
     window = (spans[-1][1] - spans[0][0]) / 1e9 if spans else 0.0
     top = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:25]
     kernels = [{"name": a.key[:160], "ms": a.device_time_total / 1e3, "calls": a.count} for a in top]
+    idle = {f">= {lo} us": sum(g for g, *_ in gaps if g >= lo * 1e3) / 1e6 for lo in (10, 100, 1000)}
+    largest = [{"idle_ms": g / 1e6, "at_ms": at / 1e6, "after": a[:80], "before": b[:80]}
+               for g, at, a, b in sorted(gaps, reverse=True)[:25]]
     return {"busy_s": busy / 1e9, "wall_s": wall, "first_to_last_kernel_s": window,
-            "busy_fraction": busy / 1e9 / wall if wall else 0.0, "top_kernels": kernels}
+            "busy_fraction": busy / 1e9 / wall if wall else 0.0, "top_kernels": kernels,
+            "idle_ms_in_gaps": idle, "largest_gaps": largest}
 
 
 # -------------------------------------------------------------------------------------------------- derived
@@ -291,6 +298,10 @@ def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict
         if r.get("profile"):
             lines += ["", f"top kernels over one {r['preset']} step (ms, calls):"]
             lines += [f"- {k['ms']:.1f} ms x{k['calls']}: {k['name']}" for k in r["profile"]["top_kernels"][:20]]
+            idle = ", ".join(f"{k}: {v:.1f} ms" for k, v in r["profile"].get("idle_ms_in_gaps", {}).items())
+            lines += ["", f"GPU idle in gaps between kernels ({idle}); largest gaps:"]
+            lines += [f"- {g['idle_ms']:.2f} ms at {g['at_ms']:.1f} ms, after {g['after']} / before {g['before']}"
+                      for g in r["profile"].get("largest_gaps", [])[:12]]
     return "\n".join(lines)
 
 

@@ -9,9 +9,11 @@ Legend: B rows, L padded length, P/R prompt/response width, T packed tokens, K v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from hybridflow.utils.device import to_device
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,13 @@ class ModelInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.seqlens_B.sum())
+
+    def to(self, device: torch.device) -> ModelInputs:
+        """Tensors to `device` (non-blocking from pinned memory on a GPU); built on the host, the indices cost the
+        GPU no sync."""
+        moved = {f.name: to_device(v, device) if isinstance(v, torch.Tensor) and f.name != "seqlens_B" else v
+                 for f in fields(self) for v in [getattr(self, f.name)]}
+        return ModelInputs(**moved)
 
 
 def build_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

@@ -131,10 +131,10 @@ class TrainEngine:
     # ----------------------------------------------------------------------------------------- forward
     def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest) -> tuple[dict[str, torch.Tensor], int]:
         """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens."""
-        ids = batch["input_ids"].to(self.device)
+        ids = batch["input_ids"]
         b, r = ids.shape[0], batch["responses"].shape[1]
-        inputs = build_inputs(ids, batch["attention_mask"].to(self.device), batch["position_ids"].to(self.device),
-                              r, self.packed)
+        # Indices are built where the batch lives (the host, normally) and copied without stalling the GPU.
+        inputs = build_inputs(ids, batch["attention_mask"], batch["position_ids"], r, self.packed).to(self.device)
         out = self.module(hf_inputs=inputs, hf_request=req)
         if req.kind == "score":
             return {"scores": out["values"]}, inputs.num_tokens
@@ -154,15 +154,19 @@ class TrainEngine:
             raise ValueError(f"batch lacks {missing}; the engine needs {list(INPUT_KEYS)} (verl layout)")
         self._enter(optim=False)
         self.module.eval()
-        results: dict[str, torch.Tensor] = {}
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        order: list[int] = []
         try:
             for idx in self._micro_batches(data, training=False):
                 index = torch.tensor(idx)
                 out, _ = self._forward_micro({k: data.batch[k][index] for k in INPUT_KEYS}, req)
                 for k, v in out.items():
-                    if k not in results:
-                        results[k] = torch.zeros((len(data), *v.shape[1:]), dtype=v.dtype)
-                    results[k][index] = v.float().cpu()
+                    parts[k].append(v.float())
+                order += idx
+            # one copy to the host at the end (a .cpu() per micro-batch would stall the GPU each time)
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+            results = {k: torch.cat(v)[inverse.to(v[0].device)].cpu() for k, v in parts.items()}
         finally:
             self.to_rest()
         return results
@@ -276,8 +280,10 @@ class TrainEngine:
         for i, idx in enumerate(micro):
             self._set_grad_sync(i == len(micro) - 1)
             mb = mini.select_idxs(idx)
-            mb_dev = mb.to(self.device)
-            outputs, n_tok = self._forward_micro(mb_dev.batch, req)
+            head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
+            flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
+            outputs, n_tok = self._forward_micro(mb.batch, req)
+            mb_dev = mb.to(self.device, non_blocking=True)
             loss, metrics = loss_fn(outputs, mb_dev, global_norm)
             # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
             # ranks, so scale by the DP size to get the sum.
@@ -286,8 +292,6 @@ class TrainEngine:
             for k, v in metrics.items():  # device tensors stay on device: one host sync per mini-batch, not per metric
                 sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
             tokens += n_tok
-            head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
-            flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
         grad_norm = self._clip_grad_norm()
         skipped = not (torch.isfinite(grad_norm) and torch.isfinite(loss_total))
         if skipped:

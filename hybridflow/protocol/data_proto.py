@@ -19,6 +19,7 @@ import torch
 
 from hybridflow.protocol import serialization
 from hybridflow.protocol.indexing import IndexLike, as_index_tensor, to_object_array, values_equal
+from hybridflow.utils.device import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -341,8 +342,10 @@ class DataProto:
 
     # ------------------------------------------------------------------------------------ device and epochs
     def to(self, device: str | torch.device, non_blocking: bool = False) -> DataProto:
-        """In place: move every tensor to `device`; returns self (like verl)."""
-        self.batch = {k: v.to(device, non_blocking=non_blocking) for k, v in self.batch.items()}
+        """In place: move every tensor to `device`; returns self (like verl). `non_blocking` copies CPU tensors to
+        a GPU from pinned memory, queued behind the running kernels (the host does not wait)."""
+        move = to_device if non_blocking else (lambda v, d: v.to(d))
+        self.batch = {k: move(v, device) for k, v in self.batch.items()}
         return self
 
     def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
