@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -272,17 +271,6 @@ def test_user_dispatch_mode_and_register_errors():
         WorkerGroup(None, Clash, backend="local")
     with pytest.raises(TypeError, match="Worker subclass"):
         WorkerGroup(None, object, backend="local")
-
-
-def test_local_dispatch_overhead_is_small():
-    wg = WorkerGroup(None, Counter, backend="local")
-    wg.incr()
-    n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
-        wg.incr()
-    per_call_ms = (time.perf_counter() - start) / n * 1e3
-    assert per_call_ms < 0.5, per_call_ms  # target 0.1 ms; generous for loaded CI machines
 
 
 def test_init_distributed_world_size_one_is_cheap_and_idempotent():
