@@ -9,14 +9,13 @@ pass and accumulates d weight with `addmm_` into one [V, H] buffer. The fused pi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-logger = logging.getLogger(__name__)
+from hybridflow.utils.compile import GuardedCompile
 
 # K: tokens, C: rows of one chunk, H: hidden size, V: vocab.
 
@@ -55,27 +54,7 @@ def dlogits(logits_CV: torch.Tensor, labels_C: torch.Tensor, logz_C: torch.Tenso
     return (dz_CV / temperature).to(logits_CV.dtype)
 
 
-class GuardedCompile:
-    """`torch.compile(fn, dynamic=True)`, compiled on first call; on its first failure (Dynamo, Inductor or the
-    kernel launch) it logs why and runs `fn` eagerly for the rest of the process."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self.compiled, self.ok = fn, None, True
-
-    def __call__(self, *args):
-        if self.ok:
-            try:
-                if self.compiled is None:
-                    self.compiled = torch.compile(self.fn, dynamic=True)
-                return self.compiled(*args)
-            except Exception as err:  # noqa: BLE001 — Dynamo/Inductor/Triton raise many unrelated types
-                logger.warning("torch.compile of the log-prob kernel %s failed (%s: %s); it runs eagerly from now on",
-                               self.fn.__name__, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-                self.ok = False
-        return self.fn(*args)
-
-
-_COMPILED = (GuardedCompile(logit_stats), GuardedCompile(dlogits))
+_COMPILED = (GuardedCompile(logit_stats, "the log-prob statistics"), GuardedCompile(dlogits, "the log-prob d logits"))
 
 
 def _kernels(device: torch.device) -> tuple[Callable, Callable]:

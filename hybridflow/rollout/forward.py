@@ -4,7 +4,8 @@ Numerics follow the HF modules op for op (fp32 RMSNorm statistics, RoPE in the a
 decoding matches `generate` token for token in fp32. Decode folds the GQA group into SDPA's query axis
 (q [b, Hkv, G, D] against the cache's [b, Hkv, T, D]) so the KV cache is read once, never expanded.
 The pure per-layer pieces (`qkv`, `mlp_block`) are separate so the GPU path can `torch.compile` them for fusion
-while cache writes and attention stay eager (no compiled mutation of the cache).
+while cache writes and attention stay eager (no compiled mutation of the cache); on CUDA with Triton both are our
+kernels (one launch writes a layer's K and V for all rows, one attends over each row's column range).
 
 Legend: B prompts, P prompt length, b decode rows, T cache length, H heads, Hkv kv heads, G = H / Hkv, D head dim.
 """
@@ -24,6 +25,7 @@ from torch import nn
 from hybridflow.rollout import sampling
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
+from hybridflow.utils.compile import GuardedCompile
 
 logger = logging.getLogger(__name__)
 
@@ -77,40 +79,18 @@ def sdpa_attention(q_bHGD: torch.Tensor, k_bHTD: torch.Tensor, v_bHTD: torch.Ten
     return F.scaled_dot_product_attention(q_bHGD, k_bHTD, v_bHTD, attn_mask=mask_b11T)
 
 
-class GuardedCompile:
-    """`torch.compile(fn)` that, on its first failure (Dynamo, Inductor or the kernel launch), logs why and runs
-    `fn` eagerly for the rest of the process — never retried, so a broken compiler costs one attempt, not one per
-    generate call."""
-
-    def __init__(self, fn: Callable, name: str) -> None:
-        self.fn, self.name = fn, name
-        self.compiled: Callable | None = torch.compile(fn, dynamic=True)
-
-    def __call__(self, *args, **kwargs):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 — Dynamo/Inductor/Triton raise many unrelated types
-                logger.warning("torch.compile of the rollout's %s failed (%s: %s); it runs eagerly from now on",
-                               self.name, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-                self.compiled = None
-        return self.fn(*args, **kwargs)
-
-    @property
-    def ok(self) -> bool:
-        return self.compiled is not None
-
-
 @dataclass
 class DecodeOps:
     """The pure pieces of a decode step; eager by default, `torch.compile`d on GPU when asked (fuses the norms,
     RoPE, SwiGLU and the sampler's passes over the vocab). `attention` is None for SDPA over the additive mask,
-    or a kernel taking each row's contiguous valid column range (q, k, v, start, end) -> o."""
+    or a kernel taking each row's contiguous valid column range (q, k, v, start, end) -> o. `kv_store` is None
+    for two `index_put`s per layer, or a kernel writing both in one launch (k_cache, v_cache, k, v, cidx)."""
 
     qkv: Callable = qkv
     mlp_block: Callable = mlp_block
     sample: Callable = sampling.sample
     attention: Callable | None = None
+    kv_store: Callable | None = None
     is_compiled: bool = False
 
     @classmethod
@@ -120,18 +100,18 @@ class DecodeOps:
 
     @classmethod
     def for_device(cls, device: torch.device, compile_ops: bool) -> DecodeOps:
-        """Compiled pieces when asked; on CUDA with Triton, our decode-attention and sampler kernels."""
+        """Compiled pieces when asked; on CUDA with Triton, our decode-attention, sampler and KV-write kernels."""
         ops = cls.compiled() if compile_ops else cls()
         attention, sampler = _triton_kernels(device)
         if attention is None:
             return ops
-        return dataclasses.replace(ops, attention=attention, sample=sampler)
+        return dataclasses.replace(ops, attention=attention, sample=sampler, kv_store=_triton_kv_store(device))
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled_ops() -> DecodeOps:
-    return DecodeOps(qkv=GuardedCompile(qkv, "qkv"), mlp_block=GuardedCompile(mlp_block, "mlp_block"),
-                     sample=GuardedCompile(sampling.sample, "sampler"), is_compiled=True)
+    return DecodeOps(qkv=GuardedCompile(qkv, "the rollout's qkv"), mlp_block=GuardedCompile(mlp_block, "the rollout's mlp_block"),
+                     sample=GuardedCompile(sampling.sample, "the rollout's sampler"), is_compiled=True)
 
 
 def _triton_kernels(device: torch.device) -> tuple[Callable | None, Callable | None]:
@@ -146,6 +126,15 @@ def _triton_kernels(device: torch.device) -> tuple[Callable | None, Callable | N
     if not decode_attention.triton_available(device):
         return None, None
     return decode_attention.decode_attention, sample_kernel.fused_sample
+
+
+def _triton_kv_store(device: torch.device) -> Callable | None:
+    """The one-launch K/V cache write for `device` (CUDA with Triton), or None for torch `index_put`."""
+    if device.type != "cuda":
+        return None
+    from hybridflow.rollout import kv_store_kernel, triton_util
+
+    return kv_store_kernel.store_kv if triton_util.triton_available(device) else None
 
 
 class RopeTable:
@@ -197,7 +186,7 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     """
     b = tok_b.shape[0]
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    rows = torch.arange(b, device=tok_b.device)
+    rows = torch.arange(b, device=tok_b.device) if ops.kv_store is None else None
     valid_bT.scatter_(1, cidx_b[:, None], True)
     x = F.embedding(tok_b, w.embed)
     if ops.attention is None:  # additive mask built once per step (not converted from bool inside every layer)
@@ -210,8 +199,11 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     for layer, lw in enumerate(w.layers):
         q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
         kc, vc = cache.k[layer], cache.v[layer]
-        kc[rows, :, cidx_b] = k
-        vc[rows, :, cidx_b] = v
+        if ops.kv_store is None:
+            kc[rows, :, cidx_b] = k
+            vc[rows, :, cidx_b] = v
+        else:
+            ops.kv_store(kc, vc, k, v, cidx_b)
         qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
         if ops.attention is None:
             o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask)

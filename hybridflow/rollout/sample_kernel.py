@@ -1,24 +1,27 @@
-"""The decode sampler as one Triton kernel: Gumbel-max (or argmax) and the log-prob in a single pass over the vocab.
+"""The decode sampler as two Triton kernels: Gumbel-max (or argmax) and the log-prob in one pass over the vocab.
 
 Same contract and noise as `sampling.sample` for the `sample` and `greedy` modes: token = argmax(logits / T + G),
 G = -log(-log(u)), u from the 32-bit counter hash of (seed, step, token id); log-prob = logits[tok] / T -
-logsumexp(logits / T). One program per row walks the vocab in BLOCK_V chunks keeping the running max of the noisy
-scores with its index and an online logsumexp, so the [rows, vocab] noise and fp32 copies never exist (the eager
-torch version runs ~15 kernels over 256 × 151,936 int64/fp32 elements per step; Inductor failed to compile it on
-torch 2.11). The hash runs in uint32, whose wrapping multiply equals the int64-and-mask arithmetic of
-`sampling._mix32`, so the noise is bit-identical; `log` may differ from torch's in the last ulp, so a near-tie can
-resolve differently between this kernel and the torch path (each is deterministic on its own). `filtered` (top-k /
-top-p) needs a sort and stays in torch.
+logsumexp(logits / T). `_partial_kernel` runs (row, split) programs, each walking ~SPLIT_V vocab entries in BLOCK_V
+chunks with the running max of the noisy scores and its index and an online logsumexp per lane; `_combine_kernel`
+merges a row's splits. So the [rows, vocab] noise and fp32 copies never exist (the eager torch version runs ~15
+kernels over 256 × 151,936 int64/fp32 elements per step; Inductor failed to compile it on torch 2.11), and the
+vocab is spread over ~19 programs per row (one program per row read HBM at ~0.5 TB/s). The argmax is exact and
+ties go to the lowest index (as torch.argmax) however the vocab is split, so the split count never changes a token;
+it only reorders the logsumexp's fp32 sum. The hash runs in uint32, whose wrapping multiply equals the
+int64-and-mask arithmetic of `sampling._mix32`, so the noise is bit-identical; `log` may differ from torch's in the
+last ulp, so a near-tie can resolve differently between this kernel and the torch path (each is deterministic on
+its own). `filtered` (top-k / top-p) needs a sort and stays in torch.
 """
-
 from __future__ import annotations
 
 import torch
 
 from hybridflow.rollout import sampling
-from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton_available
+from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton, triton_available
 
-BLOCK_V = 2048
+BLOCK_V = 2048  # vocab entries per loop iteration of a program
+SPLIT_V = 8192  # vocab entries per program: ~19 programs per row at V = 151,936
 
 
 @jit
@@ -49,9 +52,11 @@ def _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL: tl.co
 
 
 @jit
-def _sample_kernel(Logits, stride_row, V, Temp, Seeds, Steps, Tok, Logp, GUMBEL: tl.constexpr,
-                   BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr):
+def _partial_kernel(Logits, stride_row, V, chunk, Temp, Seeds, Steps, Best, BestIdx, M, S, GUMBEL: tl.constexpr,
+                    BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """Program (row, split) over vocab [split * chunk, (split + 1) * chunk): its winner and logsumexp partial."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     row_ptr = Logits + row.to(tl.int64) * stride_row
     temp = tl.load(Temp).to(tl.float32)
     h = tl.zeros([], dtype=tl.uint32)
@@ -61,40 +66,78 @@ def _sample_kernel(Logits, stride_row, V, Temp, Seeds, Steps, Tok, Logp, GUMBEL:
         h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32))
         h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
         h = _mix32(h + (step & 0x7FFFFFFF).to(tl.uint32) * 0x9E3779B1)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, V)
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: best noisy score and its token id
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
     m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: online logsumexp state
     s = tl.zeros([BLOCK], dtype=tl.float32)
     if WHILE_LOOP:  # the 3.6 interpreter cannot `range` over a runtime scalar with NumPy >= 2.4
-        start = 0
-        while start < V:
+        start = lo
+        while start < hi:
             best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
             start += BLOCK
     else:
-        for start in range(0, V, BLOCK):
+        for start in range(lo, hi, BLOCK):
             best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
     top = tl.max(best, 0)
-    tok = tl.min(tl.where(best == top, best_idx, 2147483647), 0)  # first index among the lanes' maxima
+    out = row * tl.num_programs(1) + split
+    tl.store(Best + out, top)
+    tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
+    m_part = tl.max(m, 0)
+    tl.store(M + out, m_part)
+    tl.store(S + out, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_part), 0.0), 0))  # 0, not NaN, if empty
+
+
+@jit
+def _combine_kernel(Logits, stride_row, Temp, Best, BestIdx, M, S, Tok, Logp, SPLITS: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Program (row): merge its SPLITS partials; ties between splits go to the lowest token id."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < SPLITS
+    part = row * SPLITS + offs
+    best = tl.load(Best + part, mask=mask, other=float("-inf"))
+    best_idx = tl.load(BestIdx + part, mask=mask, other=2147483647)
+    m = tl.load(M + part, mask=mask, other=float("-inf"))
+    s = tl.load(S + part, mask=mask, other=0.0)
+    top = tl.max(best, 0)
+    tok = tl.min(tl.where(best == top, best_idx, 2147483647), 0)
     m_all = tl.max(m, 0)
-    lse = m_all + tl.log(tl.sum(s * tl.exp(m - m_all), 0))
-    x_tok = tl.load(row_ptr + tok).to(tl.float32) / temp
+    lse = m_all + tl.log(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_all), 0.0), 0))
+    x_tok = tl.load(Logits + row.to(tl.int64) * stride_row + tok).to(tl.float32) / tl.load(Temp).to(tl.float32)
     tl.store(Tok + row, tok.to(tl.int64))
     tl.store(Logp + row, x_tok - lse)
 
 
+def auto_splits(V: int) -> int:
+    """Programs per row from the vocab size alone (a CUDA graph replays a fixed grid): ~V / SPLIT_V, none empty."""
+    return max(1, -(-V // SPLIT_V))
+
+
 def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.sample` with `greedy` and `sample` in one kernel; `filtered` goes to the torch version."""
+                 top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor, *,
+                 num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.sample` with `greedy` and `sample` in two kernels; `filtered` goes to the torch version.
+    `num_splits` (programs per row) defaults to `auto_splits(V)`; splits beyond the vocab stay empty."""
     if mode == "filtered" or not triton_available(logits_NV.device):
         return sampling.sample(logits_NV, mode, temperature, top_k, top_p, seeds_N, steps_N)
     if mode not in sampling.MODES:
         raise ValueError(f"sampling mode={mode!r}; choose one of {sampling.MODES}")
     logits = logits_NV if logits_NV.stride(-1) == 1 else logits_NV.contiguous()
     N, V = logits.shape
-    tok = torch.empty(N, dtype=torch.long, device=logits.device)
-    logp = torch.empty(N, dtype=torch.float32, device=logits.device)
+    splits = auto_splits(V) if num_splits is None else num_splits
+    chunk = -(-V // (splits * BLOCK_V)) * BLOCK_V  # whole BLOCK_V chunks, so no chunk straddles two splits
+    dev = logits.device
+    tok = torch.empty(N, dtype=torch.long, device=dev)
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    part = torch.empty(3, N, splits, dtype=torch.float32, device=dev)  # best noisy score, max, sum of exp
+    part_idx = torch.empty(N, splits, dtype=torch.int32, device=dev)
     if N:
-        _sample_kernel[(N,)](logits, logits.stride(0), V, temperature, seeds_N, steps_N, tok, logp,
-                             GUMBEL=mode == "sample", BLOCK=BLOCK_V, WHILE_LOOP=INTERPRETED, num_warps=8)
+        _partial_kernel[(N, splits)](logits, logits.stride(0), V, chunk, temperature, seeds_N, steps_N, part[0],
+                                     part_idx, part[1], part[2], GUMBEL=mode == "sample", BLOCK=BLOCK_V,
+                                     WHILE_LOOP=INTERPRETED, num_warps=8)
+        _combine_kernel[(N,)](logits, logits.stride(0), temperature, part[0], part_idx, part[1], part[2], tok,
+                              logp, SPLITS=splits, BLOCK_S=max(32, triton.next_power_of_2(splits)), num_warps=1)
     return tok, logp

@@ -8,13 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from hybridflow.config import load_config
 from hybridflow.models.presets import preset_config
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout import RolloutEngine, triton_util
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+# Can a Triton kernel run in this process: on a GPU, or when triton was imported in interpreter mode (the subprocess
+# that `rerun_under_triton_interpreter` starts)?
+KERNEL_HERE = CUDA or triton_util.INTERPRETED
+needs_kernel = pytest.mark.skipif(not KERNEL_HERE, reason="no GPU and triton is compiled-mode here: covered by "
+                                  "test_kernel_under_interpreter (subprocess with TRITON_INTERPRET=1)")
 
 PAD, EOS = 0, 1  # built-in tokenizer: <|pad|>=0, <|endoftext|>=1
 

@@ -14,16 +14,10 @@ import math
 
 import pytest
 import torch
-from rollout_helpers import rerun_under_triton_interpreter
+from rollout_helpers import CUDA, DEV, KERNEL_HERE, needs_kernel, rerun_under_triton_interpreter
 
-CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
 from hybridflow.rollout import decode_attention as da  # noqa: E402
-
-KERNEL_HERE = CUDA or da._INTERPRETED  # can the kernel run in this process?
-needs_kernel = pytest.mark.skipif(not KERNEL_HERE, reason="no GPU and triton is compiled-mode here: covered by "
-                                  "test_kernel_under_interpreter (subprocess with TRITON_INTERPRET=1)")
-DEV = torch.device("cuda" if CUDA else "cpu")
 
 
 def make(b, S, hkv, g, d, t, dtype=torch.float32, seed=0):
