@@ -89,6 +89,7 @@ def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None
     finally:
         trainer.close()
     last = history[-1] if history else {}
+    acc = last.get("val/token_accuracy")
     logger.info("SFT warm start: %d steps, loss %.4f, val token accuracy %s → %s", trainer.global_step,
-                last.get("sft/loss", float("nan")), last.get("val/token_accuracy", "n/a"), path)
+                last.get("sft/loss", float("nan")), "n/a" if acc is None else f"{acc:.3f}", path)
     return path
