@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, loss_normalizer
@@ -82,8 +83,11 @@ class TrainEngine:
         model.to(self.device)
         if wants_compile(model_cfg.use_torch_compile, self.device):
             compile_layers(decoder_layers(model))
-        apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, DTYPES[s.fsdp.reduce_dtype],
-                    s.fsdp.reshard_after_forward)
+        reduce_dtype, master_dtype = DTYPES[s.fsdp.reduce_dtype], DTYPES[s.fsdp.param_dtype]
+        apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, reduce_dtype, s.fsdp.reshard_after_forward)
+        # Deferring the gradient reduction to a mini-batch's last micro-batch accumulates in reduce_dtype; only
+        # when that is at least as wide as the master weights is it the same sum (bf16 reduce + fp32 master: no).
+        self._defer_grad_sync = self.dp_size == 1 and reduce_dtype.itemsize >= master_dtype.itemsize
         install_engine_forward(model)
         self.module = model
         self.tokenizer = load_tokenizer(model_cfg)
@@ -164,6 +168,8 @@ class TrainEngine:
                     parts[k].append(v.float())
                 order += idx
             # one copy to the host at the end (a .cpu() per micro-batch would stall the GPU each time)
+            if sorted(order) != list(range(len(data))):
+                raise RuntimeError(f"micro-batches covered {len(order)} rows, not each of the {len(data)} once")
             inverse = torch.empty(len(order), dtype=torch.long)
             inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
             results = {k: torch.cat(v)[inverse.to(v[0].device)].cpu() for k, v in parts.items()}
@@ -253,6 +259,9 @@ class TrainEngine:
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
                 self.lr_scheduler.step()
             self.global_step += 1
+        except BaseException:
+            self._drop_partial_grads()  # a failed mini-batch leaves no half-accumulated gradient behind
+            raise
         finally:
             self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
             self.to_rest()
@@ -312,10 +321,24 @@ class TrainEngine:
         gradients unsharded in `reduce_dtype` (fp32; the same size as the shard on one rank) and keeps the
         compute-dtype weights gathered, so a mini-batch casts the weights once and writes the sharded gradient once,
         instead of once per micro-batch (an fp32 add over every parameter per micro-batch). Same sums in the same
-        order. With N ranks gradients reduce per micro-batch: deferring would hold full-size fp32 gradients."""
-        if self.dp_size == 1:
+        order. With N ranks gradients reduce per micro-batch: deferring would hold full-size fp32 gradients.
+        Assumes every trainable parameter gets a gradient in every micro-batch (dense models: all we build); a
+        parameter first reached only in the last micro-batch would mix dtypes in FSDP2's reduce-scatter."""
+        if self._defer_grad_sync:
             self.module.set_requires_gradient_sync(sync)
             self.module.set_reshard_after_backward(sync)
+
+    def _drop_partial_grads(self) -> None:
+        """Free what a mini-batch interrupted mid-way accumulated: FSDP2's unsharded gradient buffers (deferred
+        sync), the sharded grads, and the gathered weights, so the next step starts clean."""
+        for m in self.module.modules():
+            state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+            group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                fsdp_param.unsharded_accumulated_grad = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.module.reshard()
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.grad is not None]

@@ -26,6 +26,8 @@ class GuardedCompile:
                 if self.compiled is None:
                     self.compiled = torch.compile(self.fn, dynamic=True)
                 return self.compiled(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise  # out of memory is the workload's, not the compiler's: eager would not fit either
             except Exception as err:  # noqa: BLE001 — Dynamo/Inductor/Triton raise many unrelated types
                 logger.warning("torch.compile of %s failed (%s: %s); it runs eagerly from now on",
                                self.what, type(err).__name__, str(err).splitlines()[0] if str(err) else "")

@@ -88,6 +88,37 @@ def test_deferred_grad_sync_on_one_rank_is_bitwise_the_per_micro_batch_sum(monke
     assert all(torch.equal(wd[n], ws[n]) for n in ws)
 
 
+def test_deferral_only_when_reduce_dtype_is_as_wide_as_master():
+    assert _engine("model.dtype=bfloat16")._defer_grad_sync  # fp32 reduce over fp32 master
+    assert not _engine("model.dtype=bfloat16", "actor.fsdp.reduce_dtype=bfloat16")._defer_grad_sync
+
+
+def test_loss_failing_mid_mini_batch_leaves_no_partial_gradient():
+    """The 3rd of 4 micro-batches raises: the error reaches the caller, and the next step equals a fresh engine's
+    (no unsharded gradient left accumulated, gradient sync back on)."""
+    data = make_batch(seed=0)
+    overrides = ("model.dtype=bfloat16", "actor.ppo_micro_batch_size_per_gpu=2")
+    calls = []
+
+    def failing(outputs, mb, norm):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("loss blew up")
+        return nll_loss(outputs, mb, norm)
+
+    failed = _engine(*overrides)
+    with pytest.raises(RuntimeError, match="loss blew up"):
+        failed.train_step(data, failing)
+    assert failed.global_step == 0
+    fresh = _engine(*overrides)
+    failed.train_step(data, nll_loss)
+    fresh.train_step(data, nll_loss)
+    gf, gr = _grads(failed), _grads(fresh)
+    assert all(torch.equal(gf[n], gr[n]) for n in gr)
+    wf, wr = _weights(failed), _weights(fresh)
+    assert all(torch.equal(wf[n], wr[n]) for n in wr)
+
+
 def test_offload_on_off_same_result():
     data = make_batch(seed=1)
     runs = []

@@ -80,6 +80,20 @@ def test_compile_failure_falls_back_once(monkeypatch, caplog):
     assert caplog.text.count("torch.compile of test op failed (RuntimeError: inductor exploded)") == 1
 
 
+def test_guarded_compile_lets_out_of_memory_through(monkeypatch):
+    """Out of memory is the workload's problem, not the compiler's: it is raised, and compiling is not given up."""
+    def oom_compile(fn, **kwargs):
+        def run(*args):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return run
+
+    monkeypatch.setattr(forward.torch, "compile", oom_compile)
+    op = forward.GuardedCompile(lambda x: x + 1, "test op")
+    with pytest.raises(torch.OutOfMemoryError):
+        op(torch.ones(2))
+    assert op.ok
+
+
 def test_right_padded_prompts_are_refused_with_the_row():
     model = make_model("tiny")
     prompts = make_prompts(3, 8, model.config.vocab_size)
