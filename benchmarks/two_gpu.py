@@ -118,10 +118,12 @@ def _collective_probe(host: Any, sizes_mib: list[float], iters: int) -> dict[str
         gathers.append({"out_mib": out_bytes / 2**20, "s": dt, "algbw_gb_s": out_bytes / dt / 1e9,
                         "busbw_gb_s": out_bytes * (world - 1) / world / dt / 1e9})
         del inp, out
-    from hybridflow.rollout.weights import _reshard_fsdp
+    from torch.distributed.fsdp import FSDPModule
 
     module = host.worker.roles["actor_rollout_ref"].actor.module
-    _reshard_fsdp(module)  # as WeightView.build: read the shards even where reshard_after_forward=False left none
+    for m in module.modules():  # as WeightView.build: read the shards even where reshard_after_forward=False left none
+        if isinstance(m, FSDPModule):
+            m.reshard()
     params = [p for _, p in module.named_parameters(remove_duplicate=False)]
     times = []
     with torch.no_grad():
