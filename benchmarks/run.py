@@ -77,7 +77,9 @@ def measure_ceilings(dev: torch.device) -> dict[str, float]:
 # Keeping the rollout runner (KV cache 1.5 GiB for 0.5B, CUDA graphs, compiled ops) across steps saved 1.4 s/step
 # when decode compilation fails and is retried per step; no reshard on one GPU skips re-casting fp32 params in
 # backward; micro-batches of 32k (0.5B) / 16k (1.5B) tokens instead of 8k cut per-micro-batch host overhead.
-TUNED_COMMON = ["rollout.free_cache_engine=false", "actor.fsdp.reshard_after_forward=false", "actor.logprob_chunk_size=4096"]
+# defer_grad_sync=true: one reduce-scatter per mini-batch on N ranks too (the same as auto on one rank).
+TUNED_COMMON = ["rollout.free_cache_engine=false", "actor.fsdp.reshard_after_forward=false", "actor.logprob_chunk_size=4096",
+                "actor.fsdp.defer_grad_sync=true"]
 TUNED_PRESET = {"qwen2.5-0.5b": ["actor.ppo_micro_batch_size_per_gpu=64"],
                 "qwen2.5-1.5b": ["actor.ppo_micro_batch_size_per_gpu=32"]}
 

@@ -117,10 +117,14 @@ class FSDPConfig:
     reshard_after_forward: bool
     param_dtype: str  # master weights dtype: float32 | bfloat16
     reduce_dtype: str  # gradient reduction dtype
+    # reduce gradients once per mini-batch, not per micro-batch: auto (one rank) | true (N ranks too) | false
+    defer_grad_sync: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _one_of("fsdp.param_dtype", self.param_dtype, ("float32", "bfloat16"))
         _one_of("fsdp.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
+        _check(self.defer_grad_sync in ("auto", True, False), "fsdp.defer_grad_sync", self.defer_grad_sync,
+               "must be auto, true or false")
 
 
 # --------------------------------------------------------------------------------------------------- actor

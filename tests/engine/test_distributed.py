@@ -21,6 +21,8 @@ def _train_and_dump(rank: int, world: int, out: str, overrides: list[str]) -> No
 
     cfg = make_config(*overrides)
     engine = TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
+    if "actor.fsdp.defer_grad_sync=true" in overrides:
+        assert engine._defer_grad_sync  # N ranks too: one reduce-scatter per mini-batch
     data = make_batch(batch=8, seed=11).chunk(world)[rank]  # the dispatcher's DP split
     metrics = [engine.train_step(data, nll_loss) for _ in range(2)]
     logp = engine.forward_logprobs(data).batch["log_probs"]
@@ -40,7 +42,10 @@ def _worker(rank: int, world: int, out: str, overrides: list[str]) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("overrides", [["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=30"]])
+@pytest.mark.parametrize("overrides", [
+    ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=30"],
+    ["actor.ppo_micro_batch_size_per_gpu=1", "actor.fsdp.defer_grad_sync=true"],
+], ids=["token-budget", "deferred-sync"])
 def test_world_size_1_and_2_agree(tmp_path, overrides, dist_group):
     mp.start_processes(_worker, args=(2, str(tmp_path), overrides), nprocs=2, start_method="spawn")
     _train_and_dump(0, 1, str(tmp_path), overrides)  # world size 1: this process's 1-rank group
