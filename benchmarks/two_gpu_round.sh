@@ -6,6 +6,7 @@
 # 3. GRPO 0.5B with the anchor workload (32 x 8) on 1 then 2 GPUs,
 # 4. (ABLATE=1) GRPO 1.5B at 512 rows on 2 GPUs with actor.fsdp.defer_grad_sync=false (a reduce-scatter per
 #    micro-batch), to see what deferring it is worth in the same call.
+# At most 8 files come back from $OUT: one log, a JSON and a markdown per run (7 with TESTS=0).
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT/big" "$OUT/anchor" "$OUT/ablate"
@@ -19,14 +20,14 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 timeout 200 python3 -m benchmarks.two_gpu --out "$OUT/big" --prompts 64 --budget-s 170 \
-  --case grpo:qwen2.5-1.5b:1 --case grpo:qwen2.5-1.5b:2 >"$OUT/big/two_gpu.log" 2>&1
+  --case grpo:qwen2.5-1.5b:1 --case grpo:qwen2.5-1.5b:2 >>"$OUT/two_gpu.log" 2>&1
 echo "big rc=$?"
 timeout 130 python3 -m benchmarks.two_gpu --out "$OUT/anchor" --kill-stage none --budget-s 110 \
-  --case grpo:qwen2.5-0.5b:1 --case grpo:qwen2.5-0.5b:2 >"$OUT/anchor/two_gpu.log" 2>&1
+  --case grpo:qwen2.5-0.5b:1 --case grpo:qwen2.5-0.5b:2 >>"$OUT/two_gpu.log" 2>&1
 echo "anchor rc=$?"
 if [ "${ABLATE:-0}" = 1 ]; then
   timeout 90 python3 -m benchmarks.two_gpu --out "$OUT/ablate" --prompts 64 --kill-stage none \
-    --override actor.fsdp.defer_grad_sync=false --case grpo:qwen2.5-1.5b:2 >"$OUT/ablate/two_gpu.log" 2>&1
+    --override actor.fsdp.defer_grad_sync=false --case grpo:qwen2.5-1.5b:2 >>"$OUT/two_gpu.log" 2>&1
   echo "ablate rc=$?"
 fi
 cat "$OUT/big/two_gpu.md" "$OUT/anchor/two_gpu.md" "$OUT/ablate/two_gpu.md" 2>/dev/null
