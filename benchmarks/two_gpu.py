@@ -473,6 +473,8 @@ def main() -> None:
     ap.add_argument("--allgather-iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="skip the cases that would start after this many seconds (0 = no limit)")
+    ap.add_argument("--driver-threads", type=int, default=0,
+                    help="torch.set_num_threads for the driver process (0 = torch's default)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -492,6 +494,9 @@ def main() -> None:
     if args.device != "cpu" and torch.cuda.is_available():
         ray_kwargs["num_gpus"] = torch.cuda.device_count()
     init_ray(**ray_kwargs)
+    if args.driver_threads:
+        torch.set_num_threads(args.driver_threads)
+    log.info("driver torch threads: %d (of %d CPUs)", torch.get_num_threads(), os.cpu_count())
     env = environment() | {"ray": ray.__version__, "ray_resources": ray.cluster_resources(),
                            "driver_env": {k: os.environ.get(k) for k in
                                           ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",

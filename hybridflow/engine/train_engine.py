@@ -320,9 +320,10 @@ class TrainEngine:
 
     def _set_grad_sync(self, sync: bool) -> None:
         """`fsdp.defer_grad_sync`: micro-batches before a mini-batch's last neither reduce nor reshard: FSDP2
-        accumulates their gradients unsharded in `reduce_dtype` and keeps the compute-dtype weights gathered, so a
-        mini-batch casts/gathers the weights once and reduces (reduce-scatters) the gradient once, instead of once
-        per micro-batch. On one rank (auto) the unsharded gradient is the shard's size and the sums are the same in
+        accumulates their gradients unsharded in `reduce_dtype` and keeps the compute-dtype weights gathered after
+        backward, so a mini-batch reduces (reduce-scatters) the gradient once instead of once per micro-batch, and
+        casts/gathers the weights once when `reshard_after_forward` is false (with true, each forward still frees
+        them and backward gathers them again). On one rank (auto) the unsharded gradient is the shard's size and the sums are the same in
         the same order. On N ranks (true) each rank holds a full-size `reduce_dtype` gradient and the full
         compute-dtype weights between micro-batches (4 + 2 bytes per parameter; 9.3 GB for 1.5B), and the sum over
         ranks happens once instead of per micro-batch (equal up to rounding order).
@@ -333,16 +334,24 @@ class TrainEngine:
             self.module.set_reshard_after_backward(sync)
 
     def _drop_partial_grads(self) -> None:
-        """Free what a mini-batch interrupted mid-way accumulated: FSDP2's unsharded gradient buffers (deferred
-        sync), the sharded grads, and the gathered weights, so the next step starts clean."""
+        """After a mini-batch failed part-way (in the loss, forward or backward): drop what it accumulated and
+        reset FSDP2's per-iteration state, so the next step equals a fresh engine's (tests). Gradients live in
+        `unsharded_accumulated_grad` (deferred sync with a reduce dtype), on the unsharded parameter (deferred sync
+        without one) or on the sharded parameter; FSDP2's state would otherwise keep e.g. the root's post-backward
+        callback marked as queued, and the next backward would skip it."""
         for m in self.module.modules():
-            state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
-            group = getattr(state, "_fsdp_param_group", None) if state is not None else None
-            for fsdp_param in getattr(group, "fsdp_params", ()):
-                fsdp_param.unsharded_accumulated_grad = None
+            for group in _param_groups(m):
+                for fsdp_param in getattr(group, "fsdp_params", ()):
+                    fsdp_param.unsharded_accumulated_grad = None
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        self.module.reshard()
+        if hasattr(self.module, "reset_iter_state"):  # torch >= 2.12
+            self.module.reset_iter_state()
+            return
+        _reset_fsdp_iter_state(self.module._get_fsdp_state())
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -413,6 +422,42 @@ class TrainEngine:
         """(name, full tensor) per parameter, gathered across ranks (for weight sync to another engine)."""
         for name, p in self.module.named_parameters():
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p.data)
+
+
+def _param_groups(module: torch.nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of one module (private API: a list from torch 2.12, one group before)."""
+    return _state_groups(module._get_fsdp_state()) if isinstance(module, FSDPModule) else []
+
+
+def _state_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [getattr(state, "_fsdp_param_group", None)]
+    return [g for g in groups if g is not None]
+
+
+def _reset_fsdp_iter_state(root_state: Any) -> None:
+    """What `FSDPModule.reset_iter_state` (torch >= 2.12) does, for older torch: after a failed forward/backward,
+    forget the in-flight collectives and per-iteration trackers, reshard every group (private fields)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    ctx, comm = root_state._state_ctx, root_state._comm_ctx
+    comm.all_gather_state = None
+    for name in ("reduce_scatter_states", "_last_post_reduce_events", "post_forward_order"):
+        getattr(comm, name, []).clear()  # names as of torch 2.11-2.13
+    for state in ctx.all_states:
+        getattr(state, "_modules_to_run_forward", set()).clear()
+        state._training_state = TrainingState.IDLE
+        for group in _state_groups(state):
+            group._all_gather_result = None
+            group._post_reduce_event = None
+            group._all_reduce_state = None
+            group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    ctx.iter_forward_root = None
+    ctx.post_backward_final_callback_queued = False
 
 
 def _host_floats(values: dict[str, torch.Tensor | float]) -> dict[str, float]:

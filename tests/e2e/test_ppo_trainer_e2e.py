@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.algorithms import ADVANTAGE_ESTIMATORS
 from hybridflow.commands.quickstart import QUICKSTART_YAML, QuickstartResult, run_quickstart
@@ -88,7 +89,13 @@ def test_ray_backend_two_ranks_matches_local_first_step(tmp_path: Path) -> None:
     common = ("trainer.total_training_steps=2", "trainer.val_before_train=false", "data.val_size=8",
               "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "actor.optim.lr=1e-3")
     local = _fit(_cfg(tmp_path / "local", *common))
-    ray = _fit(_cfg(tmp_path / "ray", *common, "trainer.backend=ray", "trainer.n_gpus_per_node=2"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        ray = _fit(_cfg(tmp_path / "ray", *common, "trainer.backend=ray", "trainer.n_gpus_per_node=2"))
+        assert torch.get_num_threads() == 2  # the driver only runs small host ops (trainer/roles.py)
+    finally:
+        torch.set_num_threads(threads)
     l1, r1 = local[0], ray[0]
     assert len(ray) == 2
     for key in ("reward/score/mean", "response_length/mean", "adv/mean", "adv/max", "prompt_length/mean"):

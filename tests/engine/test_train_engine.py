@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from engine_testlib import make_batch, make_config, nll_loss
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import agg_loss
@@ -93,30 +94,60 @@ def test_deferral_only_when_reduce_dtype_is_as_wide_as_master():
     assert not _engine("model.dtype=bfloat16", "actor.fsdp.reduce_dtype=bfloat16")._defer_grad_sync
 
 
-def test_loss_failing_mid_mini_batch_leaves_no_partial_gradient():
-    """The 3rd of 4 micro-batches raises: the error reaches the caller, and the next step equals a fresh engine's
-    (no unsharded gradient left accumulated, gradient sync back on)."""
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward blew up")
+
+
+@pytest.mark.parametrize("where", ["loss", "backward"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("torch_reset", [True, False], ids=["reset_iter_state", "older-torch"])
+def test_failure_mid_mini_batch_leaves_no_partial_state(where, dtype, torch_reset, monkeypatch):
+    """The 3rd of 4 micro-batches fails (in the loss, or inside the first decoder layer's backward): the error
+    reaches the caller, and the next two steps equal a fresh engine's: no gradient left accumulated (fp32: on the
+    unsharded parameters; bf16 compute: in FSDP2's fp32 buffers), FSDP2's per-iteration state reset (else the
+    root's post-backward never runs again). `older-torch`: without FSDPModule.reset_iter_state (torch < 2.12)."""
     data = make_batch(seed=0)
-    overrides = ("model.dtype=bfloat16", "actor.ppo_micro_batch_size_per_gpu=2")
+    overrides = (f"model.dtype={dtype}", "actor.ppo_micro_batch_size_per_gpu=2")
     calls = []
 
-    def failing(outputs, mb, norm):
+    def counting(outputs, mb, norm):
         calls.append(1)
-        if len(calls) == 3:
+        if where == "loss" and len(calls) == 3:
             raise RuntimeError("loss blew up")
         return nll_loss(outputs, mb, norm)
 
     failed = _engine(*overrides)
-    with pytest.raises(RuntimeError, match="loss blew up"):
-        failed.train_step(data, failing)
+    if not torch_reset:
+        monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
+
+    def boom_in_backward(module, args, output):  # the forward of micro-batch 3
+        if len(calls) == 2 and torch.is_grad_enabled():
+            return (_Boom.apply(output[0]), *output[1:]) if isinstance(output, tuple) else _Boom.apply(output)
+
+    hook = failed.module.base_model.layers[0].register_forward_hook(boom_in_backward) if where == "backward" else None
+    with pytest.raises(RuntimeError, match="blew up"):
+        failed.train_step(data, counting)
+    if hook is not None:
+        hook.remove()
     assert failed.global_step == 0
     fresh = _engine(*overrides)
-    failed.train_step(data, nll_loss)
-    fresh.train_step(data, nll_loss)
-    gf, gr = _grads(failed), _grads(fresh)
-    assert all(torch.equal(gf[n], gr[n]) for n in gr)
-    wf, wr = _weights(failed), _weights(fresh)
-    assert all(torch.equal(wf[n], wr[n]) for n in wr)
+    for _ in range(2):
+        assert failed.train_step(data, nll_loss)["loss"] == fresh.train_step(data, nll_loss)["loss"]
+        gf, gr = _grads(failed), _grads(fresh)
+        assert all(torch.equal(gf[n], gr[n]) for n in gr)
+        wf, wr = _weights(failed), _weights(fresh)
+        assert all(torch.equal(wf[n], wr[n]) for n in wr)
+
+
+def test_defer_grad_sync_false_turns_it_off_on_one_rank():
+    assert not _engine("actor.fsdp.defer_grad_sync=false")._defer_grad_sync
+    assert _engine()._defer_grad_sync
 
 
 def test_offload_on_off_same_result():
