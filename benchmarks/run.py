@@ -89,8 +89,12 @@ def tuned_overrides(preset: str) -> list[str]:
 
 
 def bench_config(args: argparse.Namespace, preset: str) -> Any:
+    return load_config(overrides=bench_overrides(args, preset))
+
+
+def bench_overrides(args: argparse.Namespace, preset: str) -> list[str]:
     prompts = args.prompts
-    overrides = [
+    return [
         f"model.preset={preset}", f"trainer.device={args.device}", "trainer.checkpoint.save_freq=0",
         "trainer.val_before_train=false", "trainer.logger=[]", "data.train_size=64", "data.val_size=8",
         "data.truncation=left",
@@ -101,7 +105,6 @@ def bench_config(args: argparse.Namespace, preset: str) -> Any:
         "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false", "trainer.total_training_steps=1000",
         *(tuned_overrides(preset) if args.tuned else []), *args.override,
     ]
-    return load_config(overrides=overrides)
 
 
 def synthetic_batch(prompts: int, prompt_len: int, vocab: int, step: int) -> DataProto:
@@ -126,6 +129,28 @@ def synthetic_batch(prompts: int, prompt_len: int, vocab: int, step: int) -> Dat
 
 
 # -------------------------------------------------------------------------------------------------- profile
+def busy_spans(prof: Any) -> tuple[int, list[tuple[int, int, str, str]], int, int]:
+    """Union of a profile's device-activity intervals: (busy ns, gaps as (idle ns, offset from the first kernel,
+    kernel before, kernel after), first start ns, last end ns)."""
+    spans = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.duration_ns() > 0:
+            spans.append((ev.start_ns(), ev.start_ns() + ev.duration_ns(), ev.name()))
+    spans.sort()
+    busy, end, last = 0, None, ""
+    gaps = []
+    for s, e, name in spans:
+        if end is None or s > end:
+            if end is not None:
+                gaps.append((s - end, end - spans[0][0], last, name))
+            busy += e - s
+            end, last = e, name
+        elif e > end:
+            busy += e - end
+            end, last = e, name
+    return busy, gaps, (spans[0][0] if spans else 0), (end or 0)
+
+
 def busy_fraction(trainer: Any, batch: DataProto) -> dict[str, Any]:
     """One step under torch.profiler (CUDA activity): union of device-activity intervals over the step's wall
     time, and the kernels that took the most time."""
@@ -137,23 +162,8 @@ def busy_fraction(trainer: Any, batch: DataProto) -> dict[str, Any]:
         trainer.step(batch)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    spans = []
-    for ev in prof.profiler.kineto_results.events():
-        if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.duration_ns() > 0:
-            spans.append((ev.start_ns(), ev.start_ns() + ev.duration_ns(), ev.name()))
-    spans.sort()
-    busy, end, last = 0, None, ""
-    gaps = []  # (idle ns, offset from the first kernel, kernel before, kernel after)
-    for s, e, name in spans:
-        if end is None or s > end:
-            if end is not None:
-                gaps.append((s - end, end - spans[0][0], last, name))
-            busy += e - s
-            end, last = e, name
-        elif e > end:
-            busy += e - end
-            end, last = e, name
-    window = (spans[-1][1] - spans[0][0]) / 1e9 if spans else 0.0
+    busy, gaps, first, last_end = busy_spans(prof)
+    window = (last_end - first) / 1e9
     top = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:25]
     kernels = [{"name": a.key[:160], "ms": a.device_time_total / 1e3, "calls": a.count} for a in top]
     idle = {f">= {lo} us": sum(g for g, *_ in gaps if g >= lo * 1e3) / 1e6 for lo in (10, 100, 1000)}

@@ -36,7 +36,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.run import bench_config, environment, summarize, synthetic_batch, tuned_overrides
+from benchmarks.run import (
+    BENCH_SOURCE,
+    bench_config,
+    bench_overrides,
+    environment,
+    summarize,
+    synthetic_batch,
+    tuned_overrides,
+)
 
 log = logging.getLogger("bench.two_gpu")
 
@@ -73,10 +81,49 @@ def _rank_info(host: Any, reset_peak: bool) -> dict[str, Any]:
     return out
 
 
+def _actor_role(host: Any) -> Any:
+    """The actor/rollout/ref worker inside a host: a role of the colocated worker, or the worker itself (split)."""
+    roles = getattr(host.worker, "roles", None)
+    return roles["actor_rollout_ref"] if roles else host.worker
+
+
+def _noop(host: Any) -> int:
+    return host.rank
+
+
+def _profile_start(host: Any) -> None:
+    """Start recording this rank's GPU kernels (one step, stopped by `_profile_stop`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if host.worker.device.type != "cuda":
+        host._bench_profile = None
+        return
+    torch.cuda.synchronize(host.worker.device)
+    host._bench_profile = profile(activities=[ProfilerActivity.CUDA])
+    host._bench_profile.__enter__()
+
+
+def _profile_stop(host: Any) -> dict[str, Any]:
+    """This rank's GPU-busy seconds over the profiled step (union of kernel/copy intervals); None without a GPU."""
+    import torch
+
+    from benchmarks.run import busy_spans
+
+    prof = getattr(host, "_bench_profile", None)
+    if prof is None:
+        return {"rank": host.rank, "busy_s": None}
+    torch.cuda.synchronize(host.worker.device)
+    prof.__exit__(None, None, None)
+    host._bench_profile = None
+    busy_ns, _, first, last = busy_spans(prof)
+    return {"rank": host.rank, "busy_s": busy_ns / 1e9, "first_to_last_kernel_s": (last - first) / 1e9}
+
+
 def _actor_params(host: Any) -> dict[str, Any]:
     """Parameter count of the actor (global, DTensors count whole) and what the generation switch gathers: every
     named parameter, tied ones (embedding = lm_head) once per name, in the parameters' own dtype."""
-    module = host.worker.roles["actor_rollout_ref"].actor.module
+    module = _actor_role(host).actor.module
     unique = list(module.parameters())
     named = [p for _, p in module.named_parameters(remove_duplicate=False)]
     return {"numel": sum(p.numel() for p in unique), "gathered_numel": sum(p.numel() for p in named),
@@ -120,7 +167,7 @@ def _collective_probe(host: Any, sizes_mib: list[float], iters: int) -> dict[str
         del inp, out
     from torch.distributed.fsdp import FSDPModule
 
-    module = host.worker.roles["actor_rollout_ref"].actor.module
+    module = _actor_role(host).actor.module
     for m in module.modules():  # as WeightView.build: read the shards even where reshard_after_forward=False left none
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -143,29 +190,35 @@ def _collective_probe(host: Any, sizes_mib: list[float], iters: int) -> dict[str
 
 # ------------------------------------------------------------------------------------------------- driver side
 def parse_case(spec: str, default_steps: int) -> dict[str, Any]:
+    """ALGO:PRESET:RANKS[:STEPS][:split] — `split`: one process per role (trainer.use_colocated_worker=false)."""
     parts = spec.split(":")
+    split = parts[-1] == "split"
+    if split:
+        parts = parts[:-1]
     if len(parts) not in (3, 4) or parts[0] not in ("grpo", "ppo"):
-        raise SystemExit(f"--case {spec!r}: expected ALGO:PRESET:RANKS[:STEPS] with ALGO grpo|ppo, "
-                         f"e.g. grpo:qwen2.5-0.5b:2")
+        raise SystemExit(f"--case {spec!r}: expected ALGO:PRESET:RANKS[:STEPS][:split] with ALGO grpo|ppo, "
+                         f"e.g. grpo:qwen2.5-0.5b:2 or ppo:qwen2.5-1.5b:4:3:split")
     preset = ALIASES.get(parts[1], parts[1])
     return {"algo": parts[0], "preset": preset, "ranks": int(parts[2]),
-            "steps": int(parts[3]) if len(parts) == 4 else default_steps}
+            "steps": int(parts[3]) if len(parts) == 4 else default_steps, "split": split}
 
 
 def case_name(c: dict[str, Any]) -> str:
-    return f"{c['algo']}:{c['preset']}:{c['ranks']}"
+    return f"{c['algo']}:{c['preset']}:{c['ranks']}" + (":split" if c.get("split") else "")
 
 
 def case_overrides(args: argparse.Namespace, case: dict[str, Any]) -> list[str]:
     ov = ["trainer.backend=ray", f"trainer.n_gpus_per_node={case['ranks']}", "trainer.nnodes=1",
           "trainer.experiment_name=two_gpu"]
+    if case.get("split"):  # one process per role on the same GPUs: each asks for 1/roles of a GPU
+        ov += ["trainer.use_colocated_worker=false", f"resource_pool.max_colocate_count={2 if case['algo'] == 'ppo' else 1}"]
     if case["algo"] == "ppo":
         ov += ["algorithm.adv_estimator=gae", f"critic.ppo_mini_batch_size={args.prompts}"]
         if args.tuned:  # the critic gets the actor's tuned micro-batch and reshard settings
             micro = [o.split("=", 1)[1] for o in tuned_overrides(case["preset"])
                      if o.startswith("actor.ppo_micro_batch_size_per_gpu=")]
             ov += [f"critic.ppo_micro_batch_size_per_gpu={micro[0]}"] if micro else []
-            ov += ["critic.fsdp.reshard_after_forward=false"]
+            ov += ["critic.fsdp.reshard_after_forward=false", "critic.fsdp.defer_grad_sync=true"]
     return ov
 
 
@@ -177,16 +230,89 @@ def case_args(args: argparse.Namespace, case: dict[str, Any]) -> argparse.Namesp
 
 
 def host_handles(trainer: Any) -> list[Any]:
+    """The actor group's Ray actors (the colocated group's when roles share a process)."""
+    return all_handles(trainer)[0]
+
+
+def all_handles(trainer: Any) -> list[list[Any]]:
+    """Each worker group's Ray actors, the actor group first (split runs: actor, then critic)."""
     owners = trainer.groups.owners
     if not owners or owners[0].backend_kind != "ray":
         raise RuntimeError("two_gpu needs trainer.backend=ray (the Ray actor handles carry the probes)")
-    return list(owners[0]._handles)
+    return [list(o._handles) for o in owners]
 
 
 def on_ranks(handles: list[Any], fn: Any, *args: Any, timeout: float = 600.0) -> list[Any]:
     import ray
 
     return ray.get([h.__ray_call__.remote(fn, *args) for h in handles], timeout=timeout)
+
+
+def rpc_latency(handles: list[Any], iters: int) -> dict[str, float]:
+    """Round trip of an empty Ray actor call to every process at once (what each group call rides on), ms."""
+    import ray
+
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        ray.get([h.__ray_call__.remote(_noop) for h in handles])
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"p50": times[len(times) // 2], "p90": times[int(len(times) * 0.9)], "iters": iters}
+
+
+def busy_over_step(trainer: Any, handles: list[Any], batch: Any) -> dict[str, Any]:
+    """One more step with every process's GPU kernels recorded: busy seconds per process over the step's wall."""
+    on_ranks(handles, _profile_start)
+    t0 = time.perf_counter()
+    trainer.global_step += 1
+    trainer.step(batch)
+    wall = time.perf_counter() - t0
+    per = on_ranks(handles, _profile_stop)
+    fractions = [p["busy_s"] / wall for p in per if p["busy_s"] is not None]
+    return {"wall_s": wall, "per_process": per, "busy_fraction_per_process": fractions,
+            "busy_fraction_mean": statistics.fmean(fractions) if fractions else None}
+
+
+def cli_startup(args: argparse.Namespace, case: dict[str, Any]) -> dict[str, Any]:
+    """`hybridflow train` for one step as a user would start it (arithmetic task, this case's settings): seconds
+    from the process start to the first step's metrics line, minus that step's own time = time to the first
+    step. Runs before this driver starts Ray, so the two clusters never share the GPUs."""
+    import subprocess
+    import sys
+
+    run_dir = Path(args.out) / f"cli_{case_name(case).replace(':', '_')}"
+    overrides = [o for o in bench_overrides(case_args(args, case), case["preset"]) if BENCH_SOURCE not in o]
+    overrides += ["data.task=arithmetic", "trainer.total_training_steps=1", "trainer.logger=[jsonl]",
+                  f"trainer.run_dir={run_dir}", "trainer.project_name=bench", "data.val_size=8"]
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "train", "--quiet-config", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_s = None
+    try:
+        while proc.poll() is None and time.perf_counter() - t0 < args.cli_timeout_s:
+            if first_s is None and metrics.exists() and metrics.read_text().strip():
+                first_s = time.perf_counter() - t0
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        out_text = proc.communicate(timeout=60)[0] or ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    res: dict[str, Any] = {"case": case_name(case), "rc": proc.returncode, "to_first_metrics_s": first_s,
+                           "total_s": time.perf_counter() - t0}
+    if metrics.exists() and metrics.read_text().strip():
+        first = json.loads(metrics.read_text().splitlines()[0])
+        step_s = first.get("timing/step") or first.get("metrics", {}).get("timing/step")
+        res["first_step_s"] = step_s
+        if first_s is not None and step_s is not None:
+            res["to_first_step_start_s"] = first_s - step_s
+    if proc.returncode != 0:
+        res["output_tail"] = out_text[-3000:]
+    log.info("cli startup %s: %s", res["case"], {k: v for k, v in res.items() if k != "output_tail"})
+    return res
 
 
 def median_of(values: list[float]) -> float | None:
@@ -208,6 +334,7 @@ def run_case(args: argparse.Namespace, case: dict[str, Any], *, probe: bool, kil
     killed, handles = False, []
     try:
         handles = host_handles(trainer)
+        every = [h for group in all_handles(trainer) for h in group]  # split runs: the critic's processes too
         ranks = on_ranks(handles, _rank_info, True)
         res["ranks_info"] = ranks
         res["params"] = on_ranks(handles[:1], _actor_params)[0]
@@ -216,10 +343,10 @@ def run_case(args: argparse.Namespace, case: dict[str, Any], *, probe: bool, kil
                            for r in ranks))
         steps, peaks = [], []
         for i in range(args.warmup + case["steps"]):
-            on_ranks(handles, _rank_info, True)  # reset peaks
+            on_ranks(every, _rank_info, True)  # reset peaks
             trainer.global_step += 1
             m = trainer.step(synthetic_batch(args.prompts, args.prompt_len, vocab, i))
-            info = on_ranks(handles, _rank_info, False)
+            info = on_ranks(every, _rank_info, False)
             log.info("%s step %d: %.3fs (%s) peak GB %s", res["case"], i, m["timing/step"],
                      ", ".join(f"{k[7:]}={v:.3f}" for k, v in m.items() if k.startswith("timing/")),
                      [round(r.get("max_allocated_gb", 0.0), 1) for r in info])
@@ -233,9 +360,22 @@ def run_case(args: argparse.Namespace, case: dict[str, Any], *, probe: bool, kil
                 "decode_tok_s": rows * args.response_len / med.get("timing/generate", med["timing/gen"])}
         if peaks and "max_allocated_gb" in peaks[0][0]:
             res["peak_allocated_gb_per_rank"] = [max(p[r]["max_allocated_gb"] for p in peaks)
-                                                 for r in range(len(handles))]
+                                                 for r in range(len(every))]
             res["peak_reserved_gb_per_rank"] = [max(p[r]["max_reserved_gb"] for p in peaks)
-                                                for r in range(len(handles))]
+                                                for r in range(len(every))]
+            per_gpu: dict[str, float] = {}  # processes sharing a GPU (split roles): the sum of their peaks
+            for info, peak in zip(peaks[0], res["peak_allocated_gb_per_rank"]):
+                key = info.get("gpu_uuid") or str(info["env"].get("CUDA_VISIBLE_DEVICES"))
+                per_gpu[key] = per_gpu.get(key, 0.0) + peak
+            res["peak_allocated_gb_per_gpu"] = list(per_gpu.values())
+        for role in ("actor", "critic"):  # driver-side stage time minus the workers' own compute time
+            stage, own = med.get(f"timing/update_{role}"), med.get(f"{role}/step_time_s")
+            if stage is not None and own is not None:
+                res[f"update_{role}_outside_compute_s"] = stage - own
+        res["rpc_ms"] = rpc_latency(every, args.rpc_iters)
+        if args.busy:
+            res["busy"] = busy_over_step(trainer, every, synthetic_batch(args.prompts, args.prompt_len, vocab, 99))
+            log.info("%s busy: %s", res["case"], res["busy"])
         if probe and len(handles) > 1:
             sizes = args.allgather_mib if args.device != "cpu" else [1.0, 8.0]
             res["collectives"] = on_ranks(handles, _collective_probe, sizes, args.allgather_iters)[0]
@@ -375,7 +515,7 @@ def derive(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str, Any]],
-             derived: dict[str, Any]) -> str:
+             derived: dict[str, Any], cli: list[dict[str, Any]] | None = None) -> str:
     def f(v: Any, fmt: str = "{:.3f}") -> str:
         return "-" if v is None else fmt.format(v)
 
@@ -397,6 +537,30 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str
         peaks = "/".join(f"{g:.1f}" for g in c.get("peak_allocated_gb_per_rank", [])) or "-"
         lines.append(f"| {c['case']} | {c['ranks']} | " + " | ".join(f(med.get(f"timing/{s}")) for s in stages)
                      + f" | {f(c['tokens_per_s'], '{:.0f}')} | {peaks} | {f(c.get('startup_s'), '{:.1f}')} |")
+    lines += ["", "per case: GPU busy over one extra step (mean over processes), driver→all-processes empty call "
+              "(p50 / p90 ms), update stage time outside the workers' own compute (batch delivery + dispatch + "
+              "metrics, ms), peak allocated per GPU (processes sharing a GPU summed):", "",
+              "| case | GPU busy | RPC p50 / p90 ms | update_actor outside compute ms | update_critic outside compute ms "
+              "| peak GB per GPU |", "|---|---:|---:|---:|---:|---:|"]
+    for c in cases:
+        if "median" not in c:
+            continue
+        busy = (c.get("busy") or {}).get("busy_fraction_mean")
+        rpc = c.get("rpc_ms") or {}
+        ms = {k: c.get(f"update_{k}_outside_compute_s") for k in ("actor", "critic")}
+        per_gpu = "/".join(f"{g:.1f}" for g in c.get("peak_allocated_gb_per_gpu", [])) or "-"
+        lines.append(f"| {c['case']} | {f(busy, '{:.1%}')} | {f(rpc.get('p50'), '{:.2f}')} / "
+                     f"{f(rpc.get('p90'), '{:.2f}')} | {f(ms['actor'] and ms['actor'] * 1e3, '{:.0f}')} | "
+                     f"{f(ms['critic'] and ms['critic'] * 1e3, '{:.0f}')} | {per_gpu} |")
+    if cli:
+        lines += ["", "`hybridflow train` as a user starts it (arithmetic task, one step): seconds from the process "
+                  "start to the first step's start (first metrics line minus that step's time):", "",
+                  "| case | to first step start (s) | first step (s) | to first metrics (s) | exit |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in cli:
+            lines.append(f"| {r['case']} | {f(r.get('to_first_step_start_s'), '{:.1f}')} | "
+                         f"{f(r.get('first_step_s'), '{:.1f}')} | {f(r.get('to_first_metrics_s'), '{:.1f}')} | "
+                         f"{r['rc']} |")
     for sc in derived["scaling"]:
         lines += ["", f"scaling {sc['algo']} {sc['preset']}, 1 → {sc['ranks']} ranks, same global batch "
                   f"(target ≥ 1.8× on the step for 2):", "",
@@ -473,6 +637,12 @@ def main() -> None:
     ap.add_argument("--allgather-iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="skip the cases that would start after this many seconds (0 = no limit)")
+    ap.add_argument("--busy", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile one extra step on every process: GPU busy fraction (GPU only)")
+    ap.add_argument("--rpc-iters", type=int, default=50, help="empty driver→all-processes calls timed per case")
+    ap.add_argument("--cli-startup", action="append", default=[], metavar="CASE",
+                    help="before anything else, time `hybridflow train` to its first step for this case; repeatable")
+    ap.add_argument("--cli-timeout-s", type=float, default=240.0)
     ap.add_argument("--driver-threads", type=int, default=0,
                     help="torch.set_num_threads for the driver process (0 = torch's default)")
     ap.add_argument("--out", default="bench_out")
@@ -483,6 +653,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     args.out = str(out.resolve())
     start = time.perf_counter()
+    cli = [cli_startup(args, parse_case(spec, 1)) for spec in args.cli_startup]  # before this driver's Ray
 
     import ray
 
@@ -493,6 +664,8 @@ def main() -> None:
     ray_kwargs: dict[str, Any] = {}
     if args.device != "cpu" and torch.cuda.is_available():
         ray_kwargs["num_gpus"] = torch.cuda.device_count()
+    else:  # CPU check: one logical CPU per process even on a 2-core box (the gloo ranks just share the cores)
+        ray_kwargs["num_cpus"] = max(os.cpu_count() or 1, *(c["ranks"] * (2 if c["split"] else 1) for c in cases))
     init_ray(**ray_kwargs)
     if args.driver_threads:
         torch.set_num_threads(args.driver_threads)
@@ -529,11 +702,12 @@ def main() -> None:
             results[-1]["case_wall_s"] = durations[-1]
             derived = derive(results)
             (out / "two_gpu.json").write_text(json.dumps(
-                {"env": env, "args": vars(args), "cases": results, "derived": derived}, indent=1, default=str))
+                {"env": env, "args": vars(args), "cli_startup": cli, "cases": results, "derived": derived},
+                indent=1, default=str))
     finally:
         ray.shutdown()
     derived = derive(results)
-    table = markdown(env, args, results, derived)
+    table = markdown(env, args, results, derived, cli)
     (out / "two_gpu.md").write_text(table + "\n")
     print(table)
     log.info("total %.1f s", time.perf_counter() - start)
