@@ -374,8 +374,12 @@ def run_case(args: argparse.Namespace, case: dict[str, Any], *, probe: bool, kil
                 res[f"update_{role}_outside_compute_s"] = stage - own
         res["rpc_ms"] = rpc_latency(every, args.rpc_iters)
         if args.busy:
-            res["busy"] = busy_over_step(trainer, every, synthetic_batch(args.prompts, args.prompt_len, vocab, 99))
-            log.info("%s busy: %s", res["case"], res["busy"])
+            try:  # first run on GPUs pending: a failing profile must not cost the case its timings
+                res["busy"] = busy_over_step(trainer, every, synthetic_batch(args.prompts, args.prompt_len, vocab, 99))
+                log.info("%s busy: %s", res["case"], res["busy"])
+            except Exception as err:  # recorded in the JSON and the log
+                res["busy_error"] = f"{type(err).__name__}: {err}"[:2000]
+                log.error("%s: busy profile failed: %s", res["case"], res["busy_error"])
         if probe and len(handles) > 1:
             sizes = args.allgather_mib if args.device != "cpu" else [1.0, 8.0]
             res["collectives"] = on_ranks(handles, _collective_probe, sizes, args.allgather_iters)[0]
