@@ -8,6 +8,8 @@
 # peak memory per GPU, GPU busy over one profiled step, driver→workers RPC round trip, and the update stages' time
 # outside the workers' own compute (the batch reaching the critic). The CPU version of the same code runs in the
 # test suite (tests/benchmarks, 4 gloo ranks).
+# Prefix the command with BENCH_COMMIT=$(git rev-parse --short HEAD) as run here: the device copy's git metadata
+# can lag the tree, and the reports stamp that commit otherwise.
 set -u
 OUT=${OUT:-bench_out}
 PRESET=${PRESET:-qwen2.5-1.5b}

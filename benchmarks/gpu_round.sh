@@ -7,6 +7,8 @@
 # 4. the GPU kernel and engine tests in-process (the CPU suite runs the kernels under Triton's interpreter only).
 # Each stage has its own time limit so a hang in one still returns the others (the device call is 600 s).
 # At most 8 files come back from $OUT; this writes 8. The TRL ratio is read from trl_*.json afterwards.
+# Prefix the command with BENCH_COMMIT=$(git rev-parse --short HEAD) as run here: the device copy's git metadata
+# can lag the tree, and the reports stamp that commit otherwise.
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"

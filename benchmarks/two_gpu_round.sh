@@ -7,6 +7,8 @@
 # 4. (ABLATE=1) GRPO 1.5B at 512 rows on 2 GPUs with actor.fsdp.defer_grad_sync=false (a reduce-scatter per
 #    micro-batch), to see what deferring it is worth in the same call.
 # At most 8 files come back from $OUT: one log, a JSON and a markdown per run (7 with TESTS=0).
+# Prefix the command with BENCH_COMMIT=$(git rev-parse --short HEAD) as run here: the device copy's git metadata
+# can lag the tree, and the reports stamp that commit otherwise.
 set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT/big" "$OUT/anchor" "$OUT/ablate"
