@@ -7,8 +7,10 @@ business. Saving writes safetensors + config.json + the tokenizer so HF `from_pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 from hybridflow.config.schema import ModelConfig
 from hybridflow.models.heads import SCALAR_HEAD_ROLES, scalar_head_from_config, scalar_head_from_pretrained
@@ -102,15 +105,29 @@ def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
     elif role in SCALAR_HEAD_ROLES:
-        model = scalar_head_from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
+        with _no_progress_bar():
+            model = scalar_head_from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(Path(path).expanduser()), config=hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-            **kwargs,
-        )
+        with _no_progress_bar():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(Path(path).expanduser()), config=hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                **kwargs,
+            )
     logger.info("loaded %s for role %s from %s (%.1fM params)", type(model).__name__, role, path or cfg.preset,
                 sum(p.numel() for p in model.parameters()) / 1e6)
     return model
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers draws a "Loading weights" bar per load, once per rank and role; our log line says it instead."""
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 class _seeded:

@@ -45,6 +45,16 @@ def test_save_then_load_round_trip(actor_dir):
     assert tok.pad_token == "<|pad|>" and tok.padding_side == "left"
 
 
+def test_loading_draws_no_progress_bar_and_leaves_the_setting(actor_dir, capfd):
+    from transformers.utils import logging as hf_logging
+
+    capfd.readouterr()
+    load_model(_model_cfg(f"model.path={actor_dir}"), "actor")
+    load_model(_model_cfg(f"model.path={actor_dir}"), "critic")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # only silenced during our loads
+
+
 def test_critic_from_actor_dir_shares_the_backbone(actor_dir):
     actor = load_model(_model_cfg(f"model.path={actor_dir}"), "actor")
     critic = load_model(_model_cfg(f"model.path={actor_dir}"), "critic")
