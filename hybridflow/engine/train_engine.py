@@ -261,8 +261,13 @@ class TrainEngine:
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
                 self.lr_scheduler.step()
             self.global_step += 1
-        except BaseException:
-            self._drop_partial_grads()  # a failed mini-batch leaves no half-accumulated gradient behind
+        except BaseException as err:
+            try:  # a failed mini-batch leaves no half-accumulated gradient behind
+                self._drop_partial_grads()
+            except Exception as cleanup:  # keep the original error the one raised; say the engine is unusable
+                logger.error("after %s, resetting the engine's gradients/FSDP state failed (%s: %s): build a new "
+                             "engine or reload a checkpoint before training on", type(err).__name__,
+                             type(cleanup).__name__, cleanup)
             raise
         finally:
             self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
@@ -323,10 +328,10 @@ class TrainEngine:
         accumulates their gradients unsharded in `reduce_dtype` and keeps the compute-dtype weights gathered after
         backward, so a mini-batch reduces (reduce-scatters) the gradient once instead of once per micro-batch, and
         casts/gathers the weights once when `reshard_after_forward` is false (with true, each forward still frees
-        them and backward gathers them again). On one rank (auto) the unsharded gradient is the shard's size and the sums are the same in
-        the same order. On N ranks (true) each rank holds a full-size `reduce_dtype` gradient and the full
-        compute-dtype weights between micro-batches (4 + 2 bytes per parameter; 9.3 GB for 1.5B), and the sum over
-        ranks happens once instead of per micro-batch (equal up to rounding order).
+        them and backward gathers them again). On one rank (auto) the unsharded gradient is the shard's size and
+        the sums are the same in the same order. On N ranks (true) each rank holds a full-size `reduce_dtype`
+        gradient and the full compute-dtype weights between micro-batches (4 + 2 bytes per parameter; 9.3 GB for
+        1.5B), and the sum over ranks happens once instead of per micro-batch (equal up to rounding order).
         Assumes every trainable parameter gets a gradient in every micro-batch (dense models: all we build); a
         parameter first reached only in the last micro-batch would mix dtypes in FSDP2's reduce-scatter."""
         if self._defer_grad_sync:

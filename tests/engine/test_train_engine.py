@@ -145,6 +145,21 @@ def test_failure_mid_mini_batch_leaves_no_partial_state(where, dtype, torch_rese
         assert all(torch.equal(wf[n], wr[n]) for n in wr)
 
 
+def test_a_failing_reset_keeps_the_original_error_and_says_so(monkeypatch, caplog):
+    engine = _engine("actor.ppo_micro_batch_size_per_gpu=2")
+
+    def broken_reset(self):
+        raise AttributeError("private FSDP field moved")
+
+    def failing(outputs, mb, norm):
+        raise ValueError("loss blew up")
+
+    monkeypatch.setattr(TrainEngine, "_drop_partial_grads", broken_reset)
+    with pytest.raises(ValueError, match="loss blew up"):
+        engine.train_step(make_batch(seed=0), failing)
+    assert "resetting the engine's gradients/FSDP state failed (AttributeError" in caplog.text
+
+
 def test_defer_grad_sync_false_turns_it_off_on_one_rank():
     assert not _engine("actor.fsdp.defer_grad_sync=false")._defer_grad_sync
     assert _engine()._defer_grad_sync
