@@ -56,3 +56,39 @@ def test_world_size_1_and_2_agree(tmp_path, overrides, dist_group):
         torch.testing.assert_close(one[name], two[name], atol=1e-5, rtol=0, msg=name)
     logp_two = torch.cat([load_file(tmp_path / f"logp2_{r}.safetensors")["logp"] for r in range(2)])
     torch.testing.assert_close(load_file(tmp_path / "logp1_0.safetensors")["logp"], logp_two, atol=1e-5, rtol=1e-5)
+
+
+def _count_reduce_scatters(rank: int, out: str) -> None:
+    """Each rank: reduce-scatter calls in one train_step of 4 micro-batches, with and without deferral."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store_rs", rank=rank, world_size=2)
+    sys.path.insert(0, HERE)
+    from engine_testlib import make_batch, make_config, nll_loss
+
+    from hybridflow.engine import TrainEngine
+
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original, calls = getattr(dist, name), []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counting)  # FSDP2 calls it through the torch.distributed module
+    counts = {}
+    for defer in ("true", "false"):
+        cfg = make_config("actor.ppo_micro_batch_size_per_gpu=1", f"actor.fsdp.defer_grad_sync={defer}")
+        engine = TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
+        calls.clear()
+        engine.train_step(make_batch(batch=8, seed=11).chunk(2)[rank], nll_loss)
+        counts[defer] = len(calls)
+    save_file({"counts": torch.tensor([counts["true"], counts["false"]])}, f"{out}/rs{rank}.safetensors")
+    dist.destroy_process_group()
+
+
+def test_deferred_sync_reduce_scatters_once_per_mini_batch(tmp_path):
+    """Two ranks, 4 micro-batches each: deferral reduce-scatters each FSDP group once, not once per micro-batch."""
+    mp.start_processes(_count_reduce_scatters, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        deferred, synced = load_file(tmp_path / f"rs{rank}.safetensors")["counts"].tolist()
+        assert deferred > 0 and synced == 4 * deferred, (rank, deferred, synced)
