@@ -305,7 +305,7 @@ def cli_startup(args: argparse.Namespace, case: dict[str, Any]) -> dict[str, Any
                            "total_s": time.perf_counter() - t0}
     if metrics.exists() and metrics.read_text().strip():
         first = json.loads(metrics.read_text().splitlines()[0])
-        step_s = first.get("timing/step") or first.get("metrics", {}).get("timing/step")
+        step_s = first.get("timing/step")
         res["first_step_s"] = step_s
         if first_s is not None and step_s is not None:
             res["to_first_step_start_s"] = first_s - step_s
@@ -647,8 +647,6 @@ def main() -> None:
     ap.add_argument("--cli-startup", action="append", default=[], metavar="CASE",
                     help="before anything else, time `hybridflow train` to its first step for this case; repeatable")
     ap.add_argument("--cli-timeout-s", type=float, default=240.0)
-    ap.add_argument("--driver-threads", type=int, default=0,
-                    help="torch.set_num_threads for the driver process (0 = torch's default)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -671,9 +669,6 @@ def main() -> None:
     else:  # CPU check: one logical CPU per process even on a 2-core box (the gloo ranks just share the cores)
         ray_kwargs["num_cpus"] = max(os.cpu_count() or 1, *(c["ranks"] * (2 if c["split"] else 1) for c in cases))
     init_ray(**ray_kwargs)
-    if args.driver_threads:
-        torch.set_num_threads(args.driver_threads)
-    log.info("driver torch threads: %d (of %d CPUs)", torch.get_num_threads(), os.cpu_count())
     env = environment() | {"ray": ray.__version__, "ray_resources": ray.cluster_resources(),
                            "driver_env": {k: os.environ.get(k) for k in
                                           ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",

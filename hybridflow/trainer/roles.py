@@ -6,25 +6,14 @@ This is the one place that maps roles to worker classes and resource pools.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from hybridflow.config import Config, Resolved
 from hybridflow.controller import ResourcePool, WorkerGroup, create_colocated_worker_cls, spawn
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reward_model import RewardModelWorker
-
-logger = logging.getLogger(__name__)
-
-# With Ray the driver only does small host-side tensor ops (rewards, advantages, metrics, concatenating the ranks'
-# outputs). With torch's default of one intra-op thread per core, each of those ops waits on a barrier of
-# ~32 threads competing with the GPU workers' spinning threads: on 2 H200s the driver's reward stage took 7-60 ms
-# per step instead of 7-10 ms, and the 0.5B step's median 1.023 s instead of 0.995 s (docs/benchmarks.md).
-DRIVER_THREADS_WITH_RAY = 2
 
 
 @dataclass
@@ -64,8 +53,6 @@ def build_worker_groups(cfg: Config, res: Resolved, total_training_steps: int | 
         views = {name: WorkerGroup(pool, worker_cls, cfg, backend=backend, name=name)
                  for name, worker_cls in roles.items()}
         owners = tuple(views.values())
-    if any(owner.backend_kind == "ray" for owner in owners):
-        limit_driver_threads()
     for name, view in views.items():
         if name == "reward_model":
             view.init_model()
@@ -73,11 +60,3 @@ def build_worker_groups(cfg: Config, res: Resolved, total_training_steps: int | 
             view.init_model(total_training_steps=total_training_steps)
     return WorkerGroups(actor=views["actor_rollout_ref"], critic=views.get("critic"),
                         reward_model=views.get("reward_model"), pool=pool, owners=owners)
-
-
-def limit_driver_threads(limit: int = DRIVER_THREADS_WITH_RAY) -> None:
-    """Cap this (driver) process's torch intra-op threads when the workers run elsewhere."""
-    if torch.get_num_threads() > limit:
-        logger.info("driver: torch intra-op threads %d -> %d (the workers are Ray actors)", torch.get_num_threads(),
-                    limit)
-        torch.set_num_threads(limit)

@@ -93,7 +93,7 @@ def test_ray_backend_two_ranks_matches_local_first_step(tmp_path: Path) -> None:
     torch.set_num_threads(4)
     try:
         ray = _fit(_cfg(tmp_path / "ray", *common, "trainer.backend=ray", "trainer.n_gpus_per_node=2"))
-        assert torch.get_num_threads() == 2  # the driver only runs small host ops (trainer/roles.py)
+        assert torch.get_num_threads() == 2  # the driver only runs small host ops (controller/backends/ray.py)
     finally:
         torch.set_num_threads(threads)
     l1, r1 = local[0], ray[0]
