@@ -438,9 +438,13 @@ class SFTConfig:
     optim: OptimConfig
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
     label_noise: float  # built-in tasks only: share of SFT answers replaced by a systematic near miss (answer + 1)
+    target_val_loss: float | None = None  # stop once val/loss <= this (checked at each validation); total_steps caps
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "sft.epochs", self.epochs, "must be >= 1")
+        if self.target_val_loss is not None:
+            _check(self.target_val_loss > 0, "sft.target_val_loss", self.target_val_loss,
+                   "must be > 0 (a validation loss to stop at) or null (train total_steps)")
         _check(0.0 <= self.label_noise < 1.0, "sft.label_noise", self.label_noise, "must be in [0, 1)")
         _check(self.batch_size >= 1, "sft.batch_size", self.batch_size, "must be >= 1 (sequences per step)")
         _check(self.micro_batch_size_per_gpu >= 1, "sft.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu,

@@ -54,6 +54,24 @@ class SFTTrainer(SupervisedTrainer):
         tokens = max(tokens, 1.0)
         return {"val/loss": -sum_logp / tokens, "val/token_accuracy": correct / tokens}
 
+    def reached_target(self, metrics: dict[str, float]) -> bool:
+        target = self.sec.target_val_loss
+        return target is not None and metrics.get("val/loss", float("inf")) <= target
+
+    def missed_target(self) -> None:
+        target = self.sec.target_val_loss
+        if target is None or self.val_ds is None:
+            return
+        loss = next((m["val/loss"] for m in reversed(self.history) if "val/loss" in m), float("nan"))
+        message = (f"SFT stopped at its cap, sft.total_steps={self.total_steps}, with val/loss {loss:.4f} above "
+                   f"sft.target_val_loss={target}: the model may be under-trained; raise sft.total_steps (or "
+                   "sft.optim.lr), or raise the target")
+        if self.tracker is None:
+            logger.warning(message)
+        else:
+            self.tracker.event("sft_target_missed", message, step=self.global_step, level="warning",
+                               val_loss=loss, target=target)
+
 
 def sft_config(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None = None,
                **sft_overrides: Any) -> Config:

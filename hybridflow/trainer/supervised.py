@@ -81,6 +81,13 @@ class SupervisedTrainer(ABC):
     def loss_kwargs(self) -> dict[str, Any]:
         return {}
 
+    def reached_target(self, metrics: dict[str, float]) -> bool:
+        """True when the validation `metrics` meet the section's stop criterion (none by default)."""
+        return False
+
+    def missed_target(self) -> None:  # noqa: B027 - optional hook: sections without a target do nothing
+        """Called when `total_steps` ran out before `reached_target` held (only for sections with a target)."""
+
     # ----------------------------------------------------------------------------------------------- build
     def _world_size(self) -> int:
         from hybridflow.config.resolved import process_on_nodes
@@ -126,11 +133,18 @@ class SupervisedTrainer(ABC):
             metrics = mean_metrics(self.group.train_batch(batch), self.section)
             metrics["timing/step"] = time.perf_counter() - start
             is_last = self.global_step >= self.total_steps
-            if self.val_ds is not None and (is_last or (t.test_freq > 0 and self.global_step % t.test_freq == 0)):
+            validated = self.val_ds is not None and (is_last or (t.test_freq > 0 and self.global_step % t.test_freq == 0))
+            if validated:
                 metrics |= self.validate()
+            done = validated and self.reached_target(metrics)
             self._log(metrics, step=self.global_step)
-            self._maybe_save(is_last)
+            self._maybe_save(is_last or done)
+            if done:
+                logger.info("%s: stop criterion met at step %d of at most %d", self.section, self.global_step,
+                            self.total_steps)
+                break
             if is_last:
+                self.missed_target()
                 break
         return self.history
 

@@ -1,0 +1,139 @@
+"""The quickstart's learning over seeds × CPU numerics: the numbers behind the README's range (issue 19).
+
+    python -m benchmarks.quickstart_seeds --seeds 0-7 --numerics default,avx2 --jobs 2 --out runs/qs_seeds [k=v ...]
+
+Each run is `hybridflow quickstart` (SFT warm start, then GRPO) in its own process with one intra-op thread and every
+seed shifted by `s` (model.seed=s, data.seed=s+1, rollout.seed=s, trainer.seed=s+1, so s=0 is the shipped
+default). `avx2` emulates an AVX2-only CPU on this one (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2`): other kernels, other float rounding, the way another machine would run.
+Per run: SFT steps and final val/loss, validation accuracy before RL and after each validation, the gain, times.
+Output: `<out>/runs.jsonl` (one line per run, appended as runs finish) and a min / median / max table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+NUMERICS: dict[str, dict[str, str]] = {
+    "default": {},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+
+
+def seed_overrides(seed: int) -> list[str]:
+    return [f"model.seed={seed}", f"data.seed={seed + 1}", f"rollout.seed={seed}", f"trainer.seed={seed + 1}"]
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0-7' or '0,3,5' → the seeds."""
+    if "-" in text:
+        lo, hi = text.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def one_run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """The quickstart in this process; returns the learning summary (called by the child processes)."""
+    import torch
+
+    from hybridflow.commands.quickstart import QUICKSTART_YAML, run_quickstart
+    from hybridflow.config import load_config
+
+    torch.set_num_threads(1)
+    cfg = load_config([QUICKSTART_YAML], [f"trainer.run_dir={run_dir}", f"trainer.default_local_dir={run_dir}/ckpt",
+                                          "trainer.logger=[jsonl]", *overrides])
+    result = run_quickstart(cfg)
+    sft = [m for m in _read_jsonl(run_dir / "sft" / "metrics.jsonl") if "val/loss" in m]
+    acc = [a for _, a, _ in result.val_accuracy()]
+    return {"sft_steps": int(sft[-1]["training/global_step"]) if sft else None,
+            "sft_val_loss": sft[-1]["val/loss"] if sft else None,
+            "sft_val_losses": [(int(m["training/global_step"]), round(m["val/loss"], 4)) for m in sft],
+            "val_accuracy": acc, "start": acc[0], "end": acc[-1], "gain": acc[-1] - acc[0],
+            "sft_seconds": result.sft_seconds, "total_seconds": result.total_seconds}
+
+
+def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str]) -> dict[str, Any]:
+    run_dir = work / f"{numerics}_s{seed}"
+    env = {**os.environ, **NUMERICS[numerics], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--child", str(run_dir), *seed_overrides(seed),
+           *overrides]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    row: dict[str, Any] = {"seed": seed, "numerics": numerics, "overrides": overrides,
+                           "wall_seconds": time.perf_counter() - start, "returncode": proc.returncode}
+    if proc.returncode == 0:
+        row |= json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        row["error"] = proc.stderr[-3000:]
+    with (out / "runs.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    status = f"gain {100 * row['gain']:+.1f}" if "gain" in row else f"FAILED rc={proc.returncode}"
+    print(f"{numerics} seed {seed}: {status} ({row['wall_seconds']:.0f}s)", flush=True)
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """min / median / max of start, end, gain (points), SFT steps and time, per numerics and over all runs."""
+    lines = ["| numerics | runs | failed | start % | end % | gain (points) | SFT steps | total s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def mmm(vals: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+        if not vals:
+            return "–"
+        v = [scale * x for x in vals]
+        return f"{min(v):{fmt}} / {statistics.median(v):{fmt}} / {max(v):{fmt}}"
+
+    groups = sorted({r["numerics"] for r in rows}) + ["all"]
+    for g in groups:
+        rs = [r for r in rows if g in ("all", r["numerics"])]
+        ok = [r for r in rs if "gain" in r]
+        lines.append(f"| {g} | {len(rs)} | {len(rs) - len(ok)} | {mmm([r['start'] for r in ok], 100)} | "
+                     f"{mmm([r['end'] for r in ok], 100)} | {mmm([r['gain'] for r in ok], 100)} | "
+                     f"{mmm([r['sft_steps'] or 0 for r in ok], 1, '.0f')} | "
+                     f"{mmm([r['total_seconds'] for r in ok], 1, '.0f')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0-7")
+    parser.add_argument("--numerics", default="default,avx2")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one core each)")
+    parser.add_argument("--out", default="runs/quickstart_seeds")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="a.b=c")
+    parser.add_argument("--work", default=None, help="where the runs write (default: --out)")
+    args = parser.parse_intermixed_args()
+    if args.child:
+        print(json.dumps(one_run(Path(args.child), args.overrides)))
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    numerics = args.numerics.split(",")
+    unknown = [n for n in numerics if n not in NUMERICS]
+    if unknown:
+        raise SystemExit(f"--numerics {','.join(unknown)}: choose from {', '.join(NUMERICS)}")
+    jobs = [(s, n) for n in numerics for s in parse_seeds(args.seeds)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        work = Path(args.work) / out.name if args.work else out  # one folder per sweep: sweeps may run side by side
+        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides), jobs))
+    table = summarize(rows)
+    (out / "summary.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
