@@ -46,7 +46,7 @@ class SkipReport:
     def summary(self) -> str:
         parts = [f"{n} {reason} (rows {self.examples[reason]}{' ...' if n > len(self.examples[reason]) else ''})"
                  for reason, n in sorted(self.counts.items())]
-        return f"{self.name}: skipped {self.total} of {self.rows_read} rows: " + "; ".join(parts)
+        return f"{self.name} data: skipped {self.total} of {self.rows_read} rows: " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows_read": self.rows_read, "skipped": self.total, "reasons": dict(self.counts),

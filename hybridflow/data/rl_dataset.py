@@ -79,7 +79,7 @@ def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool,
             continue
         good.append(norm)
     if skips.total:
-        logger.warning("%s data: %s. First of each: %s", skips.name, skips.summary(), "; ".join(reasons.values()))
+        logger.warning("%s. First of each: %s", skips.summary(), "; ".join(reasons.values()))
     return good
 
 

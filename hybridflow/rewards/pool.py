@@ -56,18 +56,18 @@ def to_score(out: Any) -> tuple[float, dict[str, Any]]:
     """A scorer's return value → (score, extras). Accepted: an int/float (a bool counts as 0/1) or a dict with
     such a `score`; anything else (a "0.75" string, None, a tensor) raises InvalidReward."""
     extras: dict[str, Any] = {}
-    value, what = out, "a value"
+    value, what, kind = out, "a value", "returned {}"
     if isinstance(out, dict):
         if "score" not in out:
             raise InvalidReward(f"returned a dict without 'score' (keys {sorted(map(str, out))})", "dict without score")
         # Plain values only: anything else could fail to pickle on the way back from a worker.
         extras = {k: v for k, v in out.items() if k != "score" and isinstance(v, int | float | str | None)}
-        value, what = out["score"], "a dict whose 'score' is"
+        value, what, kind = out["score"], "a dict whose 'score' is", "returned a dict with a {} score"
     if isinstance(value, bool | np.bool_ | numbers.Real):
         return float(value), extras
     name = type(value).__name__
     raise InvalidReward(f"returned {what} of type {name} ({value!r:.60}); a reward must be an int/float or a dict "
-                        "with a numeric 'score' (convert it in the scorer, e.g. float(x))", f"returned {name}")
+                        "with a numeric 'score' (convert it in the scorer, e.g. float(x))", kind.format(name))
 
 
 def score_one(item: Item) -> ItemResult:
