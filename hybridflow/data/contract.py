@@ -10,11 +10,14 @@ skipped and counted per reason in a `SkipReport`, which the trainer sends to `ev
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 REWARD_COLUMN = "reward_model"
 MODEL_SOURCE = "model"
@@ -86,6 +89,11 @@ def check_ground_truths(raw_rows: Sequence[dict[str, Any]], rows: Sequence[dict[
         index, value = bad[0]
         raise ValueError(f"{name} data: {REWARD_COLUMN}.ground_truth {ground_truth_problem(value)} in {len(bad)} of "
                          f"{len(rows)} rows (first: row {index}, value {value!r}). {_FIX}")
+    whole = [row["index"] for row in rows if isinstance(row["reward_model"]["ground_truth"], float)
+             and float(row["reward_model"]["ground_truth"]).is_integer()]
+    if whole:  # typically an int column that went through float64 (pandas with NaN)
+        logger.warning("%s data: %d ground truths are whole floats (first: row %d); scorers compare text, so 7.0 "
+                       "reads as '7.0', not '7'. Store them as ints or strings", name, len(whole), whole[0])
 
 
 def empty_prompt_reason(messages: Sequence[dict[str, str]]) -> str | None:

@@ -63,7 +63,7 @@ def test_unusable_ground_truth_names_the_row_the_value_and_the_fix(truth, why):
     assert len(RLHFDataset(rows, TOK, max_prompt_length=64, require_ground_truth=False)) == 4
 
 
-def test_null_ground_truth_in_parquet_fails_and_int_ground_truth_passes_through(tmp_path):
+def test_null_ground_truth_in_parquet_fails_and_int_ground_truth_passes_through(tmp_path, caplog):
     write_rows([_row(truth="4"), _row(truth=None)], tmp_path / "null.parquet")
     with pytest.raises(ValueError, match=r"ground_truth is null in 1 of 2 rows \(first: row 1, value None\)"):
         RLHFDataset.from_files(str(tmp_path / "null.parquet"), TOK, max_prompt_length=64)
@@ -72,6 +72,9 @@ def test_null_ground_truth_in_parquet_fails_and_int_ground_truth_passes_through(
     assert [ds[i]["reward_model"]["ground_truth"] for i in range(2)] == [7, 12]  # scorers compare str(7) == "7"
     for truth in (2.5, [1, 2], {"target": 3, "numbers": [1, 2]}):
         assert RLHFDataset([_row(truth=truth)], TOK, max_prompt_length=64)[0]["reward_model"]["ground_truth"] == truth
+    with caplog.at_level(logging.WARNING):
+        RLHFDataset([_row(truth=2.5), _row(truth=7.0)], TOK, max_prompt_length=64)
+    assert "1 ground truths are whole floats (first: row 1)" in caplog.text
 
 
 def test_empty_prompts_are_skipped_and_counted_by_reason(caplog):
