@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class QuickstartResult:
 
     def val_accuracy(self) -> list[tuple[int, float, float]]:
         """(step, val/accuracy, val/reward) for every validation, in order."""
-        return [(int(m["training/global_step"]), m["val/accuracy"], m["val/reward"])
+        return [(int(m["training/global_step"]), m["val/accuracy"], m.get("val/reward", math.nan))
                 for m in self.history if "val/accuracy" in m]
 
 

@@ -15,6 +15,7 @@ Batch sizes, stated once:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ class DataConfig:
     max_response_length: int
     truncation: str  # error | left | right | filter
     strict: bool  # malformed rows raise instead of being skipped
+    allow_missing_ground_truth: bool  # reward functions may get rows without reward_model.ground_truth
     train_batch_size: int  # PROMPTS per step, global
     val_batch_size: int | None  # PROMPTS per validation batch; null = whole val set at once
     shuffle: bool
@@ -296,7 +298,8 @@ class RewardConfig:
     reward_model: RewardModelConfig
     num_workers: int  # processes scoring responses (0 = in the driver process)
     timeout_s: float  # per response
-    error_score: float  # score for a response whose scorer raised, timed out or returned NaN
+    error_score: float  # score for a response whose scorer raised, timed out or returned NaN or a non-number
+    success_threshold: float  # correct = the scorer's `acc` when it returns one, else score >= this
     length_penalty: LengthPenaltyConfig
     overlong_buffer: OverlongBufferConfig
 
@@ -305,6 +308,8 @@ class RewardConfig:
                "give at least one source, e.g. [{name: rule, weight: 1.0}]")
         _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 seconds")
         _check(self.num_workers >= 0, "reward.num_workers", self.num_workers, "must be >= 0")
+        _check(math.isfinite(self.success_threshold), "reward.success_threshold", self.success_threshold,
+               "must be a finite number (a response counts as correct when its score >= it), e.g. 1.0")
 
 
 # --------------------------------------------------------------------------------------------------- algorithm

@@ -1,10 +1,11 @@
 """`RLHFDataset`: prompts for PPO/GRPO from verl-schema rows (parquet files or the built-in tasks).
 
 Columns: `data_source` (selects the reward function), `prompt` (chat messages or a string; `data.prompt_key`),
-`ability`, `reward_model` ({style, ground_truth}), `extra_info` (dict). Rows are validated up front: malformed
-rows are skipped and counted (or raise with `data.strict`). Over-long prompts: `error` and `filter` are decided up
-front (one tokenisation pass, so training never dies mid-run); `left`/`right` truncate in `__getitem__`, which is
-where tokenisation happens (in the dataloader workers).
+`ability`, `reward_model` ({style, ground_truth}), `extra_info` (dict). Rows are checked up front against the data
+contract (`hybridflow.data.contract`): malformed rows and empty prompts are skipped and counted in `self.skips`
+(malformed ones raise with `data.strict`); an unusable ground truth raises. Over-long prompts: `error` and `filter`
+are decided up front (one tokenisation pass, so training never dies mid-run); `left`/`right` truncate in
+`__getitem__`, which is where tokenisation happens (in the dataloader workers).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_rl
+from hybridflow.data.contract import SkipReport, check_ground_truths, empty_prompt_reason
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, render, to_messages
 from hybridflow.protocol import DataProto
@@ -55,21 +57,29 @@ def normalize_row(row: dict[str, Any], prompt_key: str, position: int) -> dict[s
     }
 
 
-def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool, name: str) -> list[dict[str, Any]]:
-    """Normalise every row; malformed ones raise (strict) or are skipped with their indices in one warning."""
-    good, bad = [], []
+def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool, skips: SkipReport
+                  ) -> list[dict[str, Any]]:
+    """Normalise every row; malformed ones raise (strict) or are skipped, empty prompts are skipped; both are
+    counted in `skips` and summarised in one warning."""
+    good, reasons = [], {}
     for i, row in enumerate(rows):
         try:
-            good.append(normalize_row(row, prompt_key, i))
+            norm = normalize_row(row, prompt_key, i)
         except MalformedRow as err:
             if strict:
-                raise ValueError(f"{name} data row {i} is malformed: {err}. Fix the row, or set data.strict=false "
-                                 "to skip malformed rows") from err
-            bad.append((i, str(err)))
-    if bad:
-        shown = "; ".join(f"row {i}: {why}" for i, why in bad[:5])
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        logger.warning("%s data: skipped %d malformed rows of %d: %s%s", name, len(bad), len(rows), shown, more)
+                raise ValueError(f"{skips.name} data row {i} is malformed: {err}. Fix the row, or set "
+                                 "data.strict=false to skip malformed rows") from err
+            skips.add("malformed", i)
+            reasons.setdefault("malformed", f"row {i}: {err}")
+            continue
+        empty = empty_prompt_reason(norm["messages"])
+        if empty is not None:
+            skips.add("empty_prompt", i)
+            reasons.setdefault("empty_prompt", f"row {i}: {empty}")
+            continue
+        good.append(norm)
+    if skips.total:
+        logger.warning("%s. First of each: %s", skips.summary(), "; ".join(reasons.values()))
     return good
 
 
@@ -78,7 +88,7 @@ class RLHFDataset(Dataset):
 
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
                  truncation: str = "error", prompt_key: str = "prompt", strict: bool = False,
-                 chat_template: str | None = None, name: str = "train") -> None:
+                 chat_template: str | None = None, name: str = "train", require_ground_truth: bool = True) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}: must be one of {', '.join(TRUNCATION_MODES)}")
         self.tokenizer = tokenizer
@@ -86,35 +96,39 @@ class RLHFDataset(Dataset):
         self.truncation = truncation
         self.chat_template = chat_template
         self.name = name
-        self.rows = validate_rows(rows, prompt_key, strict, name)
-        self.num_malformed = len(rows) - len(self.rows)
-        self.num_filtered = 0
+        self.skips = SkipReport(name, rows_read=len(rows))
+        self.rows = validate_rows(rows, prompt_key, strict, self.skips)
+        if require_ground_truth:
+            check_ground_truths(rows, self.rows, name)
         if truncation in ("error", "filter"):
             self._check_lengths()
         if not self.rows:
-            raise ValueError(f"{name} dataset is empty after validation ({len(rows)} rows read, "
-                             f"{self.num_malformed} malformed, {self.num_filtered} over-long); check the files")
+            raise ValueError(f"{name} dataset is empty after validation ({self.skips.summary()}); check the files")
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> RLHFDataset:
         return cls(read_rows(files), tokenizer, **kwargs)
 
     def _check_lengths(self) -> None:
+        """One tokenisation pass: over-long prompts raise (`error`) or are dropped (`filter`); 0-token prompts
+        (possible with `raw` templates) are dropped as empty."""
         lengths = [len(self._encode(row)) for row in self.rows]
         over = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
-        if not over:
-            return
-        if self.truncation == "error":
+        if over and self.truncation == "error":
             i = over[0]
             raise ValueError(
                 f"{self.name} data: {len(over)} prompts exceed data.max_prompt_length={self.max_prompt_length} "
                 f"(first: row {self.rows[i]['index']} with {lengths[i]} tokens). Raise data.max_prompt_length, or "
                 "set data.truncation to filter (drop them), left or right (cut them)")
-        keep = set(range(len(self.rows))) - set(over)
-        self.rows = [r for i, r in enumerate(self.rows) if i in keep]
-        self.num_filtered = len(over)
-        logger.warning("%s data: filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
-                       self.name, len(over), self.max_prompt_length, len(self.rows))
+        dropped = {i: "overlong" for i in over} | {i: "empty_prompt" for i, n in enumerate(lengths) if n == 0}
+        if not dropped:
+            return
+        for i, reason in sorted(dropped.items()):
+            self.skips.add(reason, self.rows[i]["index"])
+        self.rows = [r for i, r in enumerate(self.rows) if i not in dropped]
+        logger.warning("%s data: dropped %d prompts (%d longer than data.max_prompt_length=%d, %d of 0 tokens); "
+                       "%d remain", self.name, len(dropped), len(over), self.max_prompt_length,
+                       len(dropped) - len(over), len(self.rows))
 
     def _encode(self, row: dict[str, Any]) -> list[int]:
         text = render(self.tokenizer, row["messages"], self.chat_template)

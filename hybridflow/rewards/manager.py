@@ -3,7 +3,9 @@
 Sources are mixed by weight (`reward.sources`): `rule` (the scorer chosen by each row's data_source), `custom`
 (`reward.custom.path` + `name`), `model` (precomputed `rm_scores` [B] or [B, R] in the batch, from the reward
 model worker) or any REWARD_FUNCTIONS name. Scorers run in a `ScoringPool` kept alive between calls; a scorer that
-raises, times out or returns NaN gets `reward.error_score` and is counted — training never stops for it.
+raises, times out, or returns NaN or a non-number (a reward is an int/float, or a dict with a numeric `score`) gets
+`reward.error_score` and is counted in `reward/errors` / `reward/timeouts` — training never stops for it; each
+kind of failure is logged once per data_source.
 Length and DAPO overlong penalties are added after mixing.
 """
 
@@ -37,6 +39,7 @@ class RewardOutput:
     raw_scores: np.ndarray  # mixed score before penalties (validation accuracy for 0/1 scorers)
     source_scores: dict[str, np.ndarray]  # per source, before weighting
     data_sources: np.ndarray
+    row_status: np.ndarray  # "ok" | "error" | "timeout": a row whose reward function failed scored error_score
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # "<source>/<key>" from scorers returning dicts
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -71,7 +74,7 @@ class RewardManager:
             overlong_penalty(np.zeros(1), max_response_length, reward_cfg.overlong_buffer.len, 1.0)  # validates
         n = reward_cfg.num_workers
         self._scorer = ScoringPool(n, reward_cfg.timeout_s) if n > 0 else InlineScorer(reward_cfg.timeout_s)
-        self._logged_failure = False
+        self._logged_failures: set[tuple[str, str]] = set()  # (data_source, kind) already logged
         self.total_errors = 0
         self.total_timeouts = 0
 
@@ -92,8 +95,9 @@ class RewardManager:
         source_scores: dict[str, np.ndarray] = {}
         extras: dict[str, np.ndarray] = {}
         metrics: dict[str, float] = {}
+        status = np.array(["ok"] * n, dtype=object)
         if any(name != MODEL_SOURCE for name, _ in self.sources):
-            fn_scores, extras, metrics = self._run_functions(batch, solutions, data_sources)
+            fn_scores, extras, metrics, status = self._run_functions(batch, solutions, data_sources)
             source_scores.update(fn_scores)
         if any(name == MODEL_SOURCE for name, _ in self.sources):
             source_scores[MODEL_SOURCE] = self._model_scores(batch)
@@ -103,8 +107,8 @@ class RewardManager:
         token_scores = torch.zeros(responses.shape, dtype=torch.float32)
         token_scores[torch.arange(n), last.cpu()] = torch.as_tensor(final, dtype=torch.float32)
         metrics.update(self._summary(final, raw, source_scores, data_sources))
-        return RewardOutput(token_scores.to(responses.device), final, raw, source_scores, data_sources, extras,
-                            metrics)
+        return RewardOutput(token_scores.to(responses.device), final, raw, source_scores, data_sources, status,
+                            extras, metrics)
 
     def check_data_sources(self, data_sources: Iterable[str]) -> None:
         """Raise now (e.g. at trainer start-up) if a `rule` source has no scorer for one of these data sources."""
@@ -142,7 +146,8 @@ class RewardManager:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _run_functions(self, batch: DataProto, solutions: list[str], data_sources: np.ndarray
-                       ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float]]:
+                       ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float], np.ndarray]:
+        """Scores, extras and failure metrics of every function source, and each row's status (its worst)."""
         n = len(solutions)
         reward_model = batch.non_tensor_batch.get("reward_model", np.array([None] * n, dtype=object))
         extra_info = batch.non_tensor_batch.get("extra_info", np.array([None] * n, dtype=object))
@@ -155,27 +160,33 @@ class RewardManager:
                 spec = rule_specs[data_sources[i]] if name == "rule" else self._fixed_specs[name]
                 items.append((spec, str(data_sources[i]), solutions[i], truths[i], extra_info[i]))
         results = self._scorer.run(items)
-        scores, extras, metrics = {}, {}, {}
+        scores, extras = {}, {}
+        status = np.array(["ok"] * n, dtype=object)
         for k, name in enumerate(names):
             chunk = results[k * n:(k + 1) * n]
             scores[name] = np.array([r.score if r.status == "ok" else self.cfg.error_score for r in chunk])
+            for i, r in enumerate(chunk):
+                if r.status != "ok" and status[i] != "error":
+                    status[i] = r.status
             for key in sorted({key for r in chunk for key in r.extras}):
                 extras[f"{name}/{key}"] = np.array([r.extras.get(key) for r in chunk], dtype=object)
-        metrics.update(self._failures(results))
-        return scores, extras, metrics
+        return scores, extras, self._failures(results, items), status
 
-    def _failures(self, results: list[ItemResult]) -> dict[str, float]:
-        errors = [r for r in results if r.status == "error"]
-        timeouts = [r for r in results if r.status == "timeout"]
-        self.total_errors += len(errors)
-        self.total_timeouts += len(timeouts)
-        failed = errors + timeouts
-        if failed and not self._logged_failure:
-            self._logged_failure = True
-            logger.warning("reward scorer failed (%s); it scores reward.error_score=%s and training continues. "
-                           "Only this first failure is logged; see reward/errors and reward/timeouts.\n%s",
-                           failed[0].status, self.cfg.error_score, failed[0].error)
-        return {"reward/errors": float(len(errors)), "reward/timeouts": float(len(timeouts))}
+    def _failures(self, results: list[ItemResult], items: list[Item]) -> dict[str, float]:
+        """Count errors and timeouts; log each (data_source, kind of failure) once, with its details."""
+        errors = sum(r.status == "error" for r in results)
+        timeouts = sum(r.status == "timeout" for r in results)
+        self.total_errors += errors
+        self.total_timeouts += timeouts
+        for r, item in zip(results, items):
+            key = (item[1], r.kind or r.status)
+            if r.status == "ok" or key in self._logged_failures:
+                continue
+            self._logged_failures.add(key)
+            logger.warning("reward for data_source=%r failed (%s); it scores reward.error_score=%s and training "
+                           "continues. Logged once per data_source and kind; see reward/errors and "
+                           "reward/timeouts.\n%s", key[0], key[1], self.cfg.error_score, r.error)
+        return {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
 
     def _model_scores(self, batch: DataProto) -> np.ndarray:
         if "rm_scores" not in batch.batch:

@@ -15,6 +15,7 @@ import collections
 import logging
 import math
 import multiprocessing as mp
+import numbers
 import signal
 import threading
 import time
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import numpy as np
 
 from hybridflow.rewards.custom import Spec, resolve
 
@@ -38,23 +41,46 @@ class ItemResult:
     score: float = math.nan
     extras: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # traceback or reason
+    kind: str = ""  # what went wrong, for logging once per kind: "raised ValueError", "returned str", ...
+
+
+class InvalidReward(TypeError):
+    """A scorer returned something that is not a reward; `kind` names what it returned."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def to_score(out: Any) -> tuple[float, dict[str, Any]]:
+    """A scorer's return value → (score, extras). Accepted: an int/float (a bool counts as 0/1) or a dict with
+    such a `score`; anything else (a "0.75" string, None, a tensor) raises InvalidReward."""
+    extras: dict[str, Any] = {}
+    value, what, kind = out, "a value", "returned {}"
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise InvalidReward(f"returned a dict without 'score' (keys {sorted(map(str, out))})", "dict without score")
+        # Plain values only: anything else could fail to pickle on the way back from a worker.
+        extras = {k: v for k, v in out.items() if k != "score" and isinstance(v, int | float | str | None)}
+        value, what, kind = out["score"], "a dict whose 'score' is", "returned a dict with a {} score"
+    if isinstance(value, bool | np.bool_ | numbers.Real):
+        return float(value), extras
+    name = type(value).__name__
+    raise InvalidReward(f"returned {what} of type {name} ({value!r:.60}); a reward must be an int/float or a dict "
+                        "with a numeric 'score' (convert it in the scorer, e.g. float(x))", kind.format(name))
 
 
 def score_one(item: Item) -> ItemResult:
     """Call the scorer; an exception, a non-number or NaN/inf becomes an `error` result (never raises)."""
     spec, data_source, solution, ground_truth, extra_info = item
     try:
-        out = resolve(spec)(data_source, solution, ground_truth, extra_info)
-        extras: dict[str, Any] = {}
-        if isinstance(out, dict):
-            # Plain values only: anything else could fail to pickle on the way back from a worker.
-            extras = {k: v for k, v in out.items() if k != "score" and isinstance(v, int | float | str | None)}
-            out = out["score"]
-        score = float(out)
-    except Exception:  # noqa: BLE001 — a user scorer may raise anything; it becomes a counted error
-        return ItemResult("error", error=traceback.format_exc())
+        score, extras = to_score(resolve(spec)(data_source, solution, ground_truth, extra_info))
+    except InvalidReward as err:
+        return ItemResult("error", error=f"scorer {spec} {err}", kind=err.kind)
+    except Exception as err:  # noqa: BLE001 — a user scorer may raise anything; it becomes a counted error
+        return ItemResult("error", error=traceback.format_exc(), kind=f"raised {type(err).__name__}")
     if not math.isfinite(score):
-        return ItemResult("error", error=f"scorer {spec} returned a non-finite score {score!r}")
+        return ItemResult("error", error=f"scorer {spec} returned a non-finite score {score!r}", kind="non-finite")
     return ItemResult("ok", score, extras)
 
 
@@ -159,7 +185,7 @@ class ScoringPool:
         """Charge worker i's current item, re-queue its other unreported items, replace the worker."""
         w = self._workers[i]
         idx = w.current()
-        results[idx] = ItemResult(status, error=reason)
+        results[idx] = ItemResult(status, error=reason, kind=status if status == "timeout" else "worker died")
         del w.todo[idx]
         if w.todo:
             queue.appendleft(list(w.todo.items()))
@@ -208,7 +234,7 @@ class InlineScorer:
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except _AlarmTimeout:  # also when the alarm lands just after the scorer returned: safe either way
-            return ItemResult("timeout", error=f"scorer exceeded reward.timeout_s={self.timeout_s}")
+            return ItemResult("timeout", error=f"scorer exceeded reward.timeout_s={self.timeout_s}", kind="timeout")
         finally:
             signal.signal(signal.SIGALRM, previous)
 

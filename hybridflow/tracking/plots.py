@@ -113,7 +113,8 @@ def p_reward(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 
 
 def p_validation(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
-    keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in ("val/reward", "val/loss")})
+    keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in ("val/reward", "val/loss")
+                   and not k.startswith("val/reward/")})  # val/reward/errors, /timeouts are counts
     # One line per distinct series: with a single data source `val/accuracy` equals `val/<source>/accuracy`.
     drawn: dict[tuple, list[str]] = {}
     for key in keys:

@@ -23,6 +23,7 @@ from hybridflow.algorithms import (
     masked_mean,
 )
 from hybridflow.config import Config, resolve
+from hybridflow.data.contract import skipped_rows_event
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.checkpointing import TrainerCheckpointing
@@ -51,7 +52,7 @@ class PPOTrainer:
 
         self.cfg, self.res = cfg, resolve(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer)
+        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer, cfg.reward)
         self.loader = make_dataloader(self.train_ds, cfg.data, cfg.data.train_batch_size,
                                       shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
         if len(self.loader) == 0:
@@ -61,13 +62,14 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
-        self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn,
-                                                     self.groups.reward_model) if self.val_ds else None
         self.tracker = tracker
+        self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn, self.groups.reward_model,
+                                   tracker=tracker) if self.val_ds else None
         self.global_step = 0
         self.epoch = 0
         self._gen_calls = 0
         self.history: list[dict[str, float]] = []
+        self._once_metrics: dict[str, float] = {}  # sent with the first logged step of this process
         self.ckpt = TrainerCheckpointing(self)  # resume, saves, rollback, NaN guard
 
     # ------------------------------------------------------------------------------------------------ fit
@@ -78,6 +80,7 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, float]]:
         """Train for `total_steps`; returns the per-step metrics (also sent to the tracker)."""
         self.ckpt.resume()
+        self._report_skipped_rows()
         if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
             self._log(self.validator.run(step=0), step=0)
         if self.tracker is not None:
@@ -116,8 +119,19 @@ class PPOTrainer:
             yield from self.loader
             self.epoch += 1
 
+    def _report_skipped_rows(self) -> None:
+        """Rows left out at load (malformed, empty prompt, over-long): one `data_skipped` event with counts,
+        reasons and example rows, and `data/skipped_rows` with the first logged step."""
+        reports = [ds.skips for ds in (self.train_ds, self.val_ds) if ds is not None]
+        message, data = skipped_rows_event(reports)
+        self._once_metrics["data/skipped_rows"] = float(data["skipped_rows"])
+        if data["skipped_rows"] and self.tracker is not None:
+            self.tracker.event("data_skipped", message, self.global_step, level="warning", **data)
+
     def _log(self, metrics: dict[str, float], step: int) -> None:
-        metrics = {"training/global_step": float(step), "training/epoch": float(self.epoch), **metrics}
+        metrics = {"training/global_step": float(step), "training/epoch": float(self.epoch), **self._once_metrics,
+                   **metrics}
+        self._once_metrics = {}
         self.history.append(metrics)
         if self.tracker is not None:
             self.tracker.log(metrics, step=step)

@@ -1,11 +1,16 @@
 """Validation: generate with `rollout.val_kwargs` (greedy by default), score, report reward and accuracy per source.
 
-Accuracy of a response is the scorer's `acc` when it returns one, else raw score (before penalties) > 0.
+A response is correct when the scorer returns a dict with `acc` (that value), else when its raw score (mixed,
+before penalties) is >= `reward.success_threshold` (default 1.0: partial credit is not success). Responses whose
+reward function failed (raised, returned a non-number, timed out) are counted in `val/reward/errors` and
+`val/reward/timeouts`, left out of the `val/reward` means (their `error_score` is not a score) and count as not
+correct. A batch where every response failed is a warning and a `val_reward_failed` event.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from typing import Any
 
@@ -17,11 +22,38 @@ from hybridflow.trainer.metrics import per_source_scores
 logger = logging.getLogger(__name__)
 
 
+def success(scored: Any, threshold: float) -> np.ndarray:
+    """Per row 1.0/0.0 (or the scorer's own fractional `acc`): the first function source's numeric `acc` for
+    that row, else raw score >= threshold; a failed row is 0."""
+    raw = np.asarray(scored.raw_scores, dtype=np.float64)
+    out = (raw >= threshold).astype(np.float64)
+    acc_columns = [v for k, v in sorted(scored.extras.items()) if k.endswith("/acc")]
+    for i in range(len(out)):
+        given = next((c[i] for c in acc_columns if isinstance(c[i], numbers.Real)), None)
+        if given is not None:
+            out[i] = float(given)
+    out[np.asarray(scored.row_status) != "ok"] = 0.0
+    return out
+
+
+def reward_metrics(scores: np.ndarray, status: np.ndarray, sources: np.ndarray) -> dict[str, float]:
+    """`val/reward` (+ per source) over the rows that were scored, and the failed rows' counts."""
+    ok = status == "ok"
+    metrics = {"val/reward/errors": float((status == "error").sum()),
+               "val/reward/timeouts": float((status == "timeout").sum())}
+    if ok.any():
+        metrics["val/reward"] = float(scores[ok].mean())
+        metrics |= {k + "/reward": v for k, v in per_source_scores(scores[ok], sources[ok], "val").items()}
+    return metrics
+
+
 class Validator:
-    def __init__(self, cfg: Config, val_ds: Any, actor: Any, reward_fn: Any, reward_model: Any = None) -> None:
+    def __init__(self, cfg: Config, val_ds: Any, actor: Any, reward_fn: Any, reward_model: Any = None,
+                 tracker: Any = None) -> None:
         from hybridflow.data import make_dataloader
 
         self.cfg, self.actor, self.reward_fn, self.reward_model = cfg, actor, reward_fn, reward_model
+        self.tracker = tracker
         batch_size = cfg.data.val_batch_size or len(val_ds)
         self.loader = make_dataloader(val_ds, cfg.data, batch_size, shuffle=False, drop_last=False)
         self.last_generations: list[dict[str, Any]] = []
@@ -33,7 +65,7 @@ class Validator:
 
     def run(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        scores, accs, sources, samples = [], [], [], []
+        scores, accs, sources, status, samples = [], [], [], [], []
         for batch in self.loader:
             batch.meta_info = {**batch.meta_info, **self.sampling_meta()}
             out = self.actor.generate_sequences(batch)
@@ -43,25 +75,32 @@ class Validator:
             scored = self.reward_fn.score(out)
             row_scores = np.asarray(scored.scores, dtype=np.float64)
             scores.append(row_scores)
-            accs.append(self._accuracy(scored))
-            sources.append(out.non_tensor_batch["data_source"])
+            accs.append(success(scored, self.cfg.reward.success_threshold))
+            sources.append(np.asarray(out.non_tensor_batch["data_source"]))
+            status.append(np.asarray(scored.row_status))
             samples.extend(self._samples(out, row_scores))
         score_arr, acc_arr, src_arr = np.concatenate(scores), np.concatenate(accs), np.concatenate(sources)
-        metrics = {"val/reward": float(score_arr.mean()), "val/accuracy": float(acc_arr.mean())}
+        metrics = reward_metrics(score_arr, np.concatenate(status), src_arr) | {"val/accuracy": float(acc_arr.mean())}
         metrics |= {k + "/accuracy": v for k, v in per_source_scores(acc_arr, src_arr, "val").items()}
+        self._warn_failed_batches(status, step)
         metrics["timing/val"] = time.perf_counter() - start
         self.last_generations = samples[: self.cfg.trainer.log_val_generations]
         for s in self.last_generations:
             logger.info("val sample (step %d, score %.2f): %r -> %r", step, s["score"], s["prompt"], s["response"])
         return metrics
 
-    @staticmethod
-    def _accuracy(scored: Any) -> np.ndarray:
-        """The scorer's own `acc` when it reports one, else raw score > 0 (1/0 rule scorers)."""
-        accs = [v for k, v in scored.extras.items() if k.endswith("/acc")]
-        if accs:
-            return np.asarray(accs[0], dtype=np.float64)
-        return (np.asarray(scored.raw_scores, dtype=np.float64) > 0).astype(np.float64)
+    def _warn_failed_batches(self, status: list[np.ndarray], step: int) -> None:
+        """A warning and one `val_reward_failed` event when every response of a validation batch failed."""
+        failed = [i for i, s in enumerate(status) if len(s) and (s != "ok").all()]
+        if not failed:
+            return
+        message = (f"validation at step {step}: every response failed to score in {len(failed)} of {len(status)} "
+                   f"batches ({sum(len(status[i]) for i in failed)} responses); those rows are left out of "
+                   "val/reward — check the reward function (its first error is in the log)")
+        logger.warning(message)
+        if self.tracker is not None:
+            self.tracker.event("val_reward_failed", message, step, level="warning", batches=failed,
+                               responses=int(sum(len(status[i]) for i in failed)))
 
     def _samples(self, out: Any, row_scores: np.ndarray) -> list[dict[str, Any]]:
         n = self.cfg.trainer.log_val_generations

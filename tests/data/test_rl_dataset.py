@@ -61,7 +61,8 @@ def test_parquet_column_variants_roundtrip(tmp_path):
 def test_optional_columns_missing_and_custom_prompt_key(tmp_path):
     table = pa.table({"question": ["1+1?", "2+3?"], "data_source": ["x", "y"]})
     pq.write_table(table, tmp_path / "q.parquet")
-    ds = RLHFDataset.from_files(str(tmp_path / "q.parquet"), TOK, max_prompt_length=64, prompt_key="question")
+    ds = RLHFDataset.from_files(str(tmp_path / "q.parquet"), TOK, max_prompt_length=64, prompt_key="question",
+                                require_ground_truth=False)
     item = ds[1]
     assert item["input_ids"].tolist() == _ids(_prompt_text("2+3?"))
     assert item["reward_model"]["ground_truth"] is None and item["extra_info"] == {} and item["ability"] == ""
@@ -104,9 +105,9 @@ def test_truncation_error_is_raised_up_front_with_the_fix():
 def test_truncation_filter_drops_and_reports(caplog):
     with caplog.at_level(logging.WARNING):
         ds = RLHFDataset([_row(SHORT), _row(LONG), _row(SHORT)], TOK, max_prompt_length=LIMIT, truncation="filter")
-    assert len(ds) == 2 and ds.num_filtered == 1
+    assert len(ds) == 2 and ds.skips.counts == {"overlong": 1} and ds.skips.examples == {"overlong": [1]}
     assert [ds[i]["index"] for i in range(2)] == [0, 2]
-    assert "filtered 1 prompts" in caplog.text
+    assert "dropped 1 prompts (1 longer than" in caplog.text
 
 
 @pytest.mark.parametrize("mode", ["left", "right"])
@@ -135,9 +136,10 @@ def test_bad_rows_are_skipped_and_counted(caplog):
     rows = [_row("good one")] + BAD_ROWS + [_row("good two")]
     with caplog.at_level(logging.WARNING):
         ds = RLHFDataset(rows, TOK, max_prompt_length=64)
-    assert len(ds) == 2 and ds.num_malformed == len(BAD_ROWS)
+    assert len(ds) == 2 and ds.skips.counts == {"malformed": len(BAD_ROWS)}
     assert [ds[i]["index"] for i in range(2)] == [0, len(rows) - 1]
-    assert f"skipped {len(BAD_ROWS)} malformed rows" in caplog.text and "row 1:" in caplog.text
+    assert f"skipped {len(BAD_ROWS)} of {len(rows)} rows: {len(BAD_ROWS)} malformed" in caplog.text
+    assert "row 1:" in caplog.text
 
 
 @pytest.mark.parametrize("k", range(len(BAD_ROWS)))

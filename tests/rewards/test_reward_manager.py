@@ -199,3 +199,31 @@ def test_config_errors_name_the_fix():
             manager.check_data_sources(["openai/gsm8k", "mystery"])
         with pytest.raises(ValueError, match="mystery"):
             manager(_batch(["#### 1"], ["1"], data_sources=["mystery"]))
+
+
+TYPED_FN = """
+import numpy as np
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    kind = solution_str.strip()
+    return {"str": "0.75", "boolstr": "True", "none": None, "list": [1.0], "dictstr": {"score": "1"},
+            "noscore": {"acc": 1.0}, "int": 1, "bool": True, "npbool": np.bool_(True), "npfloat": np.float32(0.25),
+            "dict": {"score": 0.5}}[kind]
+"""
+
+
+def test_rewards_must_be_numbers_else_counted_errors_logged_once_per_kind(tmp_path, caplog):
+    path = tmp_path / "typed.py"
+    path.write_text(TYPED_FN)
+    cfg = load_config([], ["reward.num_workers=0", "reward.error_score=-1.0", f"reward.custom.path={path}",
+                           "reward.sources=[{name: custom, weight: 1.0}]"]).reward
+    bad = ["str", "boolstr", "none", "list", "dictstr", "noscore", "str"]
+    good = ["int", "bool", "npbool", "npfloat", "dict"]
+    with RewardManager(cfg, TOK, R) as manager, caplog.at_level(logging.WARNING):
+        out = manager.score(_batch(bad + good, ["x"] * 12, data_sources=["my/task"] * 12))
+    assert out.scores.tolist() == [-1.0] * 7 + [1.0, 1.0, 1.0, 0.25, 0.5]
+    assert out.metrics["reward/errors"] == 7 and out.row_status.tolist() == ["error"] * 7 + ["ok"] * 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 5  # str (twice in the batch, logged once), NoneType, list, dict's str score, no score
+    assert "data_source='my/task' failed (returned str)" in warnings[0] and "'0.75'" in warnings[0]
+    assert any("returned NoneType" in w for w in warnings) and any("dict without score" in w for w in warnings)
+    assert any("a dict whose 'score' is of type str" in w for w in warnings)
