@@ -113,12 +113,17 @@ def available(mode: Mode) -> bool:
     return result.stdout == "ok\n"
 
 
+def unavailable_reason(mode: Mode) -> str:
+    """Why `available(mode)` is False (the probe's last error line); empty when it works."""
+    return "" if available(mode) else _probe_errors.get(mode, "unavailable")
+
+
 def select_mode() -> Mode:
     """The mode `run_python` uses: the first isolated mode that works, else `none` only if allowed."""
     for mode in ISOLATED_MODES:
         if available(mode):
             return mode
-    reasons = "; ".join(f"{m}: {_probe_errors.get(m, 'unavailable')}" for m in ISOLATED_MODES)
+    reasons = "; ".join(f"{m}: {unavailable_reason(m)}" for m in ISOLATED_MODES)
     if not current_config().allow_unisolated:
         raise SandboxUnavailableError(
             f"refusing to run code rewards unisolated: no sandbox works here ({reasons}). Fix: install bubblewrap "
@@ -244,4 +249,5 @@ def _execute(argv: list[str], tmp: Path, code_fd: int, timeout_s: float, mode: M
 
 
 __all__ = ["ISOLATED_MODES", "Mode", "SandboxResult", "SandboxUnavailableError", "available", "configure",
-           "current_config", "run_python", "select_mode"]
+           "current_config", "run_python", "select_mode",
+           "unavailable_reason"]
