@@ -95,7 +95,7 @@ def capped(key: str, requested: float | None, cap: float) -> float:
 _probe_errors: dict[str, str] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available(mode: Mode) -> bool:
     """Whether `mode` works on this machine (probed once per process by running a tiny program in it)."""
     if mode == "none":

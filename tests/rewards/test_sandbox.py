@@ -18,8 +18,7 @@ import pytest
 
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
-from hybridflow.rewards import REWARD_FUNCTIONS, RewardManager
-from hybridflow.rewards import sandbox
+from hybridflow.rewards import REWARD_FUNCTIONS, RewardManager, sandbox
 from hybridflow.rewards.sandbox import SandboxUnavailableError, run_python
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,12 +148,12 @@ def test_no_network_even_through__socket(mode: str) -> None:
     unix.listen()
     tcp.setblocking(False)
     unix.setblocking(False)
+    targets = [("_socket.AF_INET", ("127.0.0.1", tcp.getsockname()[1])), ("_socket.AF_UNIX", unix.getsockname())]
     code = ("import _socket\n"
-            "for family, addr in [(_socket.AF_INET, ('127.0.0.1', %d)), (_socket.AF_UNIX, %r)]:\n"
+            f"for family, addr in [{', '.join(f'({fam}, {addr!r})' for fam, addr in targets)}]:\n"
             "    s = _socket.socket(family, _socket.SOCK_STREAM)\n    s.settimeout(2)\n"
             "    try:\n        s.connect(addr)\n        print('CONNECTED', family)\n"
-            "    except OSError as e:\n        print('blocked', family, e)\n"
-            % (tcp.getsockname()[1], unix.getsockname()))
+            "    except OSError as e:\n        print('blocked', family, e)\n")
     with tcp, unix:
         r = run_python(code, mode=mode)
         assert r.ok and "CONNECTED" not in r.stdout and r.stdout.count("blocked") == 2, r
