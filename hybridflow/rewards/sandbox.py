@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hybridflow.config.loader import build, load_defaults_dict
 from hybridflow.config.schema import SandboxConfig
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ def configure(cfg: SandboxConfig) -> None:
 
 
 def current_config() -> SandboxConfig:
-    if _config is None:
-        from hybridflow.config.loader import build, load_defaults_dict
-
+    if _config is None:  # a caller that never configured (a script, a test) gets defaults.yaml's caps
         configure(build(SandboxConfig, load_defaults_dict()["reward"]["sandbox"], "reward.sandbox"))
     assert _config is not None
     return _config
@@ -87,8 +86,14 @@ def capped(key: str, requested: float | None, cap: float) -> float:
         raise ValueError(f"sandbox limit {key}={requested!r}: must be a positive number (or omitted to use "
                          f"reward.sandbox.{key}={cap})")
     if requested > cap:
-        logger.debug("sandbox limit %s=%s above reward.sandbox.%s=%s: using the cap", key, requested, key, cap)
+        _warn_capped(key, cap)
     return min(requested, cap)
+
+
+@functools.cache
+def _warn_capped(key: str, cap: float) -> None:
+    logger.warning("a sandbox limit %s above reward.sandbox.%s=%s was lowered to the cap (rows may only lower "
+                   "it; raise reward.sandbox.%s to allow more); logged once", key, key, cap, key)
 
 
 # ------------------------------------------------------------------------------------------------- modes
