@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,ray,tracking,math
 
-.PHONY: setup quickstart test lint clean
+.PHONY: setup sandbox-tool quickstart test lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-setup: $(BIN)/.installed
+setup: $(BIN)/.installed sandbox-tool
+
+# Code rewards prefer bubblewrap; without it they use our namespace launcher, so this never fails the setup.
+sandbox-tool:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { echo "installing bubblewrap (code-reward sandbox)"; apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } || \
+	    echo "bubblewrap not installed; code rewards will use the namespace sandbox"; }; } || true
 
 quickstart: setup
 	$(BIN)/hybridflow quickstart

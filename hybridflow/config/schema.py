@@ -292,10 +292,29 @@ class OverlongBufferConfig:
 
 
 @dataclass(frozen=True)
+class SandboxConfig:
+    """Caps for policy code run by code rewards (`rewards/sandbox.py`); a row's extra_info may only lower them."""
+
+    allow_unisolated: bool  # run code rewards even where no sandbox works (rlimits only: unsafe)
+    timeout_s: float  # wall clock per program run
+    memory_mb: int  # RLIMIT_AS
+    max_output_mb: int  # stdout/stderr kept, and the largest file the program may write (RLIMIT_FSIZE)
+    disk_mb: int  # size of the private writable tmpfs
+    max_processes: int  # RLIMIT_NPROC (fork bombs)
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "memory_mb", "max_output_mb", "disk_mb", "max_processes"):
+            _check(getattr(self, key) > 0, f"reward.sandbox.{key}", getattr(self, key), "must be > 0")
+        _check(self.memory_mb >= 64, "reward.sandbox.memory_mb", self.memory_mb,
+               "must be >= 64 (a Python interpreter needs ~30 MB of address space to start)")
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     sources: list[RewardSourceConfig]
     custom: CustomRewardConfig
     reward_model: RewardModelConfig
+    sandbox: SandboxConfig
     num_workers: int  # processes scoring responses (0 = in the driver process)
     timeout_s: float  # per response
     error_score: float  # score for a response whose scorer raised, timed out or returned NaN or a non-number

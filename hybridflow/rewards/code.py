@@ -2,7 +2,9 @@
 
 ground_truth is a dict (or its JSON string) with either `inputs` + `outputs` (stdin → expected stdout, compared
 after stripping trailing whitespace) or `test_code` (appended to the program; passes when it exits 0). The score
-is the fraction of tests passed (1.0 = all); `extra_info` may set `timeout_s` and `memory_mb` per test.
+is the fraction of tests passed (1.0 = all); `extra_info` may set `timeout_s` and `memory_mb` per test, which
+only lower the caps of `reward.sandbox`. Programs run isolated (see `sandbox.py`); where no sandbox works the
+scorer refuses unless `reward.sandbox.allow_unisolated=true`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 from typing import Any
 
 from hybridflow.rewards.registry import REWARD_FUNCTIONS
-from hybridflow.rewards.sandbox import run_python
+from hybridflow.rewards.sandbox import SandboxResult, current_config, run_python
 
 _BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
@@ -36,11 +38,19 @@ def code(data_source: str, solution_str: str, ground_truth: Any, extra_info: dic
         return {"score": 0.0, "passed": 0, "total": 0}
     limits = {k: (extra_info or {})[k] for k in ("timeout_s", "memory_mb") if k in (extra_info or {})}
     if "test_code" in tests:
-        ok = run_python(program + "\n\n" + tests["test_code"], **limits).ok
+        ok = _checked(run_python(program + "\n\n" + tests["test_code"], **limits)).ok
         return {"score": float(ok), "passed": int(ok), "total": 1}
     pairs = list(zip(tests["inputs"], tests["outputs"]))
     passed = 0
     for stdin, want in pairs:
-        result = run_python(program, stdin=stdin, **limits)
+        result = _checked(run_python(program, stdin=stdin, **limits))
         passed += int(result.ok and _same_output(result.stdout, want))
     return {"score": passed / max(1, len(pairs)), "passed": passed, "total": len(pairs)}
+
+
+def _checked(result: SandboxResult) -> SandboxResult:
+    """The isolation actually used is part of the result: an unisolated run counts only when it was allowed."""
+    if not result.isolated and not current_config().allow_unisolated:
+        raise RuntimeError(f"code reward ran in sandbox mode {result.mode!r} (unisolated) while "
+                           "reward.sandbox.allow_unisolated=false; install bubblewrap or set it to true")
+    return result

@@ -24,6 +24,8 @@ from hybridflow.rewards.custom import Spec, resolve
 from hybridflow.rewards.penalties import length_penalty, overlong_penalty
 from hybridflow.rewards.pool import InlineScorer, Item, ItemResult, ScoringPool
 from hybridflow.rewards.registry import reward_fn_name
+from hybridflow.rewards.sandbox import configure as configure_sandbox
+from hybridflow.rewards.sandbox import select_mode as select_sandbox_mode
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class RewardManager:
                 self._fixed_specs[name] = ("fn", name)
         for spec in self._fixed_specs.values():
             resolve(spec)  # fail now with the fix, and forked workers inherit the loaded function (no cold start)
+        configure_sandbox(reward_cfg.sandbox)  # before the pool forks: workers inherit the caps
+        self._check_sandbox(self._fixed_specs.values())
         if reward_cfg.overlong_buffer.enable:
             overlong_penalty(np.zeros(1), max_response_length, reward_cfg.overlong_buffer.len, 1.0)  # validates
         n = reward_cfg.num_workers
@@ -113,8 +117,7 @@ class RewardManager:
     def check_data_sources(self, data_sources: Iterable[str]) -> None:
         """Raise now (e.g. at trainer start-up) if a `rule` source has no scorer for one of these data sources."""
         if any(name == "rule" for name, _ in self.sources):
-            for ds in set(data_sources):
-                reward_fn_name(ds)
+            self._check_sandbox([("fn", reward_fn_name(ds)) for ds in set(data_sources)])
 
     def close(self) -> None:
         self._scorer.close()
@@ -126,6 +129,12 @@ class RewardManager:
         self.close()
 
     # -------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _check_sandbox(specs: Iterable[Spec]) -> None:
+        """Code rewards need a sandbox: pick it (probed once) or raise the one-line refusal here, in the driver."""
+        if any(spec == ("fn", "code") for spec in specs):
+            select_sandbox_mode()
+
     def _response_mask(self, batch: DataProto) -> torch.Tensor:
         if "response_mask" in batch.batch:
             return batch.batch["response_mask"]
@@ -154,6 +163,7 @@ class RewardManager:
         truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in reward_model]
         names = [name for name, _ in self.sources if name != MODEL_SOURCE]
         rule_specs = {ds: ("fn", reward_fn_name(ds)) for ds in set(data_sources)} if "rule" in names else {}
+        self._check_sandbox(rule_specs.values())
         items: list[Item] = []
         for name in names:
             for i in range(n):

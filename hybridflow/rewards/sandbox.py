@@ -1,19 +1,23 @@
-"""Run untrusted code (e.g. a model's program) in a subprocess with time, memory and output limits.
+"""Run untrusted Python (a policy's program) in a sandbox; `run_python` is the one entry point.
 
-Limits: wall-clock timeout (the whole process group is SIGKILLed), RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE
-(stdout/stderr go to files in a fresh temp directory, its working directory), RLIMIT_CORE=0, and no network:
-a new user + network namespace (`unshare`) when the kernel allows it, else the `socket` module is disabled in the
-child (weaker; reported in `SandboxResult.network_isolated`). The child dies with its parent (PR_SET_PDEATHSIG),
-so killing a reward worker never leaves programs behind; nothing the child does can raise in the caller.
+Guarantees in the isolated modes (`bubblewrap`, preferred, else `namespaces`: the same layout built by our own
+launcher with unshare + pivot_root): the program sees only read-only binds of /usr, the Python install, the
+dynamic-linker cache and a few /dev nodes, and writes only to a private size-limited tmpfs (its cwd); it has no
+network (empty network namespace); it is pid 1's tree in its own pid namespace, so at the time limit, or when the
+sandbox or its caller dies, every process inside dies, `setsid` escapes included; rlimits cap memory (RLIMIT_AS),
+CPU, file size and processes; a root caller's program runs as uid 65534 with no capabilities.
+When neither mode works, code rewards are refused unless `reward.sandbox.allow_unisolated=true` (mode `none`:
+rlimits and a temp dir only). Per-call limits may only lower the configured caps.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import functools
+import json
 import logging
 import os
-import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,16 +25,22 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+
+from hybridflow.config.loader import build, load_defaults_dict
+from hybridflow.config.schema import SandboxConfig
 
 logger = logging.getLogger(__name__)
 
-_CLONE_NEWUSER, _CLONE_NEWNET, _PR_SET_PDEATHSIG = 0x10000000, 0x40000000, 1
-# Prepended when no network namespace is available: makes socket creation fail in the child.
-_NO_SOCKET_PRELUDE = (
-    "import socket as _s\n"
-    "def _blocked(*a, **k):\n    raise OSError('network disabled in the hybridflow sandbox')\n"
-    "_s.socket = _s.create_connection = _s.socketpair = _blocked\ndel _s, _blocked\n"
-)
+Mode = Literal["bubblewrap", "namespaces", "none"]
+ISOLATED_MODES: tuple[Mode, ...] = ("bubblewrap", "namespaces")
+WORK_DIR = "/sandbox"  # the program's cwd and only writable directory, inside the sandbox
+_INIT_SOURCE = Path(__file__).with_name("sandbox_init.py").read_text()
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+class SandboxUnavailableError(RuntimeError):
+    """No isolation works here and reward.sandbox.allow_unisolated is false."""
 
 
 @dataclass(frozen=True)
@@ -40,74 +50,209 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     duration_s: float
-    network_isolated: bool
+    mode: Mode  # how the program was isolated; `none` only with reward.sandbox.allow_unisolated=true
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
+    @property
+    def isolated(self) -> bool:
+        return self.mode in ISOLATED_MODES
 
-def _libc() -> ctypes.CDLL | None:
+
+# ------------------------------------------------------------------------------------------------ policy
+_config: SandboxConfig | None = None
+
+
+def configure(cfg: SandboxConfig) -> None:
+    """Set the caps for this process (the reward manager calls it; forked scoring workers inherit it)."""
+    global _config
+    _config = cfg
+
+
+def current_config() -> SandboxConfig:
+    if _config is None:  # a caller that never configured (a script, a test) gets defaults.yaml's caps
+        configure(build(SandboxConfig, load_defaults_dict()["reward"]["sandbox"], "reward.sandbox"))
+    assert _config is not None
+    return _config
+
+
+def capped(key: str, requested: float | None, cap: float) -> float:
+    """`requested` (e.g. a row's extra_info value) lowered to the configured cap; never raised above it."""
+    if requested is None:
+        return cap
+    if isinstance(requested, bool) or not isinstance(requested, int | float) or not requested > 0:
+        raise ValueError(f"sandbox limit {key}={requested!r}: must be a positive number (or omitted to use "
+                         f"reward.sandbox.{key}={cap})")
+    if requested > cap:
+        _warn_capped(key, cap)
+    return min(requested, cap)
+
+
+@functools.cache
+def _warn_capped(key: str, cap: float) -> None:
+    logger.warning("a sandbox limit %s above reward.sandbox.%s=%s was lowered to the cap (rows may only lower "
+                   "it; raise reward.sandbox.%s to allow more); logged once", key, key, cap, key)
+
+
+# ------------------------------------------------------------------------------------------------- modes
+_probe_errors: dict[str, str] = {}
+
+
+@functools.cache
+def available(mode: Mode) -> bool:
+    """Whether `mode` works on this machine (probed once per process by running a tiny program in it)."""
+    if mode == "none":
+        return True
+    if mode == "bubblewrap" and shutil.which("bwrap") is None:
+        _probe_errors[mode] = "bwrap not installed"
+        return False
     try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
+        result = run_python("print('ok')", mode=mode)
+    except OSError as err:
+        _probe_errors[mode] = str(err)
+        return False
+    if result.stdout != "ok\n":
+        _probe_errors[mode] = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+    return result.stdout == "ok\n"
+
+
+def unavailable_reason(mode: Mode) -> str:
+    """Why `available(mode)` is False (the probe's last error line); empty when it works."""
+    return "" if available(mode) else _probe_errors.get(mode, "unavailable")
+
+
+def select_mode() -> Mode:
+    """The mode `run_python` uses: the first isolated mode that works, else `none` only if allowed."""
+    for mode in ISOLATED_MODES:
+        if available(mode):
+            return mode
+    reasons = "; ".join(f"{m}: {unavailable_reason(m)}" for m in ISOLATED_MODES)
+    if not current_config().allow_unisolated:
+        raise SandboxUnavailableError(
+            f"refusing to run code rewards unisolated: no sandbox works here ({reasons}). Fix: install bubblewrap "
+            "(apt-get install bubblewrap) or allow unprivileged user namespaces, or set "
+            "reward.sandbox.allow_unisolated=true to run policy code with rlimits only")
+    _warn_unisolated(reasons)
+    return "none"
 
 
 @functools.lru_cache(maxsize=1)
-def _can_unshare_net() -> bool:
-    """Probe once (in a throwaway child) whether unprivileged user+net namespaces work here."""
-    flags = _CLONE_NEWUSER | _CLONE_NEWNET
-    probe = f"import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare({flags}) != 0)"
-    try:
-        return subprocess.run([sys.executable, "-c", probe], timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+def _warn_unisolated(reasons: str) -> None:
+    logger.warning("code rewards run UNISOLATED (reward.sandbox.allow_unisolated=true): policy code can read and "
+                   "write your files and use the network (%s)", reasons)
 
 
-def _limits(memory_mb: int, cpu_s: int, file_mb: int, isolate_net: bool) -> None:
-    """preexec_fn: runs in the child between fork and exec (single-threaded)."""
-    libc = _libc()
-    if libc is not None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if isolate_net and libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-            raise OSError("unshare(CLONE_NEWNET) failed; refusing to run without network isolation")
-    mem = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * 1024 * 1024,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# ------------------------------------------------------------------------------------------------ layout
+def _default_python() -> str:
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))  # never a venv: the tree stays out
 
 
-def run_python(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-               max_output_mb: int = 8, python: str = sys.executable) -> SandboxResult:
-    """Run `code` with `python -I` in a temp directory under the limits above."""
-    isolate = _can_unshare_net()
-    source = code if isolate else _NO_SOCKET_PRELUDE + code
+def _layout(python: str) -> tuple[list[list[str]], list[list[str]]]:
+    """(read-only binds, symlinks) that let `python` start: /usr, the merged-/usr top dirs, its install prefix."""
+    binds, symlinks = [["/usr", "/usr"]], []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            symlinks.append([os.readlink(top), top])
+        elif os.path.isdir(top):
+            binds.append([top, top])
+    prefix = str(Path(python).parents[1])
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
+        binds.append([prefix, prefix])
+    if os.path.exists("/etc/ld.so.cache"):
+        binds.append(["/etc/ld.so.cache", "/etc/ld.so.cache"])
+    return binds, symlinks
+
+
+def _limits(cfg: SandboxConfig, timeout_s: float, memory_mb: int) -> dict[str, int]:
+    return {"memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1, "file_mb": cfg.max_output_mb,
+            "processes": cfg.max_processes}
+
+
+def _bwrap_argv(python: str, code_fd: int, spec: dict[str, Any], disk_mb: int) -> list[str]:
+    argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+            "--unshare-uts", "--unshare-cgroup-try"]
+    if os.getuid() == 0:  # root: no user namespace, so the launcher can drop to a real unprivileged uid
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns"]
+    binds, symlinks = _layout(python)
+    parents = sorted({str(p) for _, dst in binds for p in Path(dst).parents if str(p) != "/"})
+    for parent in parents:  # bwrap would create them 0700: unreadable once the program drops to uid 65534
+        argv += ["--perms", "0755", "--dir", parent]
+    for src, dst in binds:
+        argv += ["--ro-bind", src, dst]
+    for target, dst in symlinks:
+        argv += ["--symlink", target, dst]
+    argv += ["--dev", "/dev", "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORK_DIR,
+             "--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/main.py", "--chdir", WORK_DIR, "--remount-ro", "/", "--"]
+    return argv + [python, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(spec)]
+
+
+def _command(mode: Mode, python: str, tmp: Path, code_fd: int, spec: dict[str, Any], disk_mb: int) -> list[str]:
+    root = os.getuid() == 0
+    if mode == "bubblewrap":
+        return _bwrap_argv(python, code_fd, {**spec, "stage": "exec", "drop": "setuid" if root else "none"}, disk_mb)
+    launcher = [python, "-I", "-S", "-c", _INIT_SOURCE]
+    if mode == "namespaces":
+        binds, symlinks = _layout(python)
+        binds += [[f"/dev/{d}", f"/dev/{d}"] for d in _DEVICES]
+        (tmp / "root").mkdir()
+        spec = {**spec, "stage": "namespaces", "drop": "setuid" if root else "userns", "root_dir": str(tmp / "root"),
+                "binds": binds, "symlinks": symlinks, "work_dir": WORK_DIR, "disk_mb": disk_mb, "code_fd": code_fd,
+                "parent_pid": os.getpid()}
+        return launcher + [json.dumps(spec)]
+    shutil.copy(tmp / "main.py", tmp / "work" / "main.py")  # mode none: caller's uid, a host temp dir
+    return launcher + [json.dumps({**spec, "stage": "exec", "drop": "none", "parent_pid": os.getpid()})]
+
+
+# --------------------------------------------------------------------------------------------------- run
+def run_python(code: str, stdin: str = "", timeout_s: float | None = None, memory_mb: int | None = None,
+               mode: Mode | None = None, python: str | None = None) -> SandboxResult:
+    """Run `code` as `python -I main.py` in the sandbox. `timeout_s`/`memory_mb` may only lower the caps of
+    reward.sandbox; `mode=None` picks the best available (raises SandboxUnavailableError when none is allowed)."""
+    cfg = current_config()
+    timeout = capped("timeout_s", timeout_s, cfg.timeout_s)
+    memory = int(capped("memory_mb", memory_mb, cfg.memory_mb))
+    mode = mode or select_mode()
+    python = python or _default_python()
+    spec = {"limits": _limits(cfg, timeout, memory), "argv": [python, "-I", "main.py"]}
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-") as tmp:
-        work = Path(tmp)
-        (work / "main.py").write_text(source)
-        (work / "stdin.txt").write_text(stdin)
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "PYTHONHASHSEED": "0",
-               "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
-        with open(work / "stdin.txt", "rb") as fin, open(work / "out", "wb") as fout, open(work / "err", "wb") as ferr:
-            proc = subprocess.Popen(
-                [python, "-I", "main.py"], cwd=tmp, env=env, stdin=fin, stdout=fout, stderr=ferr,
-                start_new_session=True, close_fds=True,
-                preexec_fn=lambda: _limits(memory_mb, int(timeout_s) + 1, max_output_mb, isolate),
-            )
-            timed_out = False
-            try:
-                returncode: int | None = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out, returncode = True, None
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass  # exited between the timeout and the kill
-                proc.wait()
-        limit = max_output_mb * 1024 * 1024
-        stdout = (work / "out").read_bytes()[:limit].decode("utf-8", "replace")
-        stderr = (work / "err").read_bytes()[:limit].decode("utf-8", "replace")
-    return SandboxResult(returncode, stdout, stderr, timed_out, time.monotonic() - start, isolate)
+    with tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "main.py").write_text(code)
+        (tmp / "stdin.txt").write_text(stdin)
+        (tmp / "work").mkdir()
+        code_fd = os.open(tmp / "main.py", os.O_RDONLY)
+        try:
+            argv = _command(mode, python, tmp, code_fd, spec, cfg.disk_mb)
+            returncode, timed_out = _execute(argv, tmp, code_fd, timeout, mode)
+        finally:
+            os.close(code_fd)
+        limit = cfg.max_output_mb * 1024 * 1024
+        stdout = (tmp / "out").read_bytes()[:limit].decode("utf-8", "replace")
+        stderr = (tmp / "err").read_bytes()[:limit].decode("utf-8", "replace")
+    return SandboxResult(returncode, stdout, stderr, timed_out, time.monotonic() - start, mode)
+
+
+def _execute(argv: list[str], tmp: Path, code_fd: int, timeout_s: float, mode: Mode) -> tuple[int | None, bool]:
+    home = WORK_DIR if mode in ISOLATED_MODES else str(tmp / "work")
+    env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "PYTHONHASHSEED": "0",
+           "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
+    with open(tmp / "stdin.txt", "rb") as fin, open(tmp / "out", "wb") as fout, open(tmp / "err", "wb") as ferr:
+        proc = subprocess.Popen(argv, cwd=tmp / "work", env=env, stdin=fin, stdout=fout, stderr=ferr,
+                                start_new_session=True, close_fds=True, pass_fds=(code_fd,))
+        try:
+            return proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            # The group holds the launcher and the sandbox's pid 1; their death takes the pid namespace with them.
+            with contextlib.suppress(ProcessLookupError):  # exited between the timeout and the kill
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None, True
+
+
+__all__ = ["ISOLATED_MODES", "Mode", "SandboxResult", "SandboxUnavailableError", "available", "configure",
+           "current_config", "run_python", "select_mode",
+           "unavailable_reason"]

@@ -1,64 +1,230 @@
-"""The sandbox stops infinite loops and memory bombs, blocks the network, and the `code` scorer uses it."""
+"""The sandbox blocks each escape found by the fault tests (issue 20) in BOTH isolated modes — bubblewrap and our
+own namespaces launcher: writes outside its tmpfs, reads of the project tree / host files / home, a `setsid`
+grandchild outliving the timeout, `_socket` to a loopback listener, a fork bomb, an 8 GB allocation. It refuses
+to run unisolated unless allowed, per-row limits only lower the caps, and the `code` scorer still scores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import socket
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from hybridflow.rewards import REWARD_FUNCTIONS
-from hybridflow.rewards.sandbox import run_python
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.rewards import REWARD_FUNCTIONS, RewardManager, sandbox
+from hybridflow.rewards.sandbox import SandboxUnavailableError, run_python
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_runs_code_with_stdin_in_a_temp_dir():
-    r = run_python("import os\nprint(input()[::-1]); print(os.listdir('.'))", stdin="abc")
-    assert r.ok and r.stdout.splitlines()[0] == "cba" and "main.py" in r.stdout
+@pytest.fixture(params=sandbox.ISOLATED_MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    if not sandbox.available(request.param):
+        pytest.skip(f"sandbox mode {request.param} does not work here: {sandbox.unavailable_reason(request.param)}")
+    return request.param
 
 
-def test_infinite_loop_is_killed_at_the_timeout():
+@pytest.fixture
+def caps(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Tests that change reward.sandbox get the defaults back afterwards."""
+    monkeypatch.setattr(sandbox, "_config", sandbox.current_config())
+    yield
+
+
+def _set_caps(**changes: object) -> None:
+    sandbox.configure(dataclasses.replace(sandbox.current_config(), **changes))
+
+
+def _processes_named(comm: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == comm:
+                if "State:\tZ" not in (entry / "status").read_text():  # a zombie is dead, just not yet reaped
+                    pids.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked
+    return pids
+
+
+def _wait_gone(comm: str, within_s: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while (alive := _processes_named(comm)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+_NAME_ME = "import ctypes\nctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)\n"  # PR_SET_NAME → comm
+
+
+# ------------------------------------------------------------------------------------------ basics
+def test_runs_code_with_stdin_in_a_private_dir(mode: str) -> None:
+    r = run_python("import os\nprint(input()[::-1]); print(os.listdir('.'), os.getcwd(), os.getuid())",
+                   stdin="abc", mode=mode)
+    assert r.ok and r.mode == mode and r.isolated, r
+    lines = r.stdout.splitlines()
+    assert lines[0] == "cba" and "main.py" in lines[1] and sandbox.WORK_DIR in lines[1]
+    if os.getuid() == 0:
+        assert lines[1].endswith(" 65534"), "a root caller's program must run as uid 65534"
+
+
+def test_write_outside_the_private_dir_is_blocked(mode: str, tmp_path: Path) -> None:
+    tmp_path.chmod(0o777)  # writable by anyone on the host: only the sandbox can stop the write
+    targets = [tmp_path / "escaped", REPO / "escaped", Path("/tmp/hybridflow-escaped"), Path("/usr/escaped"),
+               Path(sys.base_prefix) / "escaped", Path("/escaped")]
+    code = ("import os\nfor p in %r:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+            "    except OSError as e:\n        print('blocked', p, e.errno)\nopen('ok.txt', 'w').write('fine')\n"
+            "print(open('ok.txt').read())\n" % [str(t) for t in targets])
+    r = run_python(code, mode=mode)
+    assert r.ok and "WROTE" not in r.stdout and r.stdout.count("blocked") == len(targets), r
+    assert r.stdout.strip().endswith("fine")
+    assert not any(t.exists() for t in targets)
+
+
+def test_private_dir_is_size_limited(mode: str) -> None:
+    code = ("import os\nn = 0\ntry:\n    for i in range(1000):\n        with open(f'f{i}', 'wb') as f:\n"
+            "            f.write(b'x' * (4 << 20))\n        n += 4\nexcept OSError as e:\n    print('stopped', n, e.errno)")
+    r = run_python(code, mode=mode)
+    assert r.ok and r.stdout.startswith("stopped"), r
+    assert int(r.stdout.split()[1]) <= sandbox.current_config().disk_mb
+
+
+def test_project_tree_host_files_and_home_are_invisible(mode: str) -> None:
+    home = Path.home()
+    python_prefix = Path(sys.base_prefix)
+    home_entries = [p for p in home.iterdir() if p not in python_prefix.parents][:5]  # what the host has there
+    secrets = [REPO / "pyproject.toml", REPO / "hybridflow", Path("/etc/hostname"), Path("/etc/passwd"),
+               Path("/work"), *home_entries]
+    code = ("import os\nfor p in %r:\n    print('SEEN' if os.path.exists(p) else 'hidden', p)\n"
+            % [str(p) for p in secrets])
+    r = run_python(code, mode=mode)
+    assert r.ok and r.stdout.count("hidden") == len(secrets), r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------- processes
+def test_setsid_grandchild_dies_at_the_timeout(mode: str, tmp_path: Path) -> None:
+    tmp_path.chmod(0o777)
+    late = tmp_path / "written-after-the-timeout"
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfsetsid").splitlines())
+            + f"        time.sleep(1.5)\n        open({str(late)!r}, 'w').write('escaped')\n"
+            "    os._exit(0)\ntime.sleep(60)\n")
+    start = time.monotonic()
+    r = run_python(code, timeout_s=1.0, mode=mode)
+    assert r.timed_out and r.duration_s < 3, r
+    assert _wait_gone("hfsetsid") == [], "the setsid grandchild survived the sandbox"
+    time.sleep(max(0.0, start + 2.5 - time.monotonic()))  # past the grandchild's write time
+    assert not late.exists()
+
+
+def test_fork_bomb_is_bounded_and_killed(mode: str) -> None:
+    code = ("import os, time\nn = 0\nfor _ in range(10000):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n"
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfbomb").splitlines())
+            + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, flush=True)\ntime.sleep(60)\n")
+    r = run_python(code, timeout_s=1.5, mode=mode)
+    assert r.timed_out and r.stdout.strip(), r
+    assert int(r.stdout) < sandbox.current_config().max_processes
+    assert _wait_gone("hfbomb") == [], "fork-bomb processes outlived the sandbox"
+
+
+def test_8gb_allocation_fails(mode: str) -> None:
+    r = run_python("b = bytearray(8 << 30)\nprint('allocated')", mode=mode)
+    assert not r.ok and not r.timed_out and "MemoryError" in r.stderr and "allocated" not in r.stdout, r
+
+
+# ------------------------------------------------------------------------------------------ network
+def test_no_network_even_through__socket(mode: str) -> None:
+    tcp = socket.create_server(("127.0.0.1", 0))
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(f"\0hybridflow-sandbox-test-{os.getpid()}")  # abstract: no file, scoped by network namespace
+    unix.listen()
+    tcp.setblocking(False)
+    unix.setblocking(False)
+    targets = [("_socket.AF_INET", ("127.0.0.1", tcp.getsockname()[1])), ("_socket.AF_UNIX", unix.getsockname())]
+    code = ("import _socket\n"
+            f"for family, addr in [{', '.join(f'({fam}, {addr!r})' for fam, addr in targets)}]:\n"
+            "    s = _socket.socket(family, _socket.SOCK_STREAM)\n    s.settimeout(2)\n"
+            "    try:\n        s.connect(addr)\n        print('CONNECTED', family)\n"
+            "    except OSError as e:\n        print('blocked', family, e)\n")
+    with tcp, unix:
+        r = run_python(code, mode=mode)
+        assert r.ok and "CONNECTED" not in r.stdout and r.stdout.count("blocked") == 2, r
+        for server in (tcp, unix):
+            with pytest.raises(BlockingIOError):
+                server.accept()
+
+
+# ------------------------------------------------------------------------ timeouts and limits (default mode)
+def test_infinite_loop_is_killed_at_the_timeout() -> None:
     start = time.monotonic()
     r = run_python("while True:\n    pass", timeout_s=1.0)
     assert r.timed_out and not r.ok and r.returncode is None
     assert time.monotonic() - start < 5
 
 
-def _running(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status  # a zombie is dead, just not yet reaped
-
-
-def test_sleeping_child_processes_die_with_the_group():
-    r = run_python("import subprocess, sys, time\n"
-                   "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                   "print(p.pid, flush=True)\ntime.sleep(60)", timeout_s=1.0)
-    assert r.timed_out and r.duration_s < 5
-    grandchild = int(r.stdout.split()[0])
-    deadline = time.monotonic() + 5
-    while _running(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _running(grandchild)
-
-
-def test_memory_bomb_is_stopped():
-    r = run_python("a = []\nwhile True:\n    a.append(bytearray(10**7))", timeout_s=10.0, memory_mb=256)
+def test_memory_bomb_is_stopped() -> None:
+    r = run_python("a = []\nwhile True:\n    a.append(bytearray(10**7))", memory_mb=256)
     assert not r.ok and not r.timed_out and "MemoryError" in r.stderr
 
 
-def test_output_flood_is_bounded():
-    r = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", timeout_s=5.0, max_output_mb=1)
+def test_output_flood_is_bounded(caps: None) -> None:
+    _set_caps(max_output_mb=1)
+    r = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
     assert not r.ok and len(r.stdout) <= 1024 * 1024
 
 
-def test_no_network():
-    r = run_python("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\ns.settimeout(1)\n"
-                   "s.connect(('1.1.1.1', 80))\nprint('connected')", timeout_s=5.0)
-    assert not r.ok and "connected" not in r.stdout
+def test_per_call_and_per_row_limits_only_lower_the_caps(caps: None) -> None:
+    _set_caps(timeout_s=1.0, memory_mb=128)
+    r = run_python("while True:\n    pass", timeout_s=60.0)
+    assert r.timed_out and r.duration_s < 3, "a per-call timeout raised the cap"
+    r = run_python("b = bytearray(300 << 20)\nprint('allocated')", memory_mb=100_000)
+    assert "MemoryError" in r.stderr and "allocated" not in r.stdout, "a per-call memory_mb raised the cap"
+    code = REWARD_FUNCTIONS["code"]
+    sleepy = "```python\nimport time\ntime.sleep(3)\n```"
+    start = time.monotonic()
+    assert code("code", sleepy, {"test_code": "pass"}, {"timeout_s": 100, "memory_mb": 100_000})["score"] == 0.0
+    assert time.monotonic() - start < 3
+    alloc = "```python\nb = bytearray(300 << 20)\n```"
+    assert code("code", alloc, {"test_code": "pass"}, {"memory_mb": 100_000})["score"] == 0.0
+    with pytest.raises(ValueError, match="timeout_s='fast'"):
+        code("code", sleepy, {"test_code": "pass"}, {"timeout_s": "fast"})
 
 
-def test_code_scorer_io_tests_and_test_code():
+# ---------------------------------------------------------------------------------- refusal when unisolated
+def test_refuses_to_run_unisolated_unless_allowed(caps: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "available", lambda mode: mode == "none")
+    with pytest.raises(SandboxUnavailableError, match="reward.sandbox.allow_unisolated=true"):
+        run_python("print(1)")
+    with pytest.raises(SandboxUnavailableError, match="install bubblewrap"):
+        REWARD_FUNCTIONS["code"]("code", "```python\nprint(1)\n```", {"test_code": "pass"}, None)
+    cfg = load_config([], ["reward.sources=[{name: code, weight: 1.0}]"]).reward
+    with pytest.raises(SandboxUnavailableError, match="allow_unisolated"):
+        RewardManager(cfg, builtin_tokenizer(), 16)
+    _set_caps(allow_unisolated=True)
+    r = run_python("print(1)")
+    assert r.ok and r.mode == "none" and not r.isolated
+
+
+def test_code_scorer_rejects_an_unisolated_result_when_not_allowed(caps: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridflow.rewards import code as code_module
+
+    unisolated = sandbox.SandboxResult(0, "", "", False, 0.0, "none")
+    monkeypatch.setattr(code_module, "run_python", lambda *a, **k: unisolated)
+    with pytest.raises(RuntimeError, match="allow_unisolated=false"):
+        REWARD_FUNCTIONS["code"]("code", "```python\npass\n```", {"test_code": "pass"}, None)
+
+
+# ------------------------------------------------------------------------------------------ code scorer
+def test_code_scorer_io_tests_and_test_code() -> None:
     code = REWARD_FUNCTIONS["code"]
     solution = "Here:\n```python\nn = int(input())\nprint(n * 2)\n```"
     gt = {"inputs": ["1\n", "5\n", "7\n"], "outputs": ["2\n", "10", "15"]}
