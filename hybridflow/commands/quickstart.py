@@ -55,21 +55,15 @@ def run_quickstart(cfg: Config, console: object | None = None) -> QuickstartResu
     # on the 1000 SFT steps was 200 validations — a third of the SFT time, mostly never shown.
     sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=log_every,
                                                                    test_freq=log_every))
-    sft_tracker = Tracker.from_config(sft_cfg, run_dir=run_dir / "sft")
-    try:
+    with Tracker.from_config(sft_cfg, run_dir=run_dir / "sft") as sft_tracker:  # run_end: the phase's status
         sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
-    finally:
-        sft_tracker.close()
     sft_seconds = time.perf_counter() - start
     if console is not None:
         console.rule(f"2/2 GRPO ({cfg.trainer.total_training_steps} steps, {cfg.rollout.n} samples per prompt, "
                      "reward = the true answer)")
     ppo_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(sft_dir)))
-    tracker = Tracker.from_config(ppo_cfg)
-    try:
+    with Tracker.from_config(ppo_cfg) as tracker:
         history = run_ppo(ppo_cfg, tracker=tracker)
-    finally:
-        tracker.close()
     return QuickstartResult(Path(sft_dir), history, sft_seconds, time.perf_counter() - start)
 
 
