@@ -45,8 +45,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def one_run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """The quickstart in this process; returns the learning summary (called by the child processes)."""
+def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None) -> dict[str, Any]:
+    """The quickstart in this process; returns the learning summary (called by the child processes).
+    `sft_from`: a run dir of an earlier sweep whose `sft_model` the GRPO phase starts from (SFT is skipped)."""
     import torch
 
     from hybridflow.commands.quickstart import QUICKSTART_YAML, run_quickstart
@@ -55,8 +56,8 @@ def one_run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = load_config([QUICKSTART_YAML], [f"trainer.run_dir={run_dir}", f"trainer.default_local_dir={run_dir}/ckpt",
                                           "trainer.logger=[jsonl]", *overrides])
-    result = run_quickstart(cfg)
-    sft = [m for m in _read_jsonl(run_dir / "sft" / "metrics.jsonl") if "val/loss" in m]
+    result = run_quickstart(cfg, sft_dir=None if sft_from is None else sft_from / "sft_model")
+    sft = [m for m in _read_jsonl((sft_from or run_dir) / "sft" / "metrics.jsonl") if "val/loss" in m]
     acc = [a for _, a, _ in result.val_accuracy()]
     return {"sft_steps": int(sft[-1]["training/global_step"]) if sft else None,
             "sft_val_loss": sft[-1]["val/loss"] if sft else None,
@@ -65,11 +66,12 @@ def one_run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
             "sft_seconds": result.sft_seconds, "total_seconds": result.total_seconds}
 
 
-def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str]) -> dict[str, Any]:
+def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str],
+           sft_from: Path | None = None) -> dict[str, Any]:
     run_dir = work / f"{numerics}_s{seed}"
     env = {**os.environ, **NUMERICS[numerics], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--child", str(run_dir), *seed_overrides(seed),
-           *overrides]
+           *overrides, *([] if sft_from is None else ["--sft-from", str(sft_from / run_dir.name)])]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     row: dict[str, Any] = {"seed": seed, "numerics": numerics, "overrides": overrides,
@@ -116,9 +118,10 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="a.b=c")
     parser.add_argument("--work", default=None, help="where the runs write (default: --out)")
+    parser.add_argument("--sft-from", default=None, help="a sweep's work folder: start GRPO from its SFT models")
     args = parser.parse_intermixed_args()
     if args.child:
-        print(json.dumps(one_run(Path(args.child), args.overrides)))
+        print(json.dumps(one_run(Path(args.child), args.overrides, args.sft_from and Path(args.sft_from))))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +132,8 @@ def main() -> None:
     jobs = [(s, n) for n in numerics for s in parse_seeds(args.seeds)]
     with ThreadPoolExecutor(args.jobs) as pool:
         work = Path(args.work) / out.name if args.work else out  # one folder per sweep: sweeps may run side by side
-        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides), jobs))
+        sft_from = Path(args.sft_from) if args.sft_from else None
+        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides, sft_from), jobs))
     table = summarize(rows)
     (out / "summary.md").write_text(table + "\n")
     print(table)

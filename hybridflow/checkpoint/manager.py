@@ -3,7 +3,7 @@
 Layout: `<local_dir>/global_step_<N>/{checkpoint.json, extra.json, <component>/..., ranks/rank_<r>.json}` plus
 `<local_dir>/latest`. `save` validates and flattens on the caller's thread, snapshots tensors to CPU when async,
 then writes (in a background thread when async): every rank its files/shards, rank 0 the marker, the rename,
-`latest`, the remote mirror and retention. `save`/`load` are collective: call them on every rank.
+`latest`, local retention, the remote mirror, then remote retention. `save`/`load` are collective: call them on every rank.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ class CheckpointManager:
                 except Exception as err:
                     raise RuntimeError(f"the local checkpoint {final} is complete, but mirroring it to "
                                        f"{self.mirror.base_url} failed: {err}") from err
+                self._apply_remote_retention(final.name)
 
     def _apply_retention(self) -> None:
         if self.keep_last_n is None:
@@ -209,6 +210,18 @@ class CheckpointManager:
         for step, path in complete:
             if step not in keep and path.name != latest:
                 _remove_checkpoint(path)
+
+    def _apply_remote_retention(self, newest: str) -> None:
+        """The mirror keeps what local retention keeps: the newest `keep_last_n` complete steps (the one just
+        uploaded among them) and the protected ones. Runs only after `newest` is complete remotely."""
+        if self.keep_last_n is None or self.mirror is None:
+            return
+        complete = self.mirror.list_complete()
+        keep = {s for s, _ in complete[-self.keep_last_n:]} | self._protected
+        for step, name in complete:
+            if step not in keep and name != newest:
+                self.mirror.delete(name)
+                logger.info("removed old remote checkpoint %s", self.mirror.url(name))
 
     def poll(self) -> None:
         """Non-blocking: raise `CheckpointWriteError` if the background save has failed. Call it every step."""

@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="overrides on top of the quickstart config, e.g. trainer.total_training_steps=20")
 
 
-def run_quickstart(cfg: Config, console: object | None = None) -> QuickstartResult:
-    """SFT warm start, then GRPO from it; both tracked under `trainer.run_dir` (`sft/` and the run itself)."""
+def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | None = None) -> QuickstartResult:
+    """SFT warm start, then GRPO from it; both tracked under `trainer.run_dir` (`sft/` and the run itself).
+    `sft_dir`: an existing warm start (HF directory) to run the GRPO phase from, skipping SFT."""
     from hybridflow.tracking import Tracker
     from hybridflow.trainer.run import run_ppo
     from hybridflow.trainer.sft import run_sft
@@ -56,21 +57,16 @@ def run_quickstart(cfg: Config, console: object | None = None) -> QuickstartResu
     # Every 50 steps is enough to stop near sft.target_val_loss (a validation costs about two training steps).
     sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=log_every,
                                                                    test_freq=min(log_every, 50)))
-    sft_tracker = Tracker.from_config(sft_cfg, run_dir=run_dir / "sft")
-    try:
-        sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
-    finally:
-        sft_tracker.close()
+    if sft_dir is None:
+        with Tracker.from_config(sft_cfg, run_dir=run_dir / "sft") as sft_tracker:  # run_end: the phase's status
+            sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
     sft_seconds = time.perf_counter() - start
     if console is not None:
         console.rule(f"2/2 GRPO ({cfg.trainer.total_training_steps} steps, {cfg.rollout.n} samples per prompt, "
                      "reward = the true answer)")
     ppo_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(sft_dir)))
-    tracker = Tracker.from_config(ppo_cfg)
-    try:
+    with Tracker.from_config(ppo_cfg) as tracker:
         history = run_ppo(ppo_cfg, tracker=tracker)
-    finally:
-        tracker.close()
     return QuickstartResult(Path(sft_dir), history, sft_seconds, time.perf_counter() - start)
 
 

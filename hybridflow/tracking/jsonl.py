@@ -2,13 +2,16 @@
 
 These files are the source of truth for `hybridflow report`. Each line is flushed as soon as it is written, so a
 report can be drawn from a run that is still going; the readers skip a half-written last line. Files are opened
-for append so a resumed run continues the same log; readers merge rows of the same step, later rows winning.
+for append so a resumed run continues the same log: on resume, `truncate_after(step)` first drops the rows and
+per-step events the killed run wrote after the checkpoint it resumes from, so each step appears once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
+RUN_EVENTS = ("run_start", "run_end", "resume")  # the history of attempts: kept by `truncate_after`
 
 
 @TRACKERS.register("jsonl")
@@ -50,6 +54,30 @@ class JsonlBackend(Backend):
         for fh in (self._metrics_fh, self._events_fh):
             if not fh.closed:
                 fh.close()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop metric rows and per-step events of steps after `step` (a resume from that step's checkpoint);
+        run start/end events stay, so the earlier attempts remain visible. Logs what it dropped."""
+        self.close()
+        dropped_rows = _rewrite(self.metrics_path, lambda row: int(row.get("step", 0)) <= step)
+        dropped_events = _rewrite(self.events_path, lambda ev: int(ev.get("step", 0)) <= step
+                                  or ev.get("kind") in RUN_EVENTS)
+        self._metrics_fh = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
+        self._events_fh = open(self.events_path, "a", encoding="utf-8")  # noqa: SIM115
+        if dropped_rows or dropped_events:
+            logger.info("resumed at step %d: dropped %d metric row(s) and %d event(s) of later steps from %s",
+                        step, dropped_rows, dropped_events, self.ctx.run_dir)
+
+
+def _rewrite(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite `path` with the rows `keep` accepts (atomically: temp file + rename); returns how many were dropped.
+    A torn last line (the killed writer's) goes too."""
+    rows = read_jsonl(path)
+    kept = [row for row in rows if keep(row)]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row, allow_nan=False) + "\n" for row in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(rows) - len(kept)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

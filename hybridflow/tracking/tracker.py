@@ -105,14 +105,20 @@ class Tracker:
             self.stop_progress()
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def close(self, status: str = "finished") -> None:
-        """Record a `run_end` event (status `finished` | `failed` | `stopped`; the report shows it), then close
-        every backend. Idempotent."""
+    def close(self, status: str | None = None, error: BaseException | None = None) -> None:
+        """Record a `run_end` event, then close every backend. Idempotent. The status is `run_status(error)` unless
+        given: `finished` | `failed` | `interrupted`; a failure adds the error's type and message, and a worker
+        group's failure its `group`, `method` and `rank` (the report shows the status)."""
         if self._closed:
             return
+        status = status or run_status(error)
         self.stop_progress()
-        self.event("run_end", f"run {status} at step {self._last_step}", self._last_step,
-                   level="info" if status == "finished" else "error", status=status)
+        data = error_fields(error) if error is not None else {}
+        message = f"run {status} at step {self._last_step}"
+        if error is not None:
+            message += f": {data['error_type']}: {data['error'].splitlines()[0] if data['error'] else ''}"
+        self.event("run_end", message, self._last_step, level="info" if status == "finished" else "error",
+                   status=status, **data)
         self._closed = True
         for backend in self.backends:
             try:
@@ -120,11 +126,20 @@ class Tracker:
             except Exception:  # one backend failing to flush must not stop the others from closing
                 logger.exception("tracker %r failed to close", backend.name)
 
+    def truncate_after(self, step: int) -> None:
+        """A run resumed at `step` into this run directory: drop what the backends logged for later steps (the
+        resumed run logs them again), so each step appears once."""
+        self._last_step = int(step)
+        for backend in self.backends:
+            truncate = getattr(backend, "truncate_after", None)
+            if truncate is not None:
+                truncate(step)
+
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close("finished" if exc_type is None else "failed")
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(error=exc)
 
     def _fan_out(self, method: str, *args: Any) -> None:
         for backend in list(self.backends):
@@ -138,6 +153,23 @@ class Tracker:
                 self.backends.remove(backend)
                 if backend is self._console:
                     self._console = None
+
+
+def run_status(error: BaseException | None) -> str:
+    """`finished` without an error, `interrupted` for Ctrl-C or SIGTERM (a `KeyboardInterrupt`), else `failed`."""
+    if error is None:
+        return "finished"
+    return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+
+
+def error_fields(error: BaseException) -> dict[str, Any]:
+    """The `run_end` fields of an error: type and message, plus group/method/rank of a worker-group failure."""
+    fields: dict[str, Any] = {"error_type": type(error).__name__, "error": str(error)[:2000]}
+    for key in ("group", "method", "rank"):  # WorkerError / WorkerTimeoutError (duck-typed: no controller import)
+        value = getattr(error, key, None)
+        if isinstance(value, str | int):
+            fields[key] = value
+    return fields
 
 
 def build_tracker(logger_names: Sequence[str], run_dir: str | Path, project: str = "hybridflow",

@@ -79,7 +79,8 @@ class PPOTrainer:
 
     def fit(self) -> list[dict[str, float]]:
         """Train for `total_steps`; returns the per-step metrics (also sent to the tracker)."""
-        self.ckpt.resume()
+        if self.ckpt.resume() and self.tracker is not None:
+            self.tracker.truncate_after(self.global_step)  # the killed run's later rows are logged again
         self._report_skipped_rows()
         if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
             self._log(self.validator.run(step=0), step=0)
@@ -276,10 +277,9 @@ class PPOTrainer:
         return metrics
 
     def close(self) -> None:
-        """Wait for the last checkpoint save (raising its error), then release the workers."""
-        try:
-            self.ckpt.close()
-        finally:
-            self.reward_fn.close()
-            self.groups.close()
+        """Wait for the last checkpoint save (raising its error), then release the workers; each step runs even
+        when an earlier one fails (a dead worker group cannot close its checkpoints but must still be released)."""
+        from hybridflow.trainer.run import run_cleanups
+
+        run_cleanups([self.ckpt.close, self.reward_fn.close, self.groups.close])
 

@@ -1,11 +1,29 @@
-"""Run a PPO/GRPO training from a config: tracker, trainer, fit, clean shutdown. Used by `hybridflow train`,
-`hybridflow quickstart` and tests."""
+"""Run a training from a config and close it honestly: the one place every trainer (PPO, SFT, RM) opens its tracker,
+turns SIGTERM into an interrupt, runs cleanups without letting them hide the failure, and writes `run_end`.
+
+`run_end` says `finished | failed | interrupted` with the error's type and message (and the worker group, method
+and rank of a worker's failure). A cleanup that fails while a failure is in flight (closing checkpoints on a dead
+Ray group) is attached to the original error as a note and logged; the original is the error the user sees.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 from hybridflow.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a scheduler stopping the job): raised in the main thread so cleanups and `run_end` run;
+    a `KeyboardInterrupt`, so the run is recorded as `interrupted`."""
 
 
 def versions_line() -> str:
@@ -15,19 +33,84 @@ def versions_line() -> str:
     return summary(collect_versions())
 
 
+# ------------------------------------------------------------------------------------------------------ cleanups
+def run_cleanups(cleanups: Sequence[Callable[[], Any]], error: BaseException | None = None) -> None:
+    """Call every cleanup, even after one fails. With `error` in flight, each failure becomes a note on `error`
+    (and a log line) and nothing is raised here: the caller re-raises `error`. Without, the first failure is
+    raised once all ran, later ones attached to it as notes."""
+    first: BaseException | None = None
+    for cleanup in cleanups:
+        try:
+            cleanup()
+        except Exception as err:
+            name = getattr(cleanup, "__qualname__", repr(cleanup))
+            if error is not None:
+                logger.error("cleanup %s failed after the run had failed: %s: %s", name, type(err).__name__, err)
+                error.add_note(f"cleanup {name} also failed: {type(err).__name__}: {err}")
+            elif first is None:
+                first = err
+            else:
+                first.add_note(f"cleanup {name} also failed: {type(err).__name__}: {err}")
+    if first is not None:
+        raise first
+
+
+@contextlib.contextmanager
+def cleaned_up(*cleanups: Callable[[], Any]) -> Iterator[None]:
+    """Run `cleanups` when the block ends; an error of the block stays the one raised (see `run_cleanups`)."""
+    try:
+        yield
+    except BaseException as err:
+        run_cleanups(cleanups, err)
+        raise
+    run_cleanups(cleanups)
+
+
+# ------------------------------------------------------------------------------------------------------- signals
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread (by default it kills the process before any
+    `finally` runs). Other threads cannot install handlers: there the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(f"signal {signal.Signals(signum).name} received")
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------------------- runs
+@contextlib.contextmanager
+def tracked_run(cfg: Config, tracker: Any = None) -> Iterator[Any]:
+    """The run's tracker (built from `trainer.logger` when not given). A tracker built here is closed here with
+    the run's honest status; a given one belongs to the caller (close it with `tracker.close(error=...)`)."""
+    own = tracker is None
+    if own:
+        from hybridflow.tracking import Tracker
+
+        tracker = Tracker.from_config(cfg)
+    with sigterm_as_interrupt():
+        try:
+            yield tracker
+        except BaseException as err:
+            if own:
+                tracker.close(error=err)
+            raise
+    if own:
+        tracker.close()
+
+
 def run_ppo(cfg: Config, tracker: Any = None) -> list[dict[str, float]]:
     """Train with `cfg`; returns the per-step metrics. The tracker is built from `trainer.logger` when not given."""
     from hybridflow.trainer.ppo import PPOTrainer
 
-    own_tracker = tracker is None
-    if own_tracker:
-        from hybridflow.tracking import Tracker
-
-        tracker = Tracker.from_config(cfg)
-    trainer = PPOTrainer(cfg, tracker=tracker)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
-        if own_tracker:
-            tracker.close()
+    with tracked_run(cfg, tracker) as tracker:
+        trainer = PPOTrainer(cfg, tracker=tracker)
+        with cleaned_up(trainer.close):
+            return trainer.fit()

@@ -180,6 +180,8 @@ class SupervisedTrainer(ABC):
         self.global_step = int(extra["global_step"])
         self.loader.load_state_dict(extra["loader"])
         logger.info("%s: resumed at step %d", self.section, self.global_step)
+        if self.tracker is not None:
+            self.tracker.truncate_after(self.global_step)  # the killed run's later rows are logged again
 
     # ---------------------------------------------------------------------------------------------- export
     def export_dir(self) -> Path:
@@ -193,31 +195,21 @@ class SupervisedTrainer(ABC):
         return out
 
     def close(self) -> None:
-        self.group.close_checkpoints()
-        self.group.shutdown()
-        self.pool.release()
+        """Wait for the last save, then release the workers (every step runs, see `run_cleanups`)."""
+        from hybridflow.trainer.run import run_cleanups
+
+        run_cleanups([self.group.close_checkpoints, self.group.shutdown, self.pool.release])
 
 
 def run_supervised(trainer_cls: type[SupervisedTrainer], cfg: Config,
                    tracker: Any = None) -> tuple[Path, list[dict[str, float]]]:
     """Build `trainer_cls(cfg)`, fit, export; returns (HF directory, per-step metrics). The tracker is built from
-    `trainer.logger` when not given (and closed here)."""
-    own = tracker is None
-    if own:
-        from hybridflow.tracking import Tracker
+    `trainer.logger` when not given (and closed with the run's status, see `hybridflow.trainer.run`)."""
+    from hybridflow.trainer.run import cleaned_up, tracked_run
 
-        tracker = Tracker.from_config(cfg)
-    status = "failed"
-    try:
+    with tracked_run(cfg, tracker) as tracker:
         trainer = trainer_cls(cfg, tracker=tracker)
-        try:
+        with cleaned_up(trainer.close):
             with tracker.progress(trainer.total_steps, trainer.global_step):
                 history = trainer.fit()
-            path = trainer.export()
-        finally:
-            trainer.close()
-        status = "finished"
-    finally:
-        if own:
-            tracker.close(status)
-    return path, history
+            return trainer.export(), history

@@ -4,6 +4,7 @@ case finishes and reports what the GPU round reads."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -62,3 +63,16 @@ def test_four_rank_ppo_colocated_and_split_run_on_gloo(tmp_path):
     assert "trainer.use_colocated_worker=false" in cases["ppo:tiny:4:split"]["overrides"]
     cli = report["cli_startup"][0]
     assert cli["rc"] == 0 and cli["to_first_step_start_s"] > 0, cli.get("output_tail")
+
+
+def test_fault_trials_run_on_cpu(tmp_path):
+    """Issue 20's fault script with 2 kill -9 trials during async saves and (with Ray) 1 worker-kill trial."""
+    ray_trials = "1" if importlib.util.find_spec("ray") is not None else "0"
+    proc = _run("benchmarks.fault_trials", "--ckpt-trials", "2", "--ray-trials", ray_trials, "--max-delay", "0.5",
+                "--out", str(tmp_path), timeout=300)
+    assert "| kill -9 during async save | 2 | 2/2 |" in proc.stdout, proc.stdout
+    result = json.loads((tmp_path / "fault_trials.json").read_text())
+    assert result["checkpoint"]["usable"] == 2 and result["checkpoint"]["broken_checkpoints"] == 0
+    if ray_trials == "1":
+        trial = result["ray"]["rows"][0]
+        assert trial["names_dead_rank"] and trial["names_training_call"] and trial["run_end"] == "failed", trial

@@ -55,7 +55,7 @@ def test_mirror_then_remote_only_resume(tmp_path: Path, kind: str) -> None:
         for step in (1, 2, 3):
             mgr.save(step, {"actor": _state(float(step))}, extra={"step": step})
     mirror = RemoteMirror(url)
-    assert [s for s, _ in mirror.list_complete()] == [1, 2, 3]  # remote keeps every step
+    assert [s for s, _ in mirror.list_complete()] == [3]  # the mirror follows keep_last_n too
     assert mirror.find_latest() == "global_step_3"
     assert [s for s, _ in atomic.list_complete(local)] == [3]
     # lose the local disk: resume must come from the remote copy
@@ -67,6 +67,43 @@ def test_mirror_then_remote_only_resume(tmp_path: Path, kind: str) -> None:
     assert loaded.step == 3 and loaded.extra == {"step": 3}
     assert torch.equal(loaded.components["actor"]["model"]["w"], torch.full((4, 4), 3.0))
     assert loaded.components["actor"]["sched"] == {"last_epoch": 3}
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_remote_retention_follows_keep_last_n(tmp_path: Path, kind: str) -> None:
+    """Issue 20: with keep_last_n=3 the mirror kept steps 1-8. Old remote steps go once a newer one is complete
+    there; the protected (best) step and a partial upload's directory are left alone."""
+    url = _mem_url() if kind == "memory" else f"file://{tmp_path}/remote/"
+    fs, root = fsspec.core.url_to_fs(url)
+    partial = root.rstrip("/") + "/global_step_0/actor/skeleton.json"
+    fs.makedirs(partial.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe(partial, b"{}")  # a crashed upload of an older run: not complete, never counted or deleted
+    mirror = RemoteMirror(url)
+    with CheckpointManager(tmp_path / "local", url, keep_last_n=2, async_save=True) as mgr:
+        mgr.protect([2])
+        for step in range(1, 7):
+            mgr.save(step, {"actor": _state(float(step))})
+            mgr.wait()
+            if step == 3:
+                assert [s for s, _ in mirror.list_complete()] == [2, 3]
+    assert [s for s, _ in mirror.list_complete()] == [2, 5, 6]
+    assert [s for s, _ in atomic.list_complete(tmp_path / "local")] == [2, 5, 6]
+    assert fs.exists(partial) and mirror.find_latest() == "global_step_6"
+
+
+def test_remote_retention_waits_for_a_complete_upload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _mem_url()
+    mirror = RemoteMirror(url)
+    with CheckpointManager(tmp_path, url, keep_last_n=1, async_save=False) as mgr:
+        mgr.save(1, {"actor": _state(1.0)})
+
+        def failing_upload(self: RemoteMirror, local_dir: Path) -> str:
+            raise OSError("remote store unavailable")
+
+        monkeypatch.setattr(RemoteMirror, "upload", failing_upload)
+        with pytest.raises(CheckpointWriteError, match="mirroring it"):
+            mgr.save(2, {"actor": _state(2.0)})
+    assert [s for s, _ in mirror.list_complete()] == [1]  # the only complete remote copy survives
 
 
 def test_partial_remote_upload_is_ignored() -> None:

@@ -169,15 +169,20 @@ class RayBackend(Backend):
 
     def wait(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,
              timeout_s: float | None) -> list[Any]:
+        error: Exception
         try:
             return ray.get(list(refs), timeout=timeout_s)  # raises as soon as any rank fails
         except GetTimeoutError:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
             done = set(ready)
             pending = [rank for rank, ref in zip(ranks, refs) if ref not in done]
-            raise WorkerTimeoutError(group, method, float(timeout_s or 0), pending) from None
+            error = WorkerTimeoutError(group, method, float(timeout_s or 0), pending)
         except RayError as err:
-            raise self._worker_error(refs, ranks, group, method, err) from None
+            error = self._worker_error(refs, ranks, group, method, err)
+        # Raised outside the `except`: Ray's wrapper (whose text the error already carries) is not chained, but an
+        # error already in flight is (a cleanup call in a trainer's `finally` after a worker died), where
+        # `from None` hid it: the user saw only the cleanup's failure.
+        raise error
 
     def _worker_error(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,
                       err: RayError) -> WorkerError:

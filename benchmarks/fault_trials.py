@@ -1,0 +1,241 @@
+"""Fault trials (issue 20): kill -9 during async checkpoint saves, and a Ray worker killed during PPO training.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fault_trials --ckpt-trials 16 --ray-trials 3
+
+Checkpoint trial: a child process trains nothing but saves a tiny model + AdamW state (filled with its step's
+value) in a loop with `async_save=true` (so a kill usually lands inside a save) and is SIGKILLed at a random moment;
+the next trial resumes where the latest complete checkpoint says. Usable = the latest checkpoint exists, is never
+older than the previous trial's, and every complete checkpoint loads as exactly its own step's state.
+
+Ray trial: a tiny GRPO run on 2 CPU ranks (gloo); rank 1's process is SIGKILLed `--kill-delay` s into step 2.
+Reported: seconds from the kill to the driver's error, whether that error names the dead rank and a training call
+(not a cleanup such as `close_checkpoints`), and whether `run_end` in events.jsonl says `failed`.
+Prints a markdown table, then one JSON object; `--out DIR` also writes `fault_trials.json` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.checkpoint import CheckpointManager, atomic
+
+CLEANUP_METHODS = ("close_checkpoints", "shutdown", "poll_checkpoint")
+
+
+# ------------------------------------------------------------------------------------------- checkpoint trials
+def tiny_state(step: int) -> dict[str, Any]:
+    """A 2-layer MLP and its AdamW state, every tensor filled from `step` (so a load proves which save it is)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    for state in opt.state.values():
+        state["exp_avg"].fill_(-float(step))
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def save_forever(root: str, start: int, started: Any) -> None:
+    """Child: async-save step after step until killed."""
+    torch.set_num_threads(1)
+    mgr = CheckpointManager(root, async_save=True, keep_last_n=3)
+    states = {s: tiny_state(s) for s in (start, start + 1)}
+    step = start
+    started.set()
+    while True:
+        state = states.get(step) or tiny_state(step)
+        mgr.save(step, {"actor": state}, extra={"step": step})
+        step += 1
+
+
+def check_checkpoints(root: Path) -> tuple[int | None, int]:
+    """(latest complete step, complete checkpoints that did not load as their own step's state)."""
+    mgr = CheckpointManager(root, async_save=False, capture_rng=False)
+    broken = 0
+    for step, path in atomic.list_complete(root):
+        loaded = mgr.load(path, restore_rng=False).components["actor"]
+        ref = tiny_state(step)
+        same = loaded["optimizer"]["param_groups"][0]["lr"] == ref["optimizer"]["param_groups"][0]["lr"]
+        same &= all(torch.equal(loaded["model"][k], v) for k, v in ref["model"].items())
+        same &= all(torch.equal(loaded["optimizer"]["state"][i]["exp_avg"], s["exp_avg"])
+                    for i, s in ref["optimizer"]["state"].items())
+        broken += not same
+    mgr.close()
+    latest = atomic.find_latest(root)
+    return (None if latest is None else atomic.parse_step(latest.name)), broken
+
+
+def ckpt_trials(n: int, seed: int, max_delay_s: float) -> dict[str, Any]:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hybridflow.checkpoint"])
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    latest: int | None = None
+    with tempfile.TemporaryDirectory(prefix="fault_ckpt_") as tmp:
+        root = Path(tmp)
+        for trial in range(n):
+            started = ctx.Event()
+            proc = ctx.Process(target=save_forever, args=(str(root), (latest or 0) + 1, started))
+            proc.start()
+            if not started.wait(timeout=120):
+                raise RuntimeError("the saving child did not start within 120 s")
+            time.sleep(rng.uniform(0.05, max_delay_s))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+            names = [p.name for p in root.iterdir()]
+            mid_save = any(x.startswith((atomic.TMP_PREFIX, atomic.TRASH_PREFIX)) for x in names)
+            new_latest, broken = check_checkpoints(root)
+            usable = new_latest is not None and broken == 0 and (latest is None or new_latest >= latest)
+            rows.append({"trial": trial, "latest_step": new_latest, "killed_mid_save": mid_save,
+                         "broken": broken, "usable": usable})
+            latest = new_latest if new_latest is not None else latest
+    return {"trials": n, "usable": sum(r["usable"] for r in rows),
+            "killed_mid_save": sum(r["killed_mid_save"] for r in rows),
+            "broken_checkpoints": sum(r["broken"] for r in rows), "final_step": latest, "rows": rows}
+
+
+# --------------------------------------------------------------------------------------------------- Ray trials
+def _pid(host: Any) -> int:
+    return os.getpid()
+
+
+def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
+    """One tiny GRPO run on 2 Ray CPU ranks with rank 1 SIGKILLed `kill_delay_s` into step 2."""
+    import ray
+
+    from hybridflow.config import load_config
+    from hybridflow.tracking.jsonl import read_events
+    from hybridflow.trainer.ppo import PPOTrainer
+    from hybridflow.trainer.run import run_ppo
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = load_config(overrides=[
+        "trainer.device=cpu", "trainer.backend=ray", "trainer.n_gpus_per_node=2", "trainer.logger=[]",
+        "model.override_config={num_hidden_layers: 1}", "data.train_size=16", "data.val_size=2",
+        "data.max_response_length=6", "data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=4",
+        "trainer.checkpoint.save_freq=1", f"trainer.run_dir={workdir}/run", f"trainer.default_local_dir={workdir}/ckpt"])
+    state: dict[str, Any] = {}
+    original_step = PPOTrainer.step
+
+    def kill(pid: int) -> None:
+        state["t_kill"] = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+
+    def step(self: PPOTrainer, batch: Any) -> dict[str, float]:
+        if self.global_step == 2 and "timer" not in state:
+            handle = self.groups.owners[0]._handles[1]  # noqa: SLF001 - the trial reaches into the Ray backend
+            state["timer"] = threading.Timer(kill_delay_s, kill, (ray.get(handle.__ray_call__.remote(_pid)),))
+            state["timer"].start()
+        return original_step(self, batch)
+
+    PPOTrainer.step = step  # type: ignore[method-assign]
+    error: BaseException | None = None
+    try:
+        run_ppo(cfg)
+    except Exception as err:  # the trial's subject: recorded below, not swallowed
+        error = err
+    finally:
+        PPOTrainer.step = original_step  # type: ignore[method-assign]
+        ray.shutdown()
+    t_error = time.perf_counter()
+    ends = [e for e in read_events(workdir / "run") if e["kind"] == "run_end"]
+    method = str(getattr(error, "method", ""))
+    return {"error_type": type(error).__name__ if error else None, "rank": getattr(error, "rank", None),
+            "method": method, "names_dead_rank": getattr(error, "rank", None) == 1,
+            "names_training_call": bool(method) and not method.endswith(CLEANUP_METHODS),
+            "seconds_to_error": round(t_error - state["t_kill"], 2) if "t_kill" in state else None,
+            "run_end": ends[-1]["status"] if ends else None,
+            "notes": list(getattr(error, "__notes__", [])), "error_head": str(error).splitlines()[0][:300]}
+
+
+def ray_trials(n: int, kill_delay_s: float) -> dict[str, Any]:
+    """Each trial in a fresh Python process (a fresh Ray cluster); the trial prints its JSON as the last line."""
+    rows = []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory(prefix="fault_ray_") as tmp:
+            cmd = [sys.executable, "-m", "benchmarks.fault_trials", "--ray-child", tmp, "--kill-delay", str(kill_delay_s)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"Ray trial exited {proc.returncode}: {proc.stderr[-3000:]}")
+            rows.append(json.loads(lines[-1]))
+    times = [r["seconds_to_error"] for r in rows if r["seconds_to_error"] is not None]
+    return {"trials": n, "names_dead_rank": sum(r["names_dead_rank"] for r in rows),
+            "names_training_call": sum(r["names_training_call"] for r in rows),
+            "run_end_failed": sum(r["run_end"] == "failed" for r in rows),
+            "seconds_to_error_median": statistics.median(times) if times else None,
+            "seconds_to_error_max": max(times) if times else None, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["| trial | trials | usable checkpoints | kills mid-save | error names dead rank + failing call "
+             "| run_end failed | time to error (median / max) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    c = result.get("checkpoint")
+    if c:
+        lines.append(f"| kill -9 during async save | {c['trials']} | {c['usable']}/{c['trials']} | "
+                     f"{c['killed_mid_save']} | – | – | – |")
+    r = result.get("ray")
+    if r:
+        t = r["seconds_to_error_median"]
+        times = "–" if t is None else f"{t:.2f} s / {r['seconds_to_error_max']:.2f} s"
+        both = sum(x["names_dead_rank"] and x["names_training_call"] for x in r["rows"])
+        lines.append(f"| Ray worker SIGKILL (PPO, 2 gloo ranks) | {r['trials']} | – | – | {both}/{r['trials']} | "
+                     f"{r['run_end_failed']}/{r['trials']} | {times} |")
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    return {"commit": commit or None, "torch": torch.__version__, "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "date_unix": round(time.time())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt-trials", type=int, default=12)
+    ap.add_argument("--ray-trials", type=int, default=1, help="0 skips the Ray trial")
+    ap.add_argument("--max-delay", type=float, default=1.0, help="kill the saver up to this many seconds in")
+    ap.add_argument("--kill-delay", type=float, default=0.3, help="kill rank 1 this many seconds into step 2")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--ray-child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.ray_child is not None:
+        print(json.dumps(ray_trial(args.ray_child, args.kill_delay)), flush=True)
+        return
+    result: dict[str, Any] = {"env": environment()}
+    if args.ckpt_trials > 0:
+        result["checkpoint"] = ckpt_trials(args.ckpt_trials, args.seed, args.max_delay)
+    if args.ray_trials > 0:
+        result["ray"] = ray_trials(args.ray_trials, args.kill_delay)
+    print(markdown(result))
+    print(json.dumps(result))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fault_trials.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
