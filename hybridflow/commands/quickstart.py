@@ -50,8 +50,9 @@ def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | N
     start = time.perf_counter()
     run_dir = Path(cfg.trainer.run_dir)
     if console is not None:
-        console.rule(f"1/2 SFT warm start ({cfg.sft.total_steps} steps, {100 * cfg.sft.label_noise:.0f}% of the "
-                     "demonstrations answer one too high)")
+        stop = "" if cfg.sft.target_val_loss is None else f", until val loss ≤ {cfg.sft.target_val_loss}"
+        console.rule(f"1/2 SFT warm start (at most {cfg.sft.total_steps} steps{stop}; "
+                     f"{100 * cfg.sft.label_noise:.0f}% of the demonstrations answer one too high)")
     log_every = max(1, (cfg.sft.total_steps or 80) // 8)
     # `trainer.test_freq` is the GRPO phase's (every 5 steps): on the SFT steps that was a third of the SFT time.
     # Every 50 steps is enough to stop near sft.target_val_loss (a validation costs about two training steps).
