@@ -29,8 +29,11 @@ NUMERICS: dict[str, dict[str, str]] = {
 }
 
 
-def seed_overrides(seed: int) -> list[str]:
-    return [f"model.seed={seed}", f"data.seed={seed + 1}", f"rollout.seed={seed}", f"trainer.seed={seed + 1}"]
+def seed_overrides(seed: int, fixed_model: bool = False) -> list[str]:
+    """Every seed shifted by `seed`; from a fixed model only the RL seeds (sampling, trainer) move: the data seed
+    also draws the train/validation split, which must stay the one the model was fine-tuned on."""
+    rl = [f"rollout.seed={seed}", f"trainer.seed={seed + 1}"]
+    return rl if fixed_model else [f"model.seed={seed}", f"data.seed={seed + 1}", *rl]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -45,9 +48,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None) -> dict[str, Any]:
+def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None,
+            model: Path | None = None) -> dict[str, Any]:
     """The quickstart in this process; returns the learning summary (called by the child processes).
-    `sft_from`: a run dir of an earlier sweep whose `sft_model` the GRPO phase starts from (SFT is skipped)."""
+    `sft_from`: a run dir of an earlier sweep whose `sft_model` the GRPO phase starts from (SFT is skipped);
+    `model`: an HF directory the RL phase starts from (SFT is skipped)."""
     import torch
 
     from hybridflow.commands.quickstart import QUICKSTART_YAML, run_quickstart
@@ -56,7 +61,7 @@ def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None) -
     torch.set_num_threads(1)
     cfg = load_config([QUICKSTART_YAML], [f"trainer.run_dir={run_dir}", f"trainer.default_local_dir={run_dir}/ckpt",
                                           "trainer.logger=[jsonl]", *overrides])
-    result = run_quickstart(cfg, sft_dir=None if sft_from is None else sft_from / "sft_model")
+    result = run_quickstart(cfg, sft_dir=model or (None if sft_from is None else sft_from / "sft_model"))
     sft = [m for m in _read_jsonl((sft_from or run_dir) / "sft" / "metrics.jsonl") if "val/loss" in m]
     acc = [a for _, a, _ in result.val_accuracy()]
     return {"sft_steps": int(sft[-1]["training/global_step"]) if sft else None,
@@ -67,11 +72,13 @@ def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None) -
 
 
 def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str],
-           sft_from: Path | None = None) -> dict[str, Any]:
+           sft_from: Path | None = None, model: Path | None = None) -> dict[str, Any]:
     run_dir = work / f"{numerics}_s{seed}"
     env = {**os.environ, **NUMERICS[numerics], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--child", str(run_dir), *seed_overrides(seed),
-           *overrides, *([] if sft_from is None else ["--sft-from", str(sft_from / run_dir.name)])]
+    cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--child", str(run_dir),
+           *seed_overrides(seed, fixed_model=model is not None), *overrides,
+           *([] if sft_from is None else ["--sft-from", str(sft_from / run_dir.name)]),
+           *([] if model is None else ["--model", str(model)])]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     row: dict[str, Any] = {"seed": seed, "numerics": numerics, "overrides": overrides,
@@ -119,9 +126,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="a.b=c")
     parser.add_argument("--work", default=None, help="where the runs write (default: --out)")
     parser.add_argument("--sft-from", default=None, help="a sweep's work folder: start GRPO from its SFT models")
+    parser.add_argument("--model", default=None, help="an HF directory every run's RL phase starts from (no SFT)")
     args = parser.parse_intermixed_args()
     if args.child:
-        print(json.dumps(one_run(Path(args.child), args.overrides, args.sft_from and Path(args.sft_from))))
+        print(json.dumps(one_run(Path(args.child), args.overrides, args.sft_from and Path(args.sft_from),
+                                 args.model and Path(args.model).resolve())))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +142,8 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         work = Path(args.work) / out.name if args.work else out  # one folder per sweep: sweeps may run side by side
         sft_from = Path(args.sft_from) if args.sft_from else None
-        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides, sft_from), jobs))
+        model = Path(args.model).resolve() if args.model else None
+        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides, sft_from, model), jobs))
     table = summarize(rows)
     (out / "summary.md").write_text(table + "\n")
     print(table)

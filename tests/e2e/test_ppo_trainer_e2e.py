@@ -1,8 +1,6 @@
-"""End-to-end PPO/GRPO runs on CPU with the tiny model and the built-in arithmetic task.
-
-Learning is asserted against the SFT warm start (validation accuracy, greedy, held-out problems); mechanics are
-asserted per estimator (finite metrics), for the reference KL at step 1 (exactly 0) and for the Ray backend
-(2 ranks generate and score exactly what 1 local rank does).
+"""End-to-end PPO/GRPO mechanics on CPU with the tiny model and the built-in arithmetic task: per estimator
+(finite metrics), the reference KL at step 1 (exactly 0) and the Ray backend (2 ranks generate and score exactly
+what 1 local rank does). Learning is tested by stage in test_learning_stages.py.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms import ADVANTAGE_ESTIMATORS
-from hybridflow.commands.quickstart import QUICKSTART_YAML, QuickstartResult, run_quickstart
+from hybridflow.commands.quickstart import QUICKSTART_YAML
 from hybridflow.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
 
@@ -32,34 +30,6 @@ def _fit(cfg) -> list[dict[str, float]]:
         return trainer.fit()
     finally:
         trainer.close()
-
-
-def _val_accuracies(history: list[dict[str, float]]) -> list[float]:
-    return [m["val/accuracy"] for m in history if "val/accuracy" in m]
-
-
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory: pytest.TempPathFactory) -> QuickstartResult:
-    """The README's main job, exactly (SFT warm start + GRPO), with its outputs under a temporary directory."""
-    return run_quickstart(_cfg(tmp_path_factory.mktemp("quickstart")))
-
-
-def test_quickstart_grpo_raises_validation_accuracy(quickstart: QuickstartResult) -> None:
-    # Issue #8's target, +20 points. The quickstart gained +52 (default seeds), +62 and +58 (two other seeds) in our
-    # runs (docs/benchmarks.md); +20 leaves room for a seed whose SFT has not yet learnt the units digit sharply.
-    acc = [a for _, a, _ in quickstart.val_accuracy()]
-    assert len(acc) >= 2, quickstart.history
-    assert acc[-1] - acc[0] >= 0.20, f"GRPO validation accuracy {acc} did not rise by 20 points"
-
-
-def test_ppo_with_critic_improves(quickstart: QuickstartResult, tmp_path: Path) -> None:
-    sft_model = quickstart.sft_dir
-    history = _fit(_cfg(tmp_path, f"model.path={sft_model}", "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
-                        "critic.optim.lr=1e-3", "critic.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size_per_gpu=256",
-                        "critic.warmup_steps=3"))
-    assert any("critic/vf_loss" in m for m in history)
-    acc = _val_accuracies(history)
-    assert max(acc[1:]) > acc[0], f"PPO (gae) validation accuracy {acc} never rose above the SFT start"
 
 
 def test_first_step_kl_between_actor_and_ref_is_exactly_zero(tmp_path: Path) -> None:

@@ -147,3 +147,29 @@ def test_checkpoint_resume_restores_step_and_weights(tmp_path):
         assert torch.allclose(resumed.group.eval_lm(batch).batch["sum_logp"], trained)
     finally:
         resumed.close()
+
+
+def test_target_val_loss_stops_early_and_a_missed_target_is_an_event(tmp_path):
+    from hybridflow.tracking import Tracker
+
+    # Reached: the first validation (every 2 steps) below an easy target ends the run well before the cap.
+    cfg = _cfg(tmp_path / "easy", "sft.total_steps=40", "trainer.test_freq=2", "sft.target_val_loss=50.0")
+    trainer = SFTTrainer(cfg)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert trainer.global_step == 2 and history[-1]["val/loss"] <= 50.0
+
+    # Missed: the cap comes first → a warning event in events.jsonl naming the keys to change.
+    cfg = _cfg(tmp_path / "hard", "sft.total_steps=3", "trainer.test_freq=2", "sft.target_val_loss=1e-6",
+               "trainer.logger=[jsonl]")
+    with Tracker.from_config(cfg) as tracker:
+        run_sft(cfg, tracker=tracker, out_dir=tmp_path / "hf")
+    events = (tmp_path / "hard" / "run" / "events.jsonl").read_text()
+    assert "sft_target_missed" in events and "sft.total_steps=3" in events and "sft.target_val_loss" in events
+
+
+def test_target_val_loss_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="sft.target_val_loss"):
+        _cfg(tmp_path, "sft.target_val_loss=0")
