@@ -50,14 +50,17 @@ def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | N
     start = time.perf_counter()
     run_dir = Path(cfg.trainer.run_dir)
     if console is not None:
-        stop = "" if cfg.sft.target_val_loss is None else f", until val loss ≤ {cfg.sft.target_val_loss}"
-        console.rule(f"1/2 SFT warm start (at most {cfg.sft.total_steps} steps{stop}; "
+        sft, stop = cfg.sft, ""
+        if sft.target_val_loss is not None:
+            stop = f", {'until' if sft.stop_at_target else 'then checks'} val loss ≤ {sft.target_val_loss}"
+        console.rule(f"1/2 SFT warm start ({'at most ' if sft.stop_at_target else ''}{sft.total_steps} steps{stop}; "
                      f"{100 * cfg.sft.label_noise:.0f}% of the demonstrations answer one too high)")
     log_every = max(1, (cfg.sft.total_steps or 80) // 8)
     # `trainer.test_freq` is the GRPO phase's (every 5 steps): on the SFT steps that was a third of the SFT time.
-    # Every 50 steps is enough to stop near sft.target_val_loss (a validation costs about two training steps).
+    # Validate when the log prints, or every 50 steps to stop near sft.target_val_loss (one costs ~2 train steps).
+    val_every = min(log_every, 50) if cfg.sft.stop_at_target and cfg.sft.target_val_loss else log_every
     sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=log_every,
-                                                                   test_freq=min(log_every, 50)))
+                                                                   test_freq=val_every))
     if sft_dir is None:
         with Tracker.from_config(sft_cfg, run_dir=run_dir / "sft") as sft_tracker:  # run_end: the phase's status
             sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)

@@ -462,7 +462,9 @@ class SFTConfig:
     optim: OptimConfig
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
     label_noise: float  # built-in tasks only: share of SFT answers replaced by a systematic near miss (answer + 1)
-    target_val_loss: float | None = None  # stop once val/loss <= this (checked at each validation); total_steps caps
+    target_val_loss: float | None = None  # the warm start's criterion: val/loss <= this (checked at each validation)
+    stop_at_target: bool = True  # true: stop as soon as the target holds (total_steps caps); false: train the whole
+    # schedule and check the target at the end; either way a missed target is a warning and an event
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "sft.epochs", self.epochs, "must be >= 1")

@@ -56,14 +56,16 @@ class SFTTrainer(SupervisedTrainer):
 
     def reached_target(self, metrics: dict[str, float]) -> bool:
         target = self.sec.target_val_loss
-        return target is not None and metrics.get("val/loss", float("inf")) <= target
+        return self.sec.stop_at_target and target is not None and metrics.get("val/loss", float("inf")) <= target
 
     def missed_target(self) -> None:
         target = self.sec.target_val_loss
         if target is None or self.val_ds is None:
             return
         loss = next((m["val/loss"] for m in reversed(self.history) if "val/loss" in m), float("nan"))
-        message = (f"SFT stopped at its cap, sft.total_steps={self.total_steps}, with val/loss {loss:.4f} above "
+        if loss <= target:
+            return
+        message = (f"SFT ended at sft.total_steps={self.total_steps} with val/loss {loss:.4f} above "
                    f"sft.target_val_loss={target}: the model may be under-trained; raise sft.total_steps (or "
                    "sft.optim.lr), or raise the target")
         if self.tracker is None:

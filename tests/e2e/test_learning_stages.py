@@ -1,6 +1,6 @@
 """Learning, tested by stage so a failure names the stage (issue 19).
 
-1. SFT: the quickstart's warm start reaches `sft.target_val_loss` before its step cap.
+1. SFT: the quickstart's warm start ends with validation loss under its gate, `sft.target_val_loss`.
 2. RL from the committed SFT checkpoint `tests/assets/sft_arithmetic` (regenerate: tests/assets/make_sft_checkpoint.py):
    GRPO and PPO with a critic raise greedy validation accuracy on held-out problems by a margin set below the minimum
    over 5 seeds × 2 CPU numerics settings (docs/benchmarks.md, "Learning tests by stage").
@@ -65,8 +65,10 @@ def test_stage1_sft_reaches_its_target(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [(int(r["training/global_step"]), round(r["val/loss"], 4)) for r in rows if "val/loss" in r]
     target, cap = cfg.sft.target_val_loss, cfg.sft.total_steps
-    assert losses and losses[-1][1] <= target and losses[-1][0] < cap, (
-        f"SFT stage: val/loss did not reach sft.target_val_loss={target} within sft.total_steps={cap}: {losses}")
+    assert losses and losses[-1][1] <= target, (
+        f"SFT stage: val/loss did not reach sft.target_val_loss={target} in sft.total_steps={cap}: {losses}")
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert "sft_target_missed" not in events, events
 
 
 def test_stage2_grpo_from_sft_checkpoint(tmp_path: Path) -> None:

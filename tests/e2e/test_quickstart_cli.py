@@ -16,6 +16,7 @@ def test_quickstart_command_runs_both_phases_and_prints_the_gain(tmp_path):
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "1/2 SFT warm start (at most 4 steps, until val loss ≤ 0.18" in out, out
+    assert "1/2 SFT warm start (4 steps, then checks val loss ≤ 0.22" in out, out
+    assert "sft_target_missed" in out  # 4 steps cannot reach it: the gate says so
     assert "2/2 GRPO" in out and "after SFT (before RL)" in out and "points)" in out, out
     assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "sft" / "metrics.jsonl").exists()
