@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
+from hybridflow.config.schema import ActorConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_sft_rows
@@ -36,7 +37,7 @@ class SFTTrainer(SupervisedTrainer):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)
 
-    def role_config(self) -> Any:
+    def role_config(self) -> ActorConfig:
         s = self.sec
         return dataclasses.replace(
             self.cfg.actor, ppo_mini_batch_size=s.batch_size, ppo_micro_batch_size_per_gpu=s.micro_batch_size_per_gpu,

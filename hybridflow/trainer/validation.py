@@ -12,12 +12,19 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hybridflow.config import Config
 from hybridflow.trainer.metrics import per_source_scores
+
+if TYPE_CHECKING:
+    from hybridflow.data.rl_dataset import RLHFDataset
+    from hybridflow.rewards import RewardManager
+    from hybridflow.tracking import Tracker
+    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
+    from hybridflow.workers.reward_model import RewardModelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +55,8 @@ def reward_metrics(scores: np.ndarray, status: np.ndarray, sources: np.ndarray) 
 
 
 class Validator:
-    def __init__(self, cfg: Config, val_ds: Any, actor: Any, reward_fn: Any, reward_model: Any = None,
-                 tracker: Any = None) -> None:
+    def __init__(self, cfg: Config, val_ds: RLHFDataset, actor: ActorRolloutRefGroup, reward_fn: RewardManager,
+                 reward_model: RewardModelGroup | None = None, tracker: Tracker | None = None) -> None:
         from hybridflow.data import make_dataloader
 
         self.cfg, self.actor, self.reward_fn, self.reward_model = cfg, actor, reward_fn, reward_model
