@@ -16,7 +16,6 @@ else, same names and signatures, result shapes that match — and raises a `Type
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
@@ -108,10 +107,14 @@ class RoleGroup:
         return f"{type(self).__name__}({self.worker_group!r})"
 
 
-@functools.cache
+_CHECKED: set[tuple[type, type]] = set()  # (handle, worker) pairs already found to match
+
+
 def check_role_group(handle_cls: type[RoleGroup], worker_cls: type) -> None:
     """Raise `TypeError` unless `handle_cls` declares exactly `worker_cls`'s registered methods, each under its
     own name, with the worker's signature and the result shape its dispatch mode gives."""
+    if (handle_cls, worker_cls) in _CHECKED:
+        return
     where = f"{handle_cls.__name__} (handle of {worker_cls.__name__})"
     base = getattr(handle_cls, "worker_cls", None)
     if base is None or not (isinstance(worker_cls, type) and issubclass(worker_cls, base)):
@@ -126,6 +129,7 @@ def check_role_group(handle_cls: type[RoleGroup], worker_cls: type) -> None:
     problems = [p for p in problems if p]
     if problems:
         raise TypeError(f"{where} does not match the worker's registered methods:\n  " + "\n  ".join(problems))
+    _CHECKED.add((handle_cls, worker_cls))
 
 
 def _check_one(worker_cls: type, name: str, spec: RegisterSpec, remote: Remote[Any, Any] | None) -> str:

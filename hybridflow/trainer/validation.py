@@ -21,7 +21,8 @@ from hybridflow.trainer.metrics import per_source_scores
 
 if TYPE_CHECKING:
     from hybridflow.data.rl_dataset import RLHFDataset
-    from hybridflow.rewards import RewardManager
+    from hybridflow.protocol import DataProto
+    from hybridflow.rewards import RewardManager, RewardOutput
     from hybridflow.tracking import Tracker
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
     from hybridflow.workers.reward_model import RewardModelGroup
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def success(scored: Any, threshold: float) -> np.ndarray:
+def success(scored: RewardOutput, threshold: float) -> np.ndarray:
     """Per row 1.0/0.0 (or the scorer's own fractional `acc`): the first function source's numeric `acc` for
     that row, else raw score >= threshold; a failed row is 0."""
     raw = np.asarray(scored.raw_scores, dtype=np.float64)
@@ -109,7 +110,7 @@ class Validator:
             self.tracker.event("val_reward_failed", message, step, level="warning", batches=failed,
                                responses=int(sum(len(status[i]) for i in failed)))
 
-    def _samples(self, out: Any, row_scores: np.ndarray) -> list[dict[str, Any]]:
+    def _samples(self, out: DataProto, row_scores: np.ndarray) -> list[dict[str, Any]]:
         n = self.cfg.trainer.log_val_generations
         if n <= 0:
             return []

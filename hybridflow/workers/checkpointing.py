@@ -9,7 +9,7 @@ its own group (`trainer.use_colocated_worker=false`) checkpoints only its engine
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hybridflow.checkpoint.remote import join_url
 from hybridflow.config import Config
@@ -166,7 +166,7 @@ class CheckpointingWorker:
 class CheckpointingGroup(RoleGroup):
     """Driver-side handle of the checkpoint methods above (the base of the trained roles' handles)."""
 
-    worker_cls = CheckpointingWorker
+    worker_cls: ClassVar[type] = CheckpointingWorker
     init_checkpoint = per_rank(CheckpointingWorker.init_checkpoint)
     checkpoint_steps = per_rank(CheckpointingWorker.checkpoint_steps)
     load_checkpoint = per_rank(CheckpointingWorker.load_checkpoint)
