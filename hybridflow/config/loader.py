@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import re
 import types
 import typing
@@ -20,8 +21,16 @@ import yaml
 
 from hybridflow.config.schema import Config
 
+logger = logging.getLogger(__name__)
+
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 _REF = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
+
+# Keys that were removed: an old config (e.g. a run directory's config.yaml) still loads, with a warning and the fix.
+REMOVED_KEYS: dict[str, str] = {
+    "rollout.block_size": "the rollout KV cache is per-slot static buffers, not paged blocks, so it never had an "
+                          "effect",
+}
 
 
 class ConfigError(ValueError):
@@ -149,6 +158,10 @@ def build(cls: type, data: Any, path: str) -> Any:
     for key in data:
         if key not in fields:
             full = f"{path}.{key}" if path else str(key)
+            if full in REMOVED_KEYS:
+                logger.warning("config key '%s' was removed and is ignored (%s); delete it from your config",
+                               full, REMOVED_KEYS[full])
+                continue
             match = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f" Did you mean '{path + '.' if path else ''}{match[0]}'?" if match else ""
             raise ConfigError(f"unknown config key '{full}'.{hint} Valid keys here: {', '.join(fields)}")

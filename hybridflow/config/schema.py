@@ -190,7 +190,6 @@ class RolloutConfig:
     max_num_seqs: int  # sequences decoded together
     max_num_batched_tokens: int  # prefill token budget per scheduler step
     kv_cache_tokens: int | None  # explicit KV budget in tokens (overrides gpu_memory_utilization; used on CPU)
-    block_size: int
     enforce_eager: bool  # no CUDA graphs
     free_cache_engine: bool  # release the KV cache when switching back to training
     seed: int

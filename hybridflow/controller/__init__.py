@@ -18,6 +18,7 @@ from hybridflow.controller.decorator import (
 )
 from hybridflow.controller.errors import WorkerError, WorkerTimeoutError
 from hybridflow.controller.futures import GroupFuture
+from hybridflow.controller.proxy import RoleGroup, check_role_group, future, gathered, per_rank
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import DispatchInfo, Worker, WorkerEnv
 from hybridflow.controller.worker_group import WorkerGroup
@@ -27,4 +28,5 @@ __all__ = [
     "spawn", "DISPATCH_MODES",
     "Dispatch", "DispatchContext", "DispatchPlan", "Execute", "register", "register_dispatch_mode", "WorkerError",
     "WorkerTimeoutError", "GroupFuture", "ResourcePool", "DispatchInfo", "Worker", "WorkerEnv", "WorkerGroup",
+    "RoleGroup", "check_role_group", "future", "gathered", "per_rank",
 ]

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from hybridflow.controller.futures import GroupFuture, RemoteSlice
 from hybridflow.controller.worker import DispatchInfo
@@ -43,9 +43,18 @@ class RegisterSpec:
     timeout_s: float | None
 
 
+@overload
+def register(dispatch_mode: F) -> F: ...
+
+
+@overload
+def register(dispatch_mode: Dispatch | str = ..., execute_mode: Execute | str = ..., blocking: bool = ...,
+             timeout_s: float | None = ...) -> Callable[[F], F]: ...
+
+
 def register(dispatch_mode: Dispatch | str | Callable[..., Any] = Dispatch.DP_COMPUTE_PROTO,
              execute_mode: Execute | str = Execute.ALL, blocking: bool = True,
-             timeout_s: float | None = None) -> Any:
+             timeout_s: float | None = None) -> Callable[..., Any]:
     """Mark a worker method as callable from the driver through a `WorkerGroup`.
 
     `blocking=False` makes the group method return a `GroupFuture`; `timeout_s` bounds each call (None = the
@@ -136,6 +145,9 @@ class DispatchMode:
     takes_futures: bool = False  # False: the group resolves GroupFuture args on the driver before dispatch
     rank_zero_only: bool = False
     chains_proto: bool = False  # outputs are dp-chunked DataProtos another DP call may consume by reference
+    # What a blocking group call returns, for typed handles (`controller.proxy`): one result, or one per rank;
+    # None = not declared (custom modes), either is accepted.
+    result: Literal["gathered", "per_rank"] | None = None
 
 
 DISPATCH_MODES: Registry[DispatchMode] = Registry("dispatch mode")
@@ -144,14 +156,16 @@ DISPATCH_MODES: Registry[DispatchMode] = Registry("dispatch mode")
 def register_dispatch_mode(name: str, dispatch_fn: Callable[[DispatchContext, tuple[Any, ...], dict[str, Any]],
                                                             DispatchPlan],
                            collect_fn: Callable[[DispatchContext, list[Any], Any], Any], *,
-                           takes_futures: bool = False, override: bool = False) -> None:
+                           takes_futures: bool = False, override: bool = False,
+                           result: Literal["gathered", "per_rank"] | None = None) -> None:
     """Add a user dispatch mode usable as `@register(dispatch_mode=name)`.
 
     `dispatch_fn(ctx, args, kwargs)` returns a `DispatchPlan` with one args tuple and kwargs dict per rank;
-    `collect_fn(ctx, outputs, plan.state)` turns the per-rank outputs (rank order) into the call's result.
+    `collect_fn(ctx, outputs, plan.state)` turns the per-rank outputs (rank order) into the call's result;
+    `result` ("gathered" | "per_rank") lets typed handles check how a method of this mode is declared.
     """
     DISPATCH_MODES.register(name, override=override)(
-        DispatchMode(name, dispatch_fn, collect_fn, takes_futures=takes_futures))
+        DispatchMode(name, dispatch_fn, collect_fn, takes_futures=takes_futures, result=result))
 
 
 # -------------------------------------------------------------------------------------------- built-in modes
@@ -256,12 +270,15 @@ def _dp_collect_metric(ctx: DispatchContext, outputs: list[Any], state: Any) -> 
     return _collected(ctx, outputs)
 
 
-DISPATCH_MODES.register(Dispatch.ONE_TO_ALL.value)(DispatchMode(Dispatch.ONE_TO_ALL.value, _one_to_all, _as_list))
-DISPATCH_MODES.register(Dispatch.ALL_TO_ALL.value)(DispatchMode(Dispatch.ALL_TO_ALL.value, _all_to_all, _as_list))
+DISPATCH_MODES.register(Dispatch.ONE_TO_ALL.value)(
+    DispatchMode(Dispatch.ONE_TO_ALL.value, _one_to_all, _as_list, result="per_rank"))
+DISPATCH_MODES.register(Dispatch.ALL_TO_ALL.value)(
+    DispatchMode(Dispatch.ALL_TO_ALL.value, _all_to_all, _as_list, result="per_rank"))
 DISPATCH_MODES.register(Dispatch.RANK_ZERO.value)(
-    DispatchMode(Dispatch.RANK_ZERO.value, _rank_zero, _first, rank_zero_only=True))
+    DispatchMode(Dispatch.RANK_ZERO.value, _rank_zero, _first, rank_zero_only=True, result="gathered"))
 DISPATCH_MODES.register(Dispatch.DP_COMPUTE_PROTO.value)(
     DispatchMode(Dispatch.DP_COMPUTE_PROTO.value, _dp_dispatch, _dp_collect_proto, takes_futures=True,
-                 chains_proto=True))
+                 chains_proto=True, result="gathered"))
 DISPATCH_MODES.register(Dispatch.DP_COMPUTE_METRIC.value)(
-    DispatchMode(Dispatch.DP_COMPUTE_METRIC.value, _dp_dispatch, _dp_collect_metric, takes_futures=True))
+    DispatchMode(Dispatch.DP_COMPUTE_METRIC.value, _dp_dispatch, _dp_collect_metric, takes_futures=True,
+                 result="per_rank"))

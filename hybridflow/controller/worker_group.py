@@ -3,7 +3,7 @@
 `wg.update_actor(data)` = dispatch (split per rank) → call every rank (backend) → collect (gather). Methods
 registered with `blocking=False` return a `GroupFuture` that can be passed straight into the next call. A group
 built from a colocated worker class also gives per-role views (`role_view`, or `colocate.spawn`) that share its
-processes.
+processes. The attributes are untyped; trainers hold a typed handle instead (`controller.proxy.RoleGroup`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class WorkerGroup:
         self._ranks = list(range(len(self._handles)))
         self.default_timeout_s: float | None = None
         self._contexts: dict[str | None, DispatchContext] = {}
-        self._method_names: list[str] = []
+        self._methods: dict[str, BoundMethod] = {}
         method_roles: dict[str, str] = getattr(cls, "_hf_method_roles", {}) if role is None else {}
         for mname, spec in registered_methods(cls).items():
             try:
@@ -88,8 +88,9 @@ class WorkerGroup:
             method_role = role if role is not None else method_roles.get(mname)
             target = f"{role}__{mname}" if role is not None else mname
             doc = getattr(getattr(cls, mname, None), "__doc__", None)
-            setattr(self, mname, BoundMethod(self, mname, target, spec, mode, self._context(method_role), doc))
-            self._method_names.append(mname)
+            bound = BoundMethod(self, mname, target, spec, mode, self._context(method_role), doc)
+            self._methods[mname] = bound
+            setattr(self, mname, bound)
 
     def _context(self, role: str | None) -> DispatchContext:
         ctx = self._contexts.get(role)
@@ -170,7 +171,20 @@ class WorkerGroup:
 
     @property
     def method_names(self) -> list[str]:
-        return list(self._method_names)
+        return list(self._methods)
+
+    @property
+    def worker_cls(self) -> type[Worker]:
+        """The class each rank runs (a role view: that role's class)."""
+        return self._worker_cls
+
+    def method(self, name: str) -> BoundMethod:
+        """The group method that runs the worker's registered method `name`."""
+        try:
+            return self._methods[name]
+        except KeyError:
+            raise AttributeError(f"worker group {self.name!r} has no registered method {name!r}; registered: "
+                                 f"{sorted(self._methods)}") from None
 
     def role_view(self, role: str) -> WorkerGroup:
         """A WorkerGroup over the same processes whose methods are those of one colocated role."""
@@ -198,7 +212,7 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return (f"WorkerGroup({self.name!r}, world_size={self.world_size}, backend={self._backend.kind}, "
-                f"methods={self._method_names})")
+                f"methods={list(self._methods)})")
 
 
 def _first(outputs: list[Any]) -> Any:

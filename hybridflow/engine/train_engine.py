@@ -423,11 +423,6 @@ class TrainEngine:
         ckpt.export_hf(self.module, path, self.tokenizer, dtype)
         self.to_rest()
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) per parameter, gathered across ranks (for weight sync to another engine)."""
-        for name, p in self.module.named_parameters():
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p.data)
-
 
 def _param_groups(module: torch.nn.Module) -> list[Any]:
     """FSDP2's parameter groups of one module (private API: a list from torch 2.12, one group before)."""

@@ -54,7 +54,6 @@ class RolloutEngine:
         self.check_every = check_every or (8 if on_gpu else 1)
         self._calls = 0
         self.timing: dict[str, float] = {}  # the last generate's timings (seconds), also in its meta_info["metrics"]
-        self._switch_s = 0.0  # sync_weights time not yet reported
         self.bind(module)
 
     # ------------------------------------------------------------------------------------------- hybrid engine
@@ -78,7 +77,8 @@ class RolloutEngine:
         self._runner: ModelRunner | None = None
 
     def sync_weights(self) -> float:
-        """Make the next generate use the module's current parameters; returns seconds spent (timing/switch)."""
+        """Make the next generate use the module's current parameters; returns seconds spent. (The worker's
+        `timing/switch` times the whole train↔generate switch around it.)"""
         if self._fallback is not None:
             return 0.0
         t0 = time.perf_counter()
@@ -88,9 +88,7 @@ class RolloutEngine:
             self._runner.set_weights(self._weights)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - t0
-        self._switch_s += elapsed
-        return elapsed
+        return time.perf_counter() - t0
 
     def release_cache(self) -> None:
         """Free the KV cache, CUDA graphs, cast/gather buffers and our references to the parameters (so an
@@ -183,7 +181,6 @@ class RolloutEngine:
             res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
-        self.timing["timing/switch"], self._switch_s = self._switch_s, 0.0  # train→generate (weights only)
         out = self._assemble(ids_d, mask_d, pos_d, params.n, res).to(dev_in)
         out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         out.meta_info = {**meta, "metrics": {**self.timing, "rollout/decode_steps": res.decode_steps,

@@ -4,7 +4,7 @@ Decision: per-slot static buffers, not paged blocks. RL rollouts have a known ma
 so a slot of T columns wastes nothing that paging would save on the decode read (decode reads all T columns
 under a validity mask either way), while fixed addresses and shapes are what CUDA graphs need and the decode
 attention becomes a single SDPA call. Prefix sharing for n samples = copying the prompt's K/V into n slots
-once at prefill (the prompt is computed once). `rollout.block_size` is unused by this layout.
+once at prefill (the prompt is computed once). There is no block size to configure.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from hybridflow.rollout import forward
 from hybridflow.rollout.forward import DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
-from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.rollout.sampling import SamplingParams, sampler_values
 from hybridflow.rollout.weights import ArchSpec, ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,10 @@ class ModelRunner:
         self.is_stop.fill_(False)
         if stops:
             self.is_stop[torch.tensor(stops, device=self.device)] = True
-        self.temperature.fill_(params.temperature if params.do_sample else 1.0)
-        self.top_k.fill_(params.top_k if params.top_k > 0 else self.spec.vocab)
-        self.top_p.fill_(params.top_p)
+        temperature, top_k, top_p = sampler_values(params, self.spec.vocab)
+        self.temperature.fill_(temperature)
+        self.top_k.fill_(top_k)
+        self.top_p.fill_(top_p)
         self.mode = params.mode
 
     def set_weights(self, weights: ModelWeights) -> None:

@@ -157,10 +157,8 @@ def sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k:
     return tok, torch.log(p_j / z)
 
 
-def sampling_tensors(params: SamplingParams, vocab_size: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """0-d tensors (temperature, top_k, top_p) for `sample`; greedy uses temperature 1 unless one was given."""
-    temp = params.temperature if params.temperature > 0 else 1.0
-    k = params.top_k if params.top_k > 0 else vocab_size
-    return (torch.tensor(float(temp), device=device), torch.tensor(int(k), device=device),
-            torch.tensor(float(params.top_p), device=device))
+def sampler_values(params: SamplingParams, vocab_size: int) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) for `sample`: greedy samples at temperature 1 (its log-probs are the plain
+    softmax's), top_k off = the whole vocabulary. The model runner fills its graph-captured 0-d tensors with these."""
+    temperature = params.temperature if params.do_sample else 1.0
+    return temperature, params.top_k if params.top_k > 0 else vocab_size, params.top_p

@@ -28,7 +28,3 @@ def balanced_order(seq_lens: torch.Tensor, world_size: int) -> torch.Tensor:
             heapq.heappush(heap, (tokens + int(lens[i]), r))
     return torch.tensor([i for p in parts for i in sorted(p)], dtype=torch.long)
 
-
-def partition_token_sums(seq_lens: torch.Tensor, order: torch.Tensor, world_size: int) -> list[int]:
-    chunks = seq_lens[order].chunk(world_size)
-    return [int(c.sum()) for c in chunks]

@@ -10,12 +10,23 @@ LR schedule and KL controller; the data position and step counter move on (no re
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridflow.checkpoint import DataPosition, NonFiniteError, NonFiniteGuard, RollbackTracker, join_url
+from hybridflow.checkpoint import (
+    DataPosition,
+    NonFiniteError,
+    NonFiniteGuard,
+    RollbackDecision,
+    RollbackTracker,
+    join_url,
+)
 from hybridflow.config import Config, to_dict
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.ppo import PPOTrainer
+    from hybridflow.workers.checkpointing import CheckpointingGroup
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +36,12 @@ TRAINED_ROLES = ("actor", "critic")
 class TrainerCheckpointing:
     """Owns the checkpoint/rollback/NaN-guard policy of one `PPOTrainer` (passed in, read and updated)."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: PPOTrainer) -> None:
         self.trainer = trainer
         cfg: Config = trainer.cfg
         t = cfg.trainer
         self.cfg = cfg
-        self.targets: dict[str, Any]
+        self.targets: dict[str, CheckpointingGroup]
         groups = trainer.groups
         if t.checkpoint.save_freq == 0 and t.resume_mode == "disable":
             self.targets = {}  # checkpointing off: no managers, no directories created
@@ -134,7 +145,7 @@ class TrainerCheckpointing:
         if decision is not None:
             self._roll_back(decision, step)
 
-    def _roll_back(self, decision: Any, step: int) -> None:
+    def _roll_back(self, decision: RollbackDecision, step: int) -> None:
         extras = {name: g.rollback_checkpoint(decision.target_step, decision.lr_scale)[0]
                   for name, g in self.targets.items()}
         extra = next(iter(extras.values()))

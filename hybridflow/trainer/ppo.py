@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,12 @@ from hybridflow.trainer.metrics import compute_data_metrics, memory_metrics, thr
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
 from hybridflow.trainer.timing import StageTimer
 from hybridflow.trainer.validation import Validator
+from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hybridflow.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +50,8 @@ def reduce_metrics(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[
 
 
 class PPOTrainer:
-    def __init__(self, cfg: Config, *, tokenizer: Any = None, tracker: Any = None,
-                 groups: WorkerGroups | None = None) -> None:
+    def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 tracker: Tracker | None = None, groups: WorkerGroups | None = None) -> None:
         from hybridflow.data import build_rl_datasets, make_dataloader
         from hybridflow.models.loader import load_tokenizer
         from hybridflow.rewards import RewardManager
@@ -74,7 +80,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ fit
     @property
-    def actor(self) -> Any:
+    def actor(self) -> ActorRolloutRefGroup:
         return self.groups.actor
 
     def fit(self) -> list[dict[str, float]]:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
+from hybridflow.config.schema import CriticConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs
@@ -67,7 +68,7 @@ class RMTrainer(SupervisedTrainer):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_pairs, pad_token_id=self.pad_id)
 
-    def role_config(self) -> Any:
+    def role_config(self) -> CriticConfig:
         s = self.sec
         # Rows are interleaved (chosen, rejected) pairs: fixed, even micro-batches and no shuffling keep pairs whole.
         return dataclasses.replace(

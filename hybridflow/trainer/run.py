@@ -14,9 +14,12 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config
+
+if TYPE_CHECKING:
+    from hybridflow.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +90,11 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------------------- runs
 @contextlib.contextmanager
-def tracked_run(cfg: Config, tracker: Any = None) -> Iterator[Any]:
+def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker]:
     """The run's tracker (built from `trainer.logger` when not given). A tracker built here is closed here with
     the run's honest status; a given one belongs to the caller (close it with `tracker.close(error=...)`)."""
     own = tracker is None
-    if own:
+    if tracker is None:
         from hybridflow.tracking import Tracker
 
         tracker = Tracker.from_config(cfg)
@@ -106,7 +109,7 @@ def tracked_run(cfg: Config, tracker: Any = None) -> Iterator[Any]:
         tracker.close()
 
 
-def run_ppo(cfg: Config, tracker: Any = None) -> list[dict[str, float]]:
+def run_ppo(cfg: Config, tracker: Tracker | None = None) -> list[dict[str, float]]:
     """Train with `cfg`; returns the per-step metrics. The tracker is built from `trainer.logger` when not given."""
     from hybridflow.trainer.ppo import PPOTrainer
 

@@ -12,15 +12,19 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
+from hybridflow.config.schema import ActorConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_sft_rows
+
+if TYPE_CHECKING:
+    from hybridflow.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ class SFTTrainer(SupervisedTrainer):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)
 
-    def role_config(self) -> Any:
+    def role_config(self) -> ActorConfig:
         s = self.sec
         return dataclasses.replace(
             self.cfg.actor, ppo_mini_batch_size=s.batch_size, ppo_micro_batch_size_per_gpu=s.micro_batch_size_per_gpu,
@@ -86,7 +90,8 @@ def sft_config(cfg: Config, *, steps: int | None = None, out_dir: str | Path | N
     return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, **fields))
 
 
-def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None = None, tracker: Any = None,
+def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None = None,
+            tracker: Tracker | None = None,
             checkpoints: bool = False, **sft_overrides: Any) -> Path:
     """Train the actor's model (`model.path` or `model.preset`) with SFT on `data` (e.g. the built-in task's
     SFT rows) and export it; returns the HF directory, ready for `model.path=<it>` in PPO.

@@ -14,12 +14,20 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
+from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hybridflow.data.dataloader import StatefulDataLoader
+    from hybridflow.tracking import Tracker
+    from hybridflow.trainer.supervised_worker import SupervisedGroup
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +48,8 @@ class SupervisedTrainer(ABC):
     role: str = "actor"  # engine role: actor (language model) | critic (scalar head)
     loss: str = ""  # SUPERVISED_LOSSES name
 
-    def __init__(self, cfg: Config, *, tokenizer: Any = None, tracker: Any = None) -> None:
+    def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 tracker: Tracker | None = None) -> None:
         from hybridflow.models.loader import load_tokenizer
 
         self.cfg = cfg
@@ -68,7 +77,7 @@ class SupervisedTrainer(ABC):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]: ...
 
     @abstractmethod
-    def role_config(self) -> Any:
+    def role_config(self) -> ActorConfig | CriticConfig:
         """The ActorConfig/CriticConfig the engine trains with (the section mapped onto the role's fields)."""
 
     def model_path(self) -> str | None:
@@ -100,7 +109,7 @@ class SupervisedTrainer(ABC):
             raise ValueError(f"{self.section}.batch_size={b} must be divisible by the {w} data-parallel ranks "
                              f"(trainer.nnodes × trainer.n_gpus_per_node); use e.g. {max(w, b // w * w)}")
 
-    def _loader(self, ds: Dataset, shuffle: bool, drop_last: bool) -> Any:
+    def _loader(self, ds: Dataset, shuffle: bool, drop_last: bool) -> StatefulDataLoader:
         from hybridflow.data.dataloader import StatefulDataLoader
 
         d = self.cfg.data
@@ -108,15 +117,15 @@ class SupervisedTrainer(ABC):
                                   num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
                                   persistent_workers=d.persistent_workers, collate_fn=self.collate_fn())
 
-    def _build_group(self) -> Any:
+    def _build_group(self) -> SupervisedGroup:
         from hybridflow.controller import ResourcePool, WorkerGroup
-        from hybridflow.trainer.supervised_worker import SupervisedWorker
+        from hybridflow.trainer.supervised_worker import SupervisedGroup, SupervisedWorker
 
         worker = functools.partial(SupervisedWorker, self.cfg, self.role, self.role_config(), self.loss,
                                    self.loss_kwargs(), self.total_steps, self.model_path())
         pool = ResourcePool.from_config(self.cfg)
         self.pool = pool
-        group = WorkerGroup(pool, worker, backend=self.cfg.trainer.backend, name=f"{self.section}")
+        group = SupervisedGroup(WorkerGroup(pool, worker, backend=self.cfg.trainer.backend, name=f"{self.section}"))
         group.init_model()
         return group
 
@@ -198,11 +207,11 @@ class SupervisedTrainer(ABC):
         """Wait for the last save, then release the workers (every step runs, see `run_cleanups`)."""
         from hybridflow.trainer.run import run_cleanups
 
-        run_cleanups([self.group.close_checkpoints, self.group.shutdown, self.pool.release])
+        run_cleanups([self.group.close_checkpoints, self.group.worker_group.shutdown, self.pool.release])
 
 
 def run_supervised(trainer_cls: type[SupervisedTrainer], cfg: Config,
-                   tracker: Any = None) -> tuple[Path, list[dict[str, float]]]:
+                   tracker: Tracker | None = None) -> tuple[Path, list[dict[str, float]]]:
     """Build `trainer_cls(cfg)`, fit, export; returns (HF directory, per-step metrics). The tracker is built from
     `trainer.logger` when not given (and closed with the run's status, see `hybridflow.trainer.run`)."""
     from hybridflow.trainer.run import cleaned_up, tracked_run

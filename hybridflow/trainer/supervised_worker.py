@@ -3,21 +3,27 @@ every other role through a `WorkerGroup` — so local, multi-process and Ray run
 
 The engine is built from an engine config the trainer derives (its `sft`/`rm` section mapped onto the actor or
 critic fields); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses to Ray.
+The driver holds a `SupervisedGroup`.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridflow.config import Config
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.config.schema import ActorConfig, CriticConfig
+from hybridflow.controller import Dispatch, RoleGroup, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised_batch import last_response_values
 from hybridflow.trainer.supervised_losses import build_loss
+
+if TYPE_CHECKING:
+    from hybridflow.checkpoint import CheckpointManager
+    from hybridflow.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +32,9 @@ class SupervisedWorker(Worker):
     """`role_cfg` is the ActorConfig (LM) or CriticConfig (scalar head) the engine trains with; `model_path`
     initialises the model (None = `cfg.model.path`, else its preset)."""
 
-    def __init__(self, cfg: Config, role: str, role_cfg: Any, loss: str, loss_kwargs: dict[str, Any] | None = None,
-                 total_steps: int | None = None, model_path: str | None = None) -> None:
+    def __init__(self, cfg: Config, role: str, role_cfg: ActorConfig | CriticConfig, loss: str,
+                 loss_kwargs: dict[str, Any] | None = None, total_steps: int | None = None,
+                 model_path: str | None = None) -> None:
         super().__init__()
         if role not in ("actor", "critic"):
             raise ValueError(f"role={role!r}: a supervised engine is a trained role, 'actor' (LM) or 'critic' "
@@ -35,8 +42,8 @@ class SupervisedWorker(Worker):
         self.cfg, self.role, self.role_cfg = cfg, role, role_cfg
         self.total_steps, self.model_path = total_steps, model_path
         self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
-        self.engine: Any = None
-        self._ckpt: Any = None
+        self.engine: TrainEngine  # built by init_model
+        self._ckpt: CheckpointManager | None = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -94,7 +101,7 @@ class SupervisedWorker(Worker):
         return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch["response_mask"]).cpu()})
 
     # --------------------------------------------------------------------------------------------- save/load
-    def _manager(self) -> Any:
+    def _manager(self) -> CheckpointManager:
         if self._ckpt is None:
             from hybridflow.checkpoint import CheckpointManager
 
@@ -130,3 +137,17 @@ class SupervisedWorker(Worker):
         """Write the full model (+ tokenizer) as an HF directory; every rank takes part, rank 0 writes."""
         self.engine.save_hf(out_dir)
         return str(Path(out_dir))
+
+
+class SupervisedGroup(RoleGroup):
+    """Driver-side handle of a `SupervisedWorker` group."""
+
+    worker_cls = SupervisedWorker
+    init_model = per_rank(SupervisedWorker.init_model)
+    train_batch = per_rank(SupervisedWorker.train_batch)
+    eval_lm = gathered(SupervisedWorker.eval_lm)
+    eval_scores = gathered(SupervisedWorker.eval_scores)
+    save_checkpoint = per_rank(SupervisedWorker.save_checkpoint)
+    load_checkpoint = per_rank(SupervisedWorker.load_checkpoint)
+    close_checkpoints = per_rank(SupervisedWorker.close_checkpoints)
+    export_hf = per_rank(SupervisedWorker.export_hf)

@@ -12,17 +12,25 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hybridflow.config import Config
 from hybridflow.trainer.metrics import per_source_scores
 
+if TYPE_CHECKING:
+    from hybridflow.data.rl_dataset import RLHFDataset
+    from hybridflow.protocol import DataProto
+    from hybridflow.rewards import RewardManager, RewardOutput
+    from hybridflow.tracking import Tracker
+    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
+    from hybridflow.workers.reward_model import RewardModelGroup
+
 logger = logging.getLogger(__name__)
 
 
-def success(scored: Any, threshold: float) -> np.ndarray:
+def success(scored: RewardOutput, threshold: float) -> np.ndarray:
     """Per row 1.0/0.0 (or the scorer's own fractional `acc`): the first function source's numeric `acc` for
     that row, else raw score >= threshold; a failed row is 0."""
     raw = np.asarray(scored.raw_scores, dtype=np.float64)
@@ -48,8 +56,8 @@ def reward_metrics(scores: np.ndarray, status: np.ndarray, sources: np.ndarray) 
 
 
 class Validator:
-    def __init__(self, cfg: Config, val_ds: Any, actor: Any, reward_fn: Any, reward_model: Any = None,
-                 tracker: Any = None) -> None:
+    def __init__(self, cfg: Config, val_ds: RLHFDataset, actor: ActorRolloutRefGroup, reward_fn: RewardManager,
+                 reward_model: RewardModelGroup | None = None, tracker: Tracker | None = None) -> None:
         from hybridflow.data import make_dataloader
 
         self.cfg, self.actor, self.reward_fn, self.reward_model = cfg, actor, reward_fn, reward_model
@@ -102,7 +110,7 @@ class Validator:
             self.tracker.event("val_reward_failed", message, step, level="warning", batches=failed,
                                responses=int(sum(len(status[i]) for i in failed)))
 
-    def _samples(self, out: Any, row_scores: np.ndarray) -> list[dict[str, Any]]:
+    def _samples(self, out: DataProto, row_scores: np.ndarray) -> list[dict[str, Any]]:
         n = self.cfg.trainer.log_val_generations
         if n <= 0:
             return []

@@ -1,30 +1,35 @@
 """`ActorRolloutRefWorker`: one process per GPU holding the actor (FSDP2 TrainEngine), the rollout engine that
 generates on the actor's own parameters (hybrid engine), and the reference policy (frozen copy or EMA).
 
-Each `@register`-ed method is one driver call; data arrives already split by data-parallel rank.
+Each `@register`-ed method is one driver call; data arrives already split by data-parallel rank. The driver holds
+an `ActorRolloutRefGroup`, whose attributes are these methods.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridflow.config import Config, resolve
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
-from hybridflow.workers.checkpointing import CheckpointingWorker
+from hybridflow.workers.checkpointing import CheckpointingGroup, CheckpointingWorker
 from hybridflow.workers.losses import make_actor_loss
+
+if TYPE_CHECKING:
+    from hybridflow.engine import TrainEngine
+    from hybridflow.rollout import RolloutEngine
 
 
 class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg, self.res = cfg, resolve(cfg)
-        self.actor: Any = None
-        self.rollout: Any = None
-        self.ref: Any = None
+        self.actor: TrainEngine  # built by init_model
+        self.rollout: RolloutEngine
+        self.ref: TrainEngine | None = None  # only when a reference policy is used
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
@@ -50,15 +55,14 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     # ------------------------------------------------------------------------------------------- generate
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways."""
+        """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways (the
+        rollout engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`)."""
         t0 = time.perf_counter()
         self.actor.to_mode("generate")
         self.rollout.sync_weights()
         t1 = time.perf_counter()
         out = self.rollout.generate(_seeds_to_meta(prompts))
         t2 = time.perf_counter()
-        if self.cfg.rollout.free_cache_engine:
-            self.rollout.release_cache()
         self.actor.to_mode("train")
         t3 = time.perf_counter()
         out = out.to("cpu")
@@ -75,6 +79,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
         out = self.ref.forward_logprobs(data, temperature=self.cfg.rollout.temperature)
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 
@@ -92,6 +97,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_ref_ema(self) -> None:
         """ref ← decay·ref + (1 − decay)·actor, shard by shard (both engines are wrapped identically)."""
+        assert self.ref is not None, "update_ref_ema needs the EMA reference (ref.ema.enable)"
         decay = self.cfg.ref.ema.decay
         ref_params = dict(self.ref.module.named_parameters())
         with torch.no_grad():
@@ -100,7 +106,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
                 p_ref.lerp_(_local(p_act).to(device=p_ref.device, dtype=p_ref.dtype), 1.0 - decay)
 
     # ------------------------------------------------------------------------------------------ checkpoint
-    def checkpoint_engines(self) -> dict[str, Any]:
+    def checkpoint_engines(self) -> dict[str, TrainEngine]:
         """The actor, and the reference only when it is an EMA (a frozen ref is rebuilt from the model)."""
         engines = {"actor": self.actor}
         if self.ref is not None and self.cfg.ref.ema.enable:
@@ -114,6 +120,19 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def load_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
         if "rollout" in state:
             self.rollout.load_state_dict(state["rollout"])
+
+
+class ActorRolloutRefGroup(CheckpointingGroup):
+    """Driver-side handle of an `ActorRolloutRefWorker` group (or colocated role view); each attribute is the
+    worker method of that name, run on every rank."""
+
+    worker_cls = ActorRolloutRefWorker
+    init_model = per_rank(ActorRolloutRefWorker.init_model)
+    generate_sequences = gathered(ActorRolloutRefWorker.generate_sequences)
+    compute_log_prob = gathered(ActorRolloutRefWorker.compute_log_prob)
+    compute_ref_log_prob = gathered(ActorRolloutRefWorker.compute_ref_log_prob)
+    update_actor = per_rank(ActorRolloutRefWorker.update_actor)
+    update_ref_ema = per_rank(ActorRolloutRefWorker.update_ref_ema)
 
 
 def _seeds_to_meta(prompts: DataProto) -> DataProto:

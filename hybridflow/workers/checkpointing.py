@@ -9,10 +9,15 @@ its own group (`trainer.use_colocated_worker=false`) checkpoints only its engine
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hybridflow.checkpoint.remote import join_url
-from hybridflow.controller import Dispatch, register
+from hybridflow.config import Config
+from hybridflow.controller import Dispatch, RoleGroup, per_rank, register
+
+if TYPE_CHECKING:
+    from hybridflow.checkpoint import CheckpointManager, LoadedCheckpoint
+    from hybridflow.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +26,11 @@ class CheckpointingWorker:
     """Mixin for role workers with trained engines. Subclasses override `checkpoint_engines` (component name →
     TrainEngine) and, for per-rank non-tensor state, `checkpoint_rank_state` / `load_checkpoint_rank_state`."""
 
-    cfg: Any
-    _ckpt: Any = None
+    cfg: Config
+    _ckpt: CheckpointManager | None = None
 
     # ------------------------------------------------------------------------------------ role interface
-    def checkpoint_engines(self) -> dict[str, Any]:
+    def checkpoint_engines(self) -> dict[str, TrainEngine]:
         return {}
 
     def checkpoint_rank_state(self) -> dict[str, Any]:
@@ -41,15 +46,15 @@ class CheckpointingWorker:
         others = [w for w in roles.values() if isinstance(w, CheckpointingWorker) and w is not self]
         return [self, *others]
 
-    def _engines(self) -> dict[str, Any]:
-        engines: dict[str, Any] = {}
+    def _engines(self) -> dict[str, TrainEngine]:
+        engines: dict[str, TrainEngine] = {}
         for member in self._members():
             for name, engine in member.checkpoint_engines().items():
                 assert name not in engines, f"two colocated roles both checkpoint a component named {name!r}"
                 engines[name] = engine
         return engines
 
-    def _manager(self) -> Any:
+    def _manager(self) -> CheckpointManager:
         if self._ckpt is None:
             raise RuntimeError("call init_checkpoint() on this worker group before saving or loading checkpoints")
         return self._ckpt
@@ -57,7 +62,7 @@ class CheckpointingWorker:
     def _templates(self) -> dict[str, Any]:
         return {name: engine.state_dict() for name, engine in self._engines().items()}
 
-    def _apply(self, loaded: Any) -> None:
+    def _apply(self, loaded: LoadedCheckpoint) -> None:
         for name, engine in self._engines().items():
             engine.load_state_dict(loaded.components[name])  # re-offloads itself when configured
 
@@ -156,3 +161,17 @@ class CheckpointingWorker:
         """Wait for the in-flight save (raising its error) and release the staging memory."""
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+class CheckpointingGroup(RoleGroup):
+    """Driver-side handle of the checkpoint methods above (the base of the trained roles' handles)."""
+
+    worker_cls: ClassVar[type] = CheckpointingWorker
+    init_checkpoint = per_rank(CheckpointingWorker.init_checkpoint)
+    checkpoint_steps = per_rank(CheckpointingWorker.checkpoint_steps)
+    load_checkpoint = per_rank(CheckpointingWorker.load_checkpoint)
+    save_checkpoint = per_rank(CheckpointingWorker.save_checkpoint)
+    rollback_checkpoint = per_rank(CheckpointingWorker.rollback_checkpoint)
+    protect_checkpoints = per_rank(CheckpointingWorker.protect_checkpoints)
+    poll_checkpoint = per_rank(CheckpointingWorker.poll_checkpoint)
+    close_checkpoints = per_rank(CheckpointingWorker.close_checkpoints)

@@ -1,23 +1,27 @@
-"""`CriticWorker`: value model (actor backbone + scalar head) trained with the clipped value loss."""
+"""`CriticWorker`: value model (actor backbone + scalar head) trained with the clipped value loss; the driver
+holds a `CriticGroup`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.config import Config, resolve
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
-from hybridflow.workers.checkpointing import CheckpointingWorker
+from hybridflow.workers.checkpointing import CheckpointingGroup, CheckpointingWorker
 from hybridflow.workers.losses import make_critic_loss
+
+if TYPE_CHECKING:
+    from hybridflow.engine import TrainEngine
 
 
 class CriticWorker(CheckpointingWorker, Worker):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.critic: Any = None
+        self.critic: TrainEngine  # built by init_model
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
@@ -45,5 +49,14 @@ class CriticWorker(CheckpointingWorker, Worker):
             metrics["perf/max_memory_allocated_gb/critic"] = torch.cuda.max_memory_allocated() / 2**30
         return metrics
 
-    def checkpoint_engines(self) -> dict[str, Any]:
+    def checkpoint_engines(self) -> dict[str, TrainEngine]:
         return {"critic": self.critic}
+
+
+class CriticGroup(CheckpointingGroup):
+    """Driver-side handle of a `CriticWorker` group (or colocated role view)."""
+
+    worker_cls = CriticWorker
+    init_model = per_rank(CriticWorker.init_model)
+    compute_values = gathered(CriticWorker.compute_values)
+    update_critic = per_rank(CriticWorker.update_critic)

@@ -1,25 +1,29 @@
 """`RewardModelWorker`: scores (prompt, response) pairs with a sequence-level reward model (scalar head).
 
 The score is the head's output at the last valid response token, placed in the batch as `rm_scores` [B]; the
-reward manager mixes it with rule rewards by weight (`reward.sources` entry `model`).
+reward manager mixes it with rule rewards by weight (`reward.sources` entry `model`). The driver holds a
+`RewardModelGroup`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.config import Config
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller import Dispatch, RoleGroup, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from hybridflow.engine import TrainEngine
 
 
 class RewardModelWorker(Worker):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rm: Any = None
+        self.rm: TrainEngine  # built by init_model
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -37,3 +41,11 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         return self.rm.forward_scores(data)
+
+
+class RewardModelGroup(RoleGroup):
+    """Driver-side handle of a `RewardModelWorker` group (or colocated role view)."""
+
+    worker_cls = RewardModelWorker
+    init_model = per_rank(RewardModelWorker.init_model)
+    compute_rm_score = gathered(RewardModelWorker.compute_rm_score)

@@ -69,6 +69,16 @@ def test_unknown_key_suggests() -> None:
         load_config(overrides=["trainer.checkpont.save_freq=1"])
 
 
+def test_removed_key_in_an_old_config_warns_with_the_fix(tmp_path, caplog) -> None:
+    old = tmp_path / "config.yaml"  # e.g. a run directory's config.yaml from before the key was removed
+    old.write_text(yaml.safe_dump({"rollout": {"block_size": 16, "n": 2}}))
+    with caplog.at_level("WARNING", logger="hybridflow.config.loader"):
+        cfg = load_config([old])
+    assert cfg.rollout.n == 2 and not hasattr(cfg.rollout, "block_size")
+    assert "config key 'rollout.block_size' was removed and is ignored" in caplog.text
+    assert "delete it from your config" in caplog.text
+
+
 def test_bad_type_names_key_and_value() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.nnodes='two'.*integer"):
         load_config(overrides=["trainer.nnodes=two"])

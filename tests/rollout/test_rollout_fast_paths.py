@@ -12,7 +12,7 @@ from rollout_helpers import make_engine, make_model, make_prompts
 
 from hybridflow.rollout import forward
 from hybridflow.rollout.decode_attention import decode_attention_ref
-from hybridflow.rollout.sampling import SamplingParams, row_seed, sample, sampling_tensors
+from hybridflow.rollout.sampling import SamplingParams, row_seed, sample, sampler_values
 
 
 @pytest.mark.parametrize("kind", ["tiny", "qwen"])
@@ -52,7 +52,7 @@ def test_gumbel_sampler_is_batch_invariant_and_skips_masked_tokens():
     logits = torch.randn(64, 50)
     logits[:, 7] = float("-inf")
     params = SamplingParams(temperature=0.8)
-    temp, k, p = sampling_tensors(params, 50, torch.device("cpu"))
+    temp, k, p = (torch.tensor(v) for v in sampler_values(params, 50))
     seeds = torch.tensor([row_seed(5, i) for i in range(64)])
     steps = torch.arange(64) % 5
     tok, logp = sample(logits, "sample", temp, k, p, seeds, steps)

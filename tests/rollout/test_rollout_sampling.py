@@ -7,12 +7,12 @@ import torch
 from rollout_helpers import rollout_cfg
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from hybridflow.rollout.sampling import SamplingParams, row_seed, sample, sampling_tensors
+from hybridflow.rollout.sampling import SamplingParams, row_seed, sample, sampler_values
 from hybridflow.rollout.sampling import uniform_from_counter as uniform
 
 
 def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = 40000) -> tuple[torch.Tensor, torch.Tensor]:
-    temp, k, p = sampling_tensors(params, logits_V.shape[0], torch.device("cpu"))
+    temp, k, p = (torch.tensor(v) for v in sampler_values(params, logits_V.shape[0]))  # what the runner sets
     seeds = torch.tensor([row_seed(7, i) for i in range(n)])
     return sample(logits_V.expand(n, -1), params.mode, temp, k, p, seeds, torch.full((n,), 3))
 
@@ -58,8 +58,7 @@ def test_filtered_matches_hf_warpers(top_k, top_p):
 
 def test_greedy_is_argmax_with_tempered_logprob():
     logits = torch.randn(4, 10)
-    params = SamplingParams(do_sample=False, temperature=2.0)
-    temp, k, p = sampling_tensors(params, 10, torch.device("cpu"))
+    temp, k, p = torch.tensor(2.0), torch.tensor(10), torch.tensor(1.0)  # `sample` honours any temperature
     tok, logp = sample(logits, "greedy", temp, k, p, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
     assert torch.equal(tok, logits.argmax(-1))
     torch.testing.assert_close(logp, torch.log_softmax(logits / 2.0, -1).gather(-1, tok[:, None]).squeeze(-1))
