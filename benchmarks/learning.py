@@ -220,6 +220,65 @@ def _cached_eval(work: Path, weak: Path, size: int | None) -> dict[str, float]:
     return json.loads(path.read_text())
 
 
+# ------------------------------------------------------------------------------------------------- one batch
+def loss_terms(work: Path, prompts: int = 32, n: int = 8, seed: int = 0) -> dict[str, float]:
+    """Both losses on one on-policy batch from the weak start, term by term: advantages, aggregation, clipping,
+    KL, then the gradients. TRL's side is written here from its documented definition (GRPOConfig defaults:
+    advantage (r - group mean) / (group std + 1e-4), token ratio clipped to [0.8, 1.2], loss_type "dapo" = the
+    token sum over the generation batch's completion tokens, beta 0)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.algorithms import compute_advantage
+    from hybridflow.algorithms.policy_loss import POLICY_LOSSES
+    from hybridflow.rewards.synthetic import arithmetic
+
+    torch.manual_seed(seed)
+    weak = weak_start(work)
+    tok, model = load_tok(weak), AutoModelForCausalLM.from_pretrained(str(weak), dtype=torch.float32)
+    batch = problems("train")[:prompts]
+    ids = torch.tensor([tok(q, add_special_tokens=False)["input_ids"] for q, _ in batch]).repeat_interleave(n, 0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                             max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    resp = out[:, ids.shape[1]:]
+    ended = (resp == tok.eos_token_id).long().cumsum(-1)
+    mask = ((ended == 0) | ((ended == 1) & (resp == tok.eos_token_id))).float()  # through the first EOS
+    truths = [a for _, a in batch for _ in range(n)]
+    scores = torch.tensor([arithmetic("hybridflow/arithmetic", tok.decode(r, skip_special_tokens=True), t)["score"]
+                           for r, t in zip(resp, truths)])
+    logits = model(out).logits[:, ids.shape[1] - 1:-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, resp[:, :, None]).squeeze(-1)
+    old = logp.detach()
+    rewards_bt = torch.zeros_like(mask)
+    rewards_bt[torch.arange(len(mask)), mask.sum(-1).long() - 1] = scores
+    uid = np.repeat(np.arange(prompts), n)
+    adv_ours, _ = compute_advantage("grpo", token_level_rewards=rewards_bt, response_mask=mask, index=uid)
+    grouped = scores.view(prompts, n)
+    adv_trl = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+    loss_ours, m = POLICY_LOSSES["vanilla"](old, logp, adv_ours, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                            clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    ratio = torch.exp(logp - old)
+    a = adv_trl[:, None]
+    loss_trl = (-torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum()
+
+    def grad(loss: torch.Tensor) -> torch.Tensor:
+        g = torch.autograd.grad(loss, [p for p in model.parameters()], retain_graph=True, allow_unused=True)
+        return torch.cat([x.flatten() for x in g if x is not None])
+
+    g_ours, g_trl = grad(loss_ours), grad(loss_trl)
+    seq_adv = adv_ours[torch.arange(len(mask)), 0]
+    flat = (grouped.max(1).values == grouped.min(1).values).float().mean()
+    return {"samples": len(mask), "mean_score": float(scores.mean()), "exact": float((scores == 1).float().mean()),
+            "zero_variance_groups": float(flat), "tokens": float(mask.sum()),
+            "adv_max_abs_diff": float((seq_adv - adv_trl).abs().max()),
+            "adv_rel_diff_max": float(((seq_adv - adv_trl).abs() / adv_trl.abs().clamp(min=1e-8)).max()),
+            "loss_ours": float(loss_ours), "loss_trl": float(loss_trl), "pg_clipfrac": float(m["pg_clipfrac"]),
+            "grad_norm_ours": float(g_ours.norm()), "grad_norm_trl": float(g_trl.norm()),
+            "grad_cosine": float(torch.nn.functional.cosine_similarity(g_ours, g_trl, dim=0))}
+
+
 # ------------------------------------------------------------------------------------------------- driver
 def launch(side: str, seed: int, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -284,11 +343,18 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny run of our side only (CI)")
     ap.add_argument("--out", default="runs/learning")
     ap.add_argument("--work", default=None, help="where runs and the cached weak start live (default: --out)")
+    ap.add_argument("--loss-terms", action="store_true", help="both losses on one batch, term by term (JSON)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", metavar="a.b=c", help="overrides of our side")
     argv = sys.argv[1:]
     args = ap.parse_intermixed_args(argv + (SMOKE if "--smoke" in argv else []))
     logging.basicConfig(level=logging.WARNING)
+    if args.loss_terms:
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(loss_terms(Path(args.work or args.out), args.prompts, args.n), indent=1))
+        return
     if args.child:
         side, seed = args.child.split(":")
         print(json.dumps(one_run(side, int(seed), args)))
