@@ -1,5 +1,8 @@
 """Load the configuration: defaults.yaml <- user YAML files <- dotted `a.b.c=value` overrides.
 
+`algorithm.preset` (hybridflow/config/presets.py) inserts its overrides just before the layer (file or command
+line) that names it, so that layer and later ones win over the preset.
+
 The merged plain dict is type-checked while it is turned into the frozen `Config` dataclasses; unknown keys fail
 with a "did you mean" suggestion and the full key path. `${a.b}` inside strings refers to another value.
 """
@@ -41,9 +44,15 @@ def load_config(files: Iterable[str | Path] = (), overrides: Iterable[str] = (),
     """Build the typed config from defaults, YAML files (later wins) and `a.b=c` overrides (last wins)."""
     merged = load_defaults_dict()
     for f in files:
-        merged = merge(merged, _read_yaml(Path(f)), source=str(f))
-    for item in overrides:
-        key, value = parse_override(item)
+        layer = _read_yaml(Path(f))
+        section = layer.get("algorithm")
+        merged = merge(_with_preset(merged, section.get("preset") if isinstance(section, Mapping) else None), layer,
+                       source=str(f))
+    parsed = [parse_override(item) for item in overrides]
+    presets = [value for key, value in parsed if key == "algorithm.preset"]
+    if presets:
+        merged = _with_preset(merged, presets[-1])
+    for key, value in parsed:
         set_dotted(merged, key, value)
     merged = interpolate(merged)
     cfg = build(Config, merged, "")
@@ -52,6 +61,22 @@ def load_config(files: Iterable[str | Path] = (), overrides: Iterable[str] = (),
 
         validate_config(cfg)
     return cfg
+
+
+def _with_preset(merged: dict[str, Any], name: Any) -> dict[str, Any]:
+    """`merged` with preset `name`'s overrides applied (unchanged for null)."""
+    if name is None:
+        return merged
+    from hybridflow.config.presets import preset_overrides
+
+    try:
+        items = preset_overrides(str(name))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    out = copy.deepcopy(merged)
+    for item in items:
+        set_dotted(out, *parse_override(item))
+    return out
 
 
 def load_defaults_dict() -> dict[str, Any]:

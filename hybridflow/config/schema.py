@@ -366,6 +366,13 @@ class AlgorithmConfig:
     kl_penalty: str  # KL estimator used in the reward
     kl_ctrl: KLCtrlConfig
     filter_groups: FilterGroupsConfig
+    preset: str | None = None  # a named overrides list (config/presets.py), e.g. robust; applied by the loader
+
+    def __post_init__(self) -> None:
+        from hybridflow.config.presets import ALGORITHM_PRESETS
+
+        if self.preset is not None:
+            _one_of("algorithm.preset", self.preset, tuple(sorted(ALGORITHM_PRESETS)))
 
 
 # --------------------------------------------------------------------------------------------------- trainer

@@ -76,3 +76,16 @@ def test_fault_trials_run_on_cpu(tmp_path):
     if ray_trials == "1":
         trial = result["ray"]["rows"][0]
         assert trial["names_dead_rank"] and trial["names_training_call"] and trial["run_end"] == "failed", trial
+
+
+def test_weak_start_learning_benchmark_smoke(tmp_path):
+    """Issue 19's weak-start benchmark in its smoke mode: a 4-step weak start, 2 GRPO steps of ours with the robust
+    preset, the shared greedy evaluation on 16 held-out problems. The TRL side is not part of the smoke mode (TRL is
+    not a dependency); the full run skips it with a message when `import trl` fails."""
+    proc = _run("benchmarks.learning", "--smoke", "--seeds", "0", "--out", str(tmp_path), timeout=300)
+    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [(r["side"], r["recipe"]) for r in rows] == [("ours", "robust")], rows
+    row = rows[0]
+    assert "error" not in row, row.get("error")
+    assert 0.0 <= row["start"] <= 1.0 and 0.0 <= row["end"] <= 1.0 and row["samples"] == 2 * 4 * 4
+    assert "| ours | robust | 1 |" in (tmp_path / "summary.md").read_text(), proc.stdout
