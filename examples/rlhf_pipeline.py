@@ -115,21 +115,33 @@ def run_comparison_stage(workdir: Path, overrides: list[str], sft_dir: Path, sam
     return paths[0], paths[1]
 
 
-def true_metric_validator(cfg: Config, trainer: Any) -> tuple[Any, Any]:
-    """(validator, its reward manager): greedy held-out answers scored by the task's RULE only (the true metric)."""
-    from hybridflow.config.schema import RewardSourceConfig
-    from hybridflow.rewards import RewardManager
-    from hybridflow.trainer.validation import Validator
+class TrueMetric:
+    """The PPO trainer's validator here: greedy held-out answers scored by the task's RULE only (the true metric),
+    logged as `val/true_accuracy` in the same stream as `reward/model/mean`, so RM exploitation shows as the RM
+    score rising while the true accuracy falls."""
 
-    rule_cfg = dataclasses.replace(cfg.reward, sources=[RewardSourceConfig(name="rule", weight=1.0)])
-    scorer = RewardManager(rule_cfg, trainer.tokenizer, cfg.data.max_response_length)
-    return Validator(cfg, trainer.val_ds, trainer.actor, scorer), scorer
+    def __init__(self, cfg: Config, trainer: Any) -> None:
+        from hybridflow.config.schema import RewardSourceConfig
+        from hybridflow.rewards import RewardManager
+        from hybridflow.trainer.validation import Validator
+
+        rule_cfg = dataclasses.replace(cfg.reward, sources=[RewardSourceConfig(name="rule", weight=1.0)])
+        self.scorer = RewardManager(rule_cfg, trainer.tokenizer, cfg.data.max_response_length)
+        self.validator = Validator(cfg, trainer.val_ds, trainer.actor, self.scorer)
+
+    def run(self, step: int) -> dict[str, float]:
+        metrics = self.validator.run(step)
+        return {"val/true_accuracy": metrics["val/accuracy"], "timing/val": metrics["timing/val"]}
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 def run_ppo_stage(workdir: Path, overrides: list[str], steps: int, sft_dir: Path, rm_dir: Path,
-                  rule_weight: float, kl_coef: float = 0.1) -> dict[str, Any]:
+                  rule_weight: float, kl_coef: float = 1.0, val_every: int = 5, rm_norm: str = "running",
+                  rm_clip: float | None = 2.0) -> dict[str, Any]:
     """RL with the RM (weight 1 - rule_weight) and the rule (rule_weight), a KL loss to the SFT model
-    (`kl_coef`, 0 = none); true metric before/after."""
+    (`kl_coef`, 0 = none); the true metric before RL, every `val_every` steps and at the end."""
     from hybridflow.tracking import Tracker
     from hybridflow.trainer.ppo import PPOTrainer
 
@@ -139,28 +151,42 @@ def run_ppo_stage(workdir: Path, overrides: list[str], steps: int, sft_dir: Path
     cfg = stage_config(workdir, "ppo", overrides, [
         f"model.path={sft_dir}", "reward.reward_model.enable=true", f"reward.reward_model.path={rm_dir}",
         f"reward.sources=[{', '.join(sources)}]", f"trainer.total_training_steps={steps}",
-        f"actor.use_kl_loss={'true' if kl_coef > 0 else 'false'}", f"actor.kl_loss_coef={kl_coef}"])
+        f"actor.use_kl_loss={'true' if kl_coef > 0 else 'false'}", f"actor.kl_loss_coef={kl_coef}",
+        "trainer.val_before_train=true", f"trainer.test_freq={val_every}",
+        f"reward.reward_model.score_norm={rm_norm}", f"reward.reward_model.score_clip={'null' if rm_clip is None else rm_clip}"])
     tracker = Tracker.from_config(cfg)
     trainer = PPOTrainer(cfg, tracker=tracker)
-    # The held-out metric here is the rule's (below); the trainer's own validator would need RM scores too.
-    trainer.validator = None
-    truth, scorer = true_metric_validator(cfg, trainer)
+    truth = TrueMetric(cfg, trainer)
+    trainer.validator = truth  # the trainer's own validator would score the mix (RM + rule), not the truth
     try:
-        before = truth.run(step=0)["val/accuracy"]
         history = trainer.fit()
-        after = truth.run(step=steps)["val/accuracy"]
     finally:
-        scorer.close()
+        truth.close()
         trainer.close()
         tracker.close()
-    rm_scores = [m["reward/model/mean"] for m in history if "reward/model/mean" in m]
-    return {"true_accuracy_before": before, "true_accuracy_after": after, "rm_score_first": rm_scores[0],
-            "rm_score_last": rm_scores[-1], "history": history}
+    return {**trajectories(history), "history": history}
+
+
+def trajectories(history: list[dict[str, float]]) -> dict[str, Any]:
+    """The true metric at each validation and the RM's raw score (before whitening) at each step, side by side:
+    `trajectory` rows are (step, true accuracy, mean raw RM score over the steps since the previous validation)."""
+    rm_key = "reward/model/raw_mean" if any("reward/model/raw_mean" in m for m in history) else "reward/model/mean"
+    rm = {int(m["training/global_step"]): m[rm_key] for m in history if rm_key in m}
+    true_acc = [(int(m["training/global_step"]), m["val/true_accuracy"]) for m in history if "val/true_accuracy" in m]
+    rows, prev = [], 0
+    for step, acc in true_acc:
+        window = [v for s, v in rm.items() if prev < s <= step]
+        rows.append((step, acc, sum(window) / len(window) if window else None))
+        prev = step
+    scores = list(rm.values())
+    return {"true_accuracy_before": true_acc[0][1], "true_accuracy_after": true_acc[-1][1],
+            "rm_score_first": scores[0], "rm_score_last": scores[-1], "trajectory": rows}
 
 
 def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 150, rm_steps: int = 250,
                  ppo_steps: int = 30, rule_weight: float = 0.3, rm_pairs: str = "sampled", pair_samples: int = 4,
-                 kl_coef: float = 0.1) -> dict[str, Any]:
+                 kl_coef: float = 1.0, rm_norm: str = "running", rm_clip: float | None = 2.0,
+                 val_every: int = 5) -> dict[str, Any]:
     """Run the stages; returns a summary (SFT/RM validation, true accuracy before/after RL, RM scores).
     `rm_pairs`: "sampled" (rejected = wrong SFT samples, the RLHF way) or "synthetic" (hand-made wrong answers)."""
     if rm_pairs not in ("sampled", "synthetic"):
@@ -173,7 +199,8 @@ def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: i
     t2 = time.perf_counter()
     rm_dir, rm_last = run_rm_stage(workdir, overrides, rm_steps, sft_dir, pairs)
     t3 = time.perf_counter()
-    ppo = run_ppo_stage(workdir, overrides, ppo_steps, sft_dir, rm_dir, rule_weight, kl_coef)
+    ppo = run_ppo_stage(workdir, overrides, ppo_steps, sft_dir, rm_dir, rule_weight, kl_coef, val_every, rm_norm,
+                        rm_clip)
     t4 = time.perf_counter()
     summary = {
         "sft_val_loss": sft_last.get("val/loss"), "sft_val_token_accuracy": sft_last.get("val/token_accuracy"),
@@ -198,15 +225,24 @@ def main() -> None:
     parser.add_argument("--rm-pairs", choices=["sampled", "synthetic"], default="sampled",
                         help="RM data: wrong answers sampled from the SFT model (default) or hand-made ones")
     parser.add_argument("--pair-samples", type=int, default=4, help="SFT samples per prompt for --rm-pairs sampled")
-    parser.add_argument("--kl-coef", type=float, default=0.1, help="KL loss to the SFT model in RL (0 = none)")
+    parser.add_argument("--kl-coef", type=float, default=1.0, help="KL loss to the SFT model in RL (0 = none)")
+    parser.add_argument("--rm-norm", choices=["running", "none"], default="running",
+                        help="whiten RM scores by their running mean/std in RL (reward.reward_model.score_norm)")
+    parser.add_argument("--rm-clip", type=float, default=2.0,
+                        help="clip the whitened RM score to ±this (0 = no clip)")
+    parser.add_argument("--val-every", type=int, default=5, help="RL steps between true-metric validations")
     parser.add_argument("overrides", nargs="*", metavar="a.b=c")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     summary = run_pipeline(args.workdir, args.overrides, sft_steps=args.sft_steps, rm_steps=args.rm_steps,
                            ppo_steps=args.ppo_steps, rule_weight=args.rule_weight, rm_pairs=args.rm_pairs,
-                           pair_samples=args.pair_samples, kl_coef=args.kl_coef)
+                           pair_samples=args.pair_samples, kl_coef=args.kl_coef, rm_norm=args.rm_norm,
+                           rm_clip=args.rm_clip or None, val_every=args.val_every)
     summary.pop("ppo_history")
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "trajectory"}, indent=2))
+    print("RL step | true accuracy (rule, greedy, held-out) | RM raw score, mean since the previous row")
+    for step, acc, rm in summary["trajectory"]:
+        print(f"{step:7d} | {acc:.3f} | {'-' if rm is None else f'{rm:+.3f}'}")
 
 
 if __name__ == "__main__":
