@@ -60,13 +60,18 @@ def stage_config(workdir: Path, stage: str, overrides: list[str], extra: list[st
                             *overrides, *extra])
 
 
-def run_sft_stage(workdir: Path, overrides: list[str], steps: int) -> tuple[Path, dict[str, float]]:
+def run_sft_stage(workdir: Path, overrides: list[str], steps: int,
+                  target_loss: float | None = None) -> tuple[Path, dict[str, float]]:
+    """SFT until the held-out loss is <= `target_loss` (validated every 10 steps), at most `steps` steps; with no
+    target, exactly `steps`. Returns the HF export and the last logged metrics (with `sft_steps`)."""
     from hybridflow.trainer.sft import SFTTrainer
     from hybridflow.trainer.supervised import run_supervised
 
-    cfg = stage_config(workdir, "sft", overrides, [f"sft.total_steps={steps}", f"sft.export_dir={workdir / 'sft_hf'}"])
+    target = [] if target_loss is None else [f"sft.target_val_loss={target_loss}", "trainer.test_freq=10"]
+    cfg = stage_config(workdir, "sft", overrides, [f"sft.total_steps={steps}", f"sft.export_dir={workdir / 'sft_hf'}",
+                                                   *target])
     path, history = run_supervised(SFTTrainer, cfg)
-    return path, history[-1]
+    return path, {**history[-1], "sft_steps": int(history[-1]["training/global_step"])}
 
 
 def run_rm_stage(workdir: Path, overrides: list[str], steps: int, init_from: Path,
@@ -183,7 +188,8 @@ def trajectories(history: list[dict[str, float]]) -> dict[str, Any]:
             "rm_score_first": scores[0], "rm_score_last": scores[-1], "trajectory": rows}
 
 
-def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 150, rm_steps: int = 250,
+def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 300,
+                 sft_target_loss: float | None = 0.15, rm_steps: int = 250,
                  ppo_steps: int = 30, rule_weight: float = 0.3, rm_pairs: str = "sampled", pair_samples: int = 4,
                  kl_coef: float = 1.0, rm_norm: str = "running", rm_clip: float | None = 2.0,
                  val_every: int = 5) -> dict[str, Any]:
@@ -193,7 +199,7 @@ def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: i
         raise ValueError(f"rm_pairs={rm_pairs!r}: choose 'sampled' or 'synthetic'")
     workdir, overrides = Path(workdir), list(overrides)
     t0 = time.perf_counter()
-    sft_dir, sft_last = run_sft_stage(workdir, overrides, sft_steps)
+    sft_dir, sft_last = run_sft_stage(workdir, overrides, sft_steps, sft_target_loss)
     t1 = time.perf_counter()
     pairs = run_comparison_stage(workdir, overrides, sft_dir, pair_samples) if rm_pairs == "sampled" else None
     t2 = time.perf_counter()
@@ -203,7 +209,8 @@ def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: i
                         rm_clip)
     t4 = time.perf_counter()
     summary = {
-        "sft_val_loss": sft_last.get("val/loss"), "sft_val_token_accuracy": sft_last.get("val/token_accuracy"),
+        "sft_steps": sft_last["sft_steps"], "sft_val_loss": sft_last.get("val/loss"),
+        "sft_val_token_accuracy": sft_last.get("val/token_accuracy"),
         "rm_pairs": rm_pairs, "rm_val_accuracy": rm_last.get("val/accuracy"),
         "rm_val_reward_margin": rm_last.get("val/reward_margin"),
         **{k: v for k, v in ppo.items() if k != "history"},
@@ -217,7 +224,9 @@ def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/rlhf_pipeline")
-    parser.add_argument("--sft-steps", type=int, default=150)
+    parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps (the cap when a target loss is set)")
+    parser.add_argument("--sft-target-loss", type=float, default=0.15,
+                        help="stop SFT once the held-out loss is <= this (0 = train exactly --sft-steps)")
     parser.add_argument("--rm-steps", type=int, default=250)
     parser.add_argument("--ppo-steps", type=int, default=30)
     parser.add_argument("--rule-weight", type=float, default=0.3,
@@ -234,7 +243,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="a.b=c")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = run_pipeline(args.workdir, args.overrides, sft_steps=args.sft_steps, rm_steps=args.rm_steps,
+    summary = run_pipeline(args.workdir, args.overrides, sft_steps=args.sft_steps,
+                           sft_target_loss=args.sft_target_loss or None, rm_steps=args.rm_steps,
                            ppo_steps=args.ppo_steps, rule_weight=args.rule_weight, rm_pairs=args.rm_pairs,
                            pair_samples=args.pair_samples, kl_coef=args.kl_coef, rm_norm=args.rm_norm,
                            rm_clip=args.rm_clip or None, val_every=args.val_every)
