@@ -1,27 +1,31 @@
 """The full RLHF pipeline on a built-in task: SFT → comparisons → reward model → PPO/GRPO driven by the RM.
 
-1. SFT the tiny model on the task's (prompt, "#### <answer>") rows (default task: sort 4 digits).
+1. SFT the tiny model on the task's (prompt, "#### <answer>") rows (default task: sort 4 digits), 150 steps
+   (`--sft-target-loss L` stops once the held-out loss is <= L instead, `--sft-steps` then caps).
 2. Collect comparisons as RLHF does (`--rm-pairs sampled`, the default): sample 4 responses per prompt from the SFT
    model with the rollout engine (`hybridflow generate`), label them with the task's rule (the stand-in for human
    labelers) and pair the reference answer (chosen) with a wrong sample (rejected)
    (`hybridflow.trainer.synthetic_pairs.sampled_preference_rows`). `--rm-pairs synthetic` uses hand-made wrong
    answers instead (unsorted / wrong digits for sort; near misses, random numbers, a missing `####` for arithmetic).
 3. Train a Bradley-Terry reward model, initialised from the SFT model, on those pairs (lr 2e-3, 25 warm-up steps).
-4. RL from the SFT model with the RM mixed with the rule reward by weight (`reward.sources`, default 0.7 RM +
-   0.3 rule as in the seed; `--rule-weight 0` = RM only) and a KL loss to the SFT model (`--kl-coef`, 0.1). The
-   TRUE metric — the rule scorer's accuracy of greedy answers on held-out problems — is measured before and after.
+4. GRPO from the SFT model on 0.7 RM + 0.3 rule (`reward.sources`; `--rule-weight 0` = RM only). Guards against
+   RM over-optimisation: a KL loss to the SFT model that binds (`--kl-coef`, 1.0; 0.1 let the policy drift), and
+   the RM score whitened by its running mean/std and clipped at ±2 (`--rm-norm`, `--rm-clip`;
+   `reward.reward_model.score_norm/score_clip`). The TRUE metric — the rule scorer's accuracy of greedy answers on
+   64 held-out problems — is the trainer's validator: logged as `val/true_accuracy` before RL and every
+   `--val-every` (5) steps, beside `reward/model/mean` and `reward/model/raw_mean`; the summary prints both.
 
     .venv/bin/python examples/rlhf_pipeline.py --workdir runs/rlhf [a.b=c ...]
 
-Overrides apply to every stage; stage lengths, the RM data and the rule weight are flags. Measured (2 CPU cores,
-tiny 0.1M model, sort, about 65 s; trainer.seed 0/2/3): SFT 25% exact; RM held-out pair accuracy 0.91/0.95/0.95
-(AUC 0.88-0.95 on the SFT model's own held-out samples); 0.7 RM + 0.3 rule: true accuracy 0.25 → 0.52/0.47/0.45;
-RM only: 0.25 → 0.50. Why sampled pairs: the SFT model's errors are ~80% sorted answers with a wrong digit; an RM
-trained on the hand-made mix reaches 0.86-0.92 on hand-made held-out pairs but ranks the policy's samples near
-chance (AUC 0.54-0.70), and RL on it did not raise the true metric (0.25 → 0.08..0.42; RM only 0.06). On one
-H200, a 3.2M model (hidden 256, 4 layers), 1500 SFT steps: 100% exact, RM 0.95 (synthetic pairs).
-Correct-vs-wrong ADDITION (`data.task=arithmetic data.max_response_length=12`) needs a model that can add: the tiny
-models stay near 1% exact accuracy and their RMs near 0.6 on near-miss answers.
+Overrides apply to every stage; stage lengths, the RM data and the rule weight are flags. Measured on 2 CPU cores
+(docs/benchmarks.md, "RLHF true metric", 5 seeds × {default, AVX2-emulated} numerics, 60-90 s a run): true
+accuracy 0.08-0.42 (median 0.36) → 0.22-0.55 (median 0.45), gain +0.03 / +0.09 / +0.20 (min / median / max).
+With the old KL 0.1 and an SFT model that started at 0.73 the RM was exploited (0.73 → 0.22, RM score up); KL 1.0:
+0.73 → 0.84. A stronger KL costs gain from weak starts. SFT to held-out loss 0.15 makes the start more uniform
+(0.39-0.50) but leaves RL less to gain (+0.00 / +0.06 / +0.20). Why sampled pairs: the SFT model's errors are ~80% sorted
+answers with a wrong digit; an RM trained on the hand-made mix ranks the policy's samples near chance (AUC
+0.54-0.70), and RL on it did not raise the true metric. Correct-vs-wrong ADDITION (`data.task=arithmetic`) needs a
+model that can add: the tiny models stay near 1% exact accuracy and their RMs near 0.6 on near-miss answers.
 """
 
 from __future__ import annotations
@@ -188,8 +192,8 @@ def trajectories(history: list[dict[str, float]]) -> dict[str, Any]:
             "rm_score_first": scores[0], "rm_score_last": scores[-1], "trajectory": rows}
 
 
-def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 300,
-                 sft_target_loss: float | None = 0.15, rm_steps: int = 250,
+def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: int = 150,
+                 sft_target_loss: float | None = None, rm_steps: int = 250,
                  ppo_steps: int = 30, rule_weight: float = 0.3, rm_pairs: str = "sampled", pair_samples: int = 4,
                  kl_coef: float = 1.0, rm_norm: str = "running", rm_clip: float | None = 2.0,
                  val_every: int = 5) -> dict[str, Any]:
@@ -224,9 +228,10 @@ def run_pipeline(workdir: str | Path, overrides: list[str] = (), *, sft_steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/rlhf_pipeline")
-    parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps (the cap when a target loss is set)")
-    parser.add_argument("--sft-target-loss", type=float, default=0.15,
-                        help="stop SFT once the held-out loss is <= this (0 = train exactly --sft-steps)")
+    parser.add_argument("--sft-steps", type=int, default=150, help="SFT steps (the cap with --sft-target-loss)")
+    parser.add_argument("--sft-target-loss", type=float, default=0.0,
+                        help="stop SFT once the held-out loss is <= this, validated every 10 steps (0 = no target: "
+                             "train exactly --sft-steps)")
     parser.add_argument("--rm-steps", type=int, default=250)
     parser.add_argument("--ppo-steps", type=int, default=30)
     parser.add_argument("--rule-weight", type=float, default=0.3,
