@@ -162,7 +162,8 @@ def run_ppo_stage(workdir: Path, overrides: list[str], steps: int, sft_dir: Path
         f"reward.sources=[{', '.join(sources)}]", f"trainer.total_training_steps={steps}",
         f"actor.use_kl_loss={'true' if kl_coef > 0 else 'false'}", f"actor.kl_loss_coef={kl_coef}",
         "trainer.val_before_train=true", f"trainer.test_freq={val_every}",
-        f"reward.reward_model.score_norm={'null' if rm_norm == 'none' else rm_norm}", f"reward.reward_model.score_clip={'null' if rm_clip is None else rm_clip}"])
+        f"reward.reward_model.score_norm={'null' if rm_norm == 'none' else rm_norm}",
+        f"reward.reward_model.score_clip={'null' if rm_clip is None else rm_clip}"])
     tracker = Tracker.from_config(cfg)
     trainer = PPOTrainer(cfg, tracker=tracker)
     truth = TrueMetric(cfg, trainer)
