@@ -20,8 +20,8 @@
 Overrides apply to every stage; stage lengths, the RM data and the rule weight are flags. Measured on 2 CPU cores
 (docs/benchmarks.md, "RLHF true metric", 5 seeds × {default, AVX2-emulated} numerics, 60-90 s a run): true
 accuracy 0.08-0.42 (median 0.36) → 0.22-0.55 (median 0.45), gain +0.03 / +0.09 / +0.20 (min / median / max).
-With the old KL 0.1 and an SFT model that started at 0.73 the RM was exploited (0.73 → 0.22, RM score up); KL 1.0:
-0.73 → 0.84. A stronger KL costs gain from weak starts. SFT to held-out loss 0.15 makes the start more uniform
+The old RL settings (KL 0.1, raw RM score) on the same 10 runs: gain −0.38 / −0.03 / +0.28, the truth collapsed
+to ≤ 0.02 in 4 runs while the RM score climbed (the RM was exploited); the binding KL costs some gain in the best runs. SFT to held-out loss 0.15 makes the start more uniform
 (0.39-0.50) but leaves RL less to gain (+0.00 / +0.06 / +0.20). Why sampled pairs: the SFT model's errors are ~80% sorted
 answers with a wrong digit; an RM trained on the hand-made mix ranks the policy's samples near chance (AUC
 0.54-0.70), and RL on it did not raise the true metric. Correct-vs-wrong ADDITION (`data.task=arithmetic`) needs a
