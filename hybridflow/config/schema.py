@@ -275,6 +275,15 @@ class RewardModelConfig:
     path: str | None
     micro_batch_size_per_gpu: int
     fsdp: FSDPConfig
+    score_norm: str | None = None  # null | running: whiten RM scores by the running mean/std of training batches
+    score_clip: float | None = None  # clip the (normalised) RM score to [-score_clip, score_clip]; null = no clip
+
+    def __post_init__(self) -> None:
+        if self.score_norm is not None:
+            _one_of("reward.reward_model.score_norm", self.score_norm, ("running",))
+        if self.score_clip is not None:
+            _check(self.score_clip > 0, "reward.reward_model.score_clip", self.score_clip,
+                   "must be > 0 (scores are clipped to ±score_clip) or null (no clip)")
 
 
 @dataclass(frozen=True)

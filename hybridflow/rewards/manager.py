@@ -2,10 +2,12 @@
 
 Sources are mixed by weight (`reward.sources`): `rule` (the scorer chosen by each row's data_source), `custom`
 (`reward.custom.path` + `name`), `model` (precomputed `rm_scores` [B] or [B, R] in the batch, from the reward
-model worker) or any REWARD_FUNCTIONS name. Scorers run in a `ScoringPool` kept alive between calls; a scorer that
-raises, times out, or returns NaN or a non-number (a reward is an int/float, or a dict with a numeric `score`) gets
-`reward.error_score` and is counted in `reward/errors` / `reward/timeouts` — training never stops for it; each
-kind of failure is logged once per data_source.
+model worker) or any REWARD_FUNCTIONS name. `reward.reward_model.score_norm=running` whitens the RM scores by the
+running mean/std of the training batches and `score_clip` bounds them: an RM's scale is arbitrary, and a response
+it over-rates must not outweigh the other sources. Scorers run in a `ScoringPool` kept alive between calls; a
+scorer that raises, times out, or returns NaN or a non-number (a reward is an int/float, or a dict with a numeric
+`score`) gets `reward.error_score` and is counted in `reward/errors` / `reward/timeouts` — training never stops
+for it; each kind of failure is logged once per data_source.
 Length and DAPO overlong penalties are added after mixing.
 """
 
@@ -46,6 +48,27 @@ class RewardOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class RunningMoments:
+    """Count, mean and variance of every value seen (Chan et al.'s parallel update: exact for any batch split)."""
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values: np.ndarray) -> None:
+        n = len(values)
+        if n == 0:
+            return
+        mean, m2 = float(values.mean()), float(((values - values.mean()) ** 2).sum())
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return (self.m2 / self.count) ** 0.5 if self.count > 1 else 1.0
+
+
 def last_token_index(mask_BR: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row (0 for an all-zero row)."""
     positions = torch.arange(mask_BR.shape[1], device=mask_BR.device).expand_as(mask_BR)
@@ -79,15 +102,17 @@ class RewardManager:
         n = reward_cfg.num_workers
         self._scorer = ScoringPool(n, reward_cfg.timeout_s) if n > 0 else InlineScorer(reward_cfg.timeout_s)
         self._logged_failures: set[tuple[str, str]] = set()  # (data_source, kind) already logged
+        self._rm_moments = RunningMoments() if reward_cfg.reward_model.score_norm == "running" else None
         self.total_errors = 0
         self.total_timeouts = 0
 
     # --------------------------------------------------------------------------------------------- public
     def __call__(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        out = self.score(batch)
+        """The training path: RM running statistics (score_norm=running) are updated with this batch first."""
+        out = self.score(batch, update_stats=True)
         return out.token_level_scores, out.metrics
 
-    def score(self, batch: DataProto) -> RewardOutput:
+    def score(self, batch: DataProto, update_stats: bool = False) -> RewardOutput:
         responses = batch.batch["responses"]
         if responses.shape[0] == 0:
             raise ValueError("RewardManager.score got an empty batch (0 responses)")
@@ -104,7 +129,7 @@ class RewardManager:
             fn_scores, extras, metrics, status = self._run_functions(batch, solutions, data_sources)
             source_scores.update(fn_scores)
         if any(name == MODEL_SOURCE for name, _ in self.sources):
-            source_scores[MODEL_SOURCE] = self._model_scores(batch)
+            source_scores[MODEL_SOURCE] = self._model_scores(batch, update_stats, metrics)
         raw = sum(w * source_scores[name] for name, w in self.sources)
         lengths = mask.sum(-1).cpu().numpy()
         final = raw + self._penalties(lengths, metrics)
@@ -198,14 +223,24 @@ class RewardManager:
                            "reward/timeouts.\n%s", key[0], key[1], self.cfg.error_score, r.error)
         return {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
 
-    def _model_scores(self, batch: DataProto) -> np.ndarray:
+    def _model_scores(self, batch: DataProto, update_stats: bool, metrics: dict[str, float]) -> np.ndarray:
         if "rm_scores" not in batch.batch:
             raise ValueError("reward.sources includes 'model' but the batch has no 'rm_scores'; enable "
                              "reward.reward_model so the reward-model worker scores responses before the reward "
                              "stage, or remove 'model' from reward.sources")
         rm = batch.batch["rm_scores"].float()
         rm = rm.sum(-1) if rm.ndim == 2 else rm  # token-level RM output has the score on one token
-        return torch.nan_to_num(rm, nan=self.cfg.error_score).cpu().numpy().astype(np.float64)
+        scores = torch.nan_to_num(rm, nan=self.cfg.error_score).cpu().numpy().astype(np.float64)
+        rm_cfg = self.cfg.reward_model
+        if self._rm_moments is not None:
+            if update_stats:
+                self._rm_moments.update(scores)
+            metrics["reward/model/raw_mean"] = float(scores.mean())
+            scores = (scores - self._rm_moments.mean) / max(self._rm_moments.std, 1e-6)
+        if rm_cfg.score_clip is not None:
+            metrics["reward/model/clip_frac"] = float((np.abs(scores) > rm_cfg.score_clip).mean())
+            scores = np.clip(scores, -rm_cfg.score_clip, rm_cfg.score_clip)
+        return scores
 
     def _penalties(self, lengths: np.ndarray, metrics: dict[str, float]) -> np.ndarray:
         total = np.zeros(len(lengths))

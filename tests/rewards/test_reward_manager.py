@@ -153,6 +153,32 @@ def test_mixing_rule_and_model_scores(rm_shape):
     assert out.metrics["reward/rule/mean"] == pytest.approx(2 / 3)
 
 
+def test_rm_scores_whitened_by_running_stats_of_training_batches_and_clipped():
+    cfg = load_config([], ["reward.num_workers=0", "reward.sources=[{name: model, weight: 1.0}]",
+                           "reward.reward_model.score_norm=running", "reward.reward_model.score_clip=1.5"]).reward
+    batches = [torch.tensor([0.5, 2.0, -1.0, 7.0]), torch.tensor([3.0, -4.0, 0.0])]
+    seen: list[float] = []
+    with RewardManager(cfg, TOK, R) as manager:
+        for rm in batches:
+            seen += rm.tolist()
+            _, metrics = manager(_batch(["a"] * len(rm), ["a"] * len(rm), rm_scores=rm))  # training: updates stats
+            expected = np.clip((rm.numpy() - np.mean(seen)) / np.std(seen), -1.5, 1.5)  # naive: all values so far
+            assert manager._rm_moments.mean == pytest.approx(np.mean(seen))
+            assert metrics["reward/model/mean"] == pytest.approx(float(expected.mean()))
+            assert metrics["reward/model/raw_mean"] == pytest.approx(float(rm.mean()))
+            assert metrics["reward/model/clip_frac"] == pytest.approx(float((np.abs(expected) >= 1.5).mean()))
+        val = manager.score(_batch(["a", "a"], ["a", "a"], rm_scores=torch.tensor([100.0, -100.0])))
+        assert manager._rm_moments.count == len(seen)  # validation scores do not move the statistics
+    np.testing.assert_allclose(val.source_scores["model"], [1.5, -1.5])
+
+
+def test_rm_score_norm_and_clip_are_validated():
+    with pytest.raises(ValueError, match="reward.reward_model.score_norm"):
+        load_config([], ["reward.reward_model.score_norm=batch"])
+    with pytest.raises(ValueError, match="reward.reward_model.score_clip"):
+        load_config([], ["reward.reward_model.score_clip=0"])
+
+
 def test_model_source_without_rm_scores_is_a_clear_error():
     cfg = load_config([], ["reward.num_workers=0", "reward.sources=[{name: model, weight: 1.0}]"]).reward
     with RewardManager(cfg, TOK, R) as manager, pytest.raises(ValueError, match="rm_scores"):
