@@ -480,9 +480,13 @@ class SFTConfig:
     target_val_loss: float | None = None  # the warm start's criterion: val/loss <= this (checked at each validation)
     stop_at_target: bool = True  # true: stop as soon as the target holds (total_steps caps); false: train the whole
     # schedule and check the target at the end; either way a missed target is a warning and an event
+    extra_schedules: int = 0  # target missed at the end: up to this many more warm-up + cosine schedules
+    extra_schedule_steps: int = 500  # steps of each extra schedule
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "sft.epochs", self.epochs, "must be >= 1")
+        _check(self.extra_schedules >= 0, "sft.extra_schedules", self.extra_schedules, "must be >= 0")
+        _check(self.extra_schedule_steps >= 1, "sft.extra_schedule_steps", self.extra_schedule_steps, "must be >= 1")
         if self.target_val_loss is not None:
             _check(self.target_val_loss > 0, "sft.target_val_loss", self.target_val_loss,
                    "must be > 0 (a validation loss to stop at) or null (train total_steps)")

@@ -62,9 +62,11 @@ class SFTTrainer(SupervisedTrainer):
         target = self.sec.target_val_loss
         return self.sec.stop_at_target and target is not None and metrics.get("val/loss", float("inf")) <= target
 
+    final_schedule = True  # run_sft: False while an extra schedule (sft.extra_schedules) may still follow
+
     def missed_target(self) -> None:
         target = self.sec.target_val_loss
-        if target is None or self.val_ds is None:
+        if target is None or self.val_ds is None or not self.final_schedule:
             return
         loss = next((m["val/loss"] for m in reversed(self.history) if "val/loss" in m), float("nan"))
         if loss <= target:
@@ -107,14 +109,41 @@ def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
             t, resume_mode="disable", val_before_train=False,
             checkpoint=dataclasses.replace(t.checkpoint, save_freq=0)))
-    trainer = SFTTrainer(cfg, tracker=tracker)
-    try:
-        history = trainer.fit()
-        path = trainer.export()
-    finally:
-        trainer.close()
+    sec, step, schedule = cfg.sft, 0, 0
+    while True:
+        trainer = SFTTrainer(cfg, tracker=tracker)
+        trainer.global_step, trainer.total_steps = step, step + trainer.total_steps  # one step axis in the logs
+        trainer.final_schedule = schedule == sec.extra_schedules
+        try:
+            history = trainer.fit()
+            path = trainer.export()
+        finally:
+            trainer.close()
+        step = trainer.global_step
+        loss = next((m["val/loss"] for m in reversed(history) if "val/loss" in m), None)
+        if trainer.final_schedule or sec.target_val_loss is None or loss is None or loss <= sec.target_val_loss:
+            break
+        schedule += 1  # the gate was missed: one more warm-up + cosine schedule from the model as it is
+        cfg = _next_schedule(cfg, path, schedule, loss, tracker, step)
     last = history[-1] if history else {}
     acc = last.get("val/token_accuracy")
-    logger.info("SFT warm start: %d steps, loss %.4f, val token accuracy %s → %s", trainer.global_step,
+    logger.info("SFT warm start: %d steps, loss %.4f, val token accuracy %s → %s", step,
                 last.get("sft/loss", float("nan")), "n/a" if acc is None else f"{acc:.3f}", path)
     return path
+
+
+def _next_schedule(cfg: Config, path: Path, schedule: int, loss: float, tracker: Tracker | None,
+                   step: int) -> Config:
+    """The config of the `schedule`-th extra schedule: from `path`, `sft.extra_schedule_steps` steps, exported
+    beside the previous model."""
+    sec = cfg.sft
+    message = (f"SFT val/loss {loss:.4f} is above sft.target_val_loss={sec.target_val_loss} after step {step}: "
+               f"running extra schedule {schedule} of {sec.extra_schedules} ({sec.extra_schedule_steps} steps, "
+               "sft.extra_schedules) from the current model")
+    if tracker is None:
+        logger.warning(message)
+    else:
+        tracker.event("sft_extra_schedule", message, step=step, level="warning", val_loss=loss, schedule=schedule)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=str(path)),
+        sft=dataclasses.replace(sec, total_steps=sec.extra_schedule_steps, export_dir=f"{path}_{schedule + 1}"))

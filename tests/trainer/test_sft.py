@@ -4,6 +4,7 @@ reference; a short run lowers the loss and exports an HF directory PPO can load.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -173,3 +174,19 @@ def test_target_val_loss_stops_early_and_a_missed_target_is_an_event(tmp_path):
 def test_target_val_loss_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="sft.target_val_loss"):
         _cfg(tmp_path, "sft.target_val_loss=0")
+
+
+def test_missed_target_runs_extra_schedules_from_the_current_model(tmp_path):
+    from hybridflow.tracking import Tracker
+
+    cfg = _cfg(tmp_path, "sft.total_steps=3", "trainer.test_freq=2", "sft.target_val_loss=1e-6",
+               "sft.stop_at_target=false", "sft.extra_schedules=1", "sft.extra_schedule_steps=2",
+               "trainer.logger=[jsonl]")
+    with Tracker.from_config(cfg) as tracker:
+        path = run_sft(cfg, tracker=tracker, out_dir=tmp_path / "hf")
+    assert path == tmp_path / "hf_2" and (path / "config.json").exists()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["training/global_step"]) for r in rows if "sft/loss" in r] == [1, 2, 3, 4, 5]  # one step axis
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("sft_extra_schedule") == 1 and kinds.count("sft_target_missed") == 1  # warned once, at the end
+    assert kinds.index("sft_extra_schedule") < kinds.index("sft_target_missed")
