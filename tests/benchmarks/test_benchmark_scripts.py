@@ -26,7 +26,7 @@ def _run(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_grpo_step_benchmark_runs_on_cpu(tmp_path):
-    _run("benchmarks.run", "--preset", "tiny", "--device", "cpu", *SMALL, "--out", str(tmp_path), timeout=300)
+    _run("benchmarks.run", "--preset", "tiny", "--device", "cpu", *SMALL, "--out", str(tmp_path), timeout=600)
     result = json.loads((tmp_path / "bench_tiny.json").read_text())["result"]
     assert result["step_s"] > 0 and result["median"]["timing/update_actor"] > 0
     assert "| tiny |" in (tmp_path / "bench.md").read_text()
@@ -35,7 +35,7 @@ def test_grpo_step_benchmark_runs_on_cpu(tmp_path):
 def test_two_gpu_benchmark_runs_on_two_gloo_ranks(tmp_path):
     pytest.importorskip("ray")
     _run("benchmarks.two_gpu", "--device", "cpu", "--case", "grpo:tiny:1", "--case", "grpo:tiny:2", *SMALL,
-         "--out", str(tmp_path), timeout=300)
+         "--out", str(tmp_path), timeout=600)
     cases = {c["case"]: c for c in json.loads((tmp_path / "two_gpu.json").read_text())["cases"]}
     assert set(cases) == {"grpo:tiny:1", "grpo:tiny:2"}
     for name, case in cases.items():
@@ -69,7 +69,7 @@ def test_fault_trials_run_on_cpu(tmp_path):
     """Issue 20's fault script with 2 kill -9 trials during async saves and (with Ray) 1 worker-kill trial."""
     ray_trials = "1" if importlib.util.find_spec("ray") is not None else "0"
     proc = _run("benchmarks.fault_trials", "--ckpt-trials", "2", "--ray-trials", ray_trials, "--max-delay", "0.5",
-                "--out", str(tmp_path), timeout=300)
+                "--out", str(tmp_path), timeout=600)
     assert "| kill -9 during async save | 2 | 2/2 |" in proc.stdout, proc.stdout
     result = json.loads((tmp_path / "fault_trials.json").read_text())
     assert result["checkpoint"]["usable"] == 2 and result["checkpoint"]["broken_checkpoints"] == 0
@@ -82,7 +82,7 @@ def test_weak_start_learning_benchmark_smoke(tmp_path):
     """Issue 19's weak-start benchmark in its smoke mode: a 4-step weak start, 2 GRPO steps of ours with the robust
     preset, the shared greedy evaluation on 16 held-out problems. The TRL side is not part of the smoke mode (TRL is
     not a dependency); the full run skips it with a message when `import trl` fails."""
-    proc = _run("benchmarks.learning", "--smoke", "--seeds", "0", "--out", str(tmp_path), timeout=300)
+    proc = _run("benchmarks.learning", "--smoke", "--seeds", "0", "--out", str(tmp_path), timeout=600)
     rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [(r["side"], r["recipe"]) for r in rows] == [("ours", "robust")], rows
     row = rows[0]

@@ -20,7 +20,7 @@ from hybridflow.tracking.jsonl import read_events  # noqa: E402
 from hybridflow.trainer.ppo import PPOTrainer  # noqa: E402
 from hybridflow.trainer.run import run_ppo  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 # Ray pickles functions of importable modules by reference; this test module is not importable in the actors.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
