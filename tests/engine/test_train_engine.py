@@ -54,7 +54,10 @@ def _reference(data):
     ("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=25"),
     ("data.use_packed_dataset=false", "actor.ppo_micro_batch_size_per_gpu=2"),
     ("model.enable_gradient_checkpointing=true", "actor.ppo_micro_batch_size_per_gpu=4"),
-    ("model.use_torch_compile=true", "actor.ppo_micro_batch_size_per_gpu=4"),
+    pytest.param(("model.use_torch_compile=true", "actor.ppo_micro_batch_size_per_gpu=4"), marks=pytest.mark.xfail(
+        torch.backends.cpu.get_cpu_capability() != "AVX512", raises=RuntimeError, strict=True,
+        reason="known issue: Inductor's CPU code for the compiled decoder layer fails its own index check ('index out "
+               "of bounds: 0 <= tmp16 < 10') with ATEN_CPU_CAPABILITY=avx2 (torch 2.13); CPU compile is off by default")),
 ])
 def test_gradients_match_reference_for_any_micro_batching(overrides):
     data = make_batch(seed=0)
