@@ -123,7 +123,8 @@ def _pid(host: Any) -> int:
 
 
 def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
-    """One tiny GRPO run on 2 Ray CPU ranks with rank 1 SIGKILLed `kill_delay_s` into step 2."""
+    """One tiny GRPO run on 2 Ray CPU ranks with rank 1 SIGKILLed `kill_delay_s` into step 2 (200 steps are
+    configured so the kill always lands mid-run: with 4, a fast machine finished before the timer fired)."""
     import ray
 
     from hybridflow.config import load_config
@@ -136,7 +137,7 @@ def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
         "trainer.device=cpu", "trainer.backend=ray", "trainer.n_gpus_per_node=2", "trainer.logger=[]",
         "model.override_config={num_hidden_layers: 1}", "data.train_size=16", "data.val_size=2",
         "data.max_response_length=6", "data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=2",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=4",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=200",
         "trainer.checkpoint.save_freq=1", f"trainer.run_dir={workdir}/run", f"trainer.default_local_dir={workdir}/ckpt"])
     state: dict[str, Any] = {}
     original_step = PPOTrainer.step
