@@ -207,7 +207,7 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
     model_cfg = preset_config(preset)
     vocab = model_cfg.vocab_size
     steps: list[dict[str, float]] = []
-    orig_generate = trainer._generate
+    orig_generate = trainer.algorithm._generate
 
     def generate_with_peak(batch: DataProto, metrics: dict[str, float], timer: Any) -> DataProto:
         if dev.type == "cuda":
@@ -217,7 +217,7 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
             metrics["perf/gen_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out
 
-    trainer._generate = generate_with_peak
+    trainer.algorithm._generate = generate_with_peak
     try:
         for i in range(args.warmup + args.steps):
             if dev.type == "cuda":

@@ -5,7 +5,7 @@
 2. Collect comparisons as RLHF does (`--rm-pairs sampled`, the default): sample 4 responses per prompt from the SFT
    model with the rollout engine (`hybridflow generate`), label them with the task's rule (the stand-in for human
    labelers) and pair the reference answer (chosen) with a wrong sample (rejected)
-   (`hybridflow.trainer.synthetic_pairs.sampled_preference_rows`). `--rm-pairs synthetic` uses hand-made wrong
+   (`hybridflow.data.synthetic_pairs.sampled_preference_rows`). `--rm-pairs synthetic` uses hand-made wrong
    answers instead (unsorted / wrong digits for sort; near misses, random numbers, a missing `####` for arithmetic).
 3. Train a Bradley-Terry reward model, initialised from the SFT model, on those pairs (lr 2e-3, 25 warm-up steps).
 4. GRPO from the SFT model on 0.7 RM + 0.3 rule (`reward.sources`; `--rule-weight 0` = RM only). Guards against
@@ -100,7 +100,7 @@ def run_comparison_stage(workdir: Path, overrides: list[str], sft_dir: Path, sam
     from hybridflow.commands.generate import run as generate
     from hybridflow.data import task_splits
     from hybridflow.data.parquet_io import read_rows, write_rows
-    from hybridflow.trainer.synthetic_pairs import sampled_preference_rows
+    from hybridflow.data.synthetic_pairs import sampled_preference_rows
 
     cfg = stage_config(workdir, "pairs", overrides)
     d, out = cfg.data, workdir / "pairs"
@@ -135,8 +135,8 @@ class TrueMetric:
         from hybridflow.trainer.validation import Validator
 
         rule_cfg = dataclasses.replace(cfg.reward, sources=[RewardSourceConfig(name="rule", weight=1.0)])
-        self.scorer = RewardManager(rule_cfg, trainer.tokenizer, cfg.data.max_response_length)
-        self.validator = Validator(cfg, trainer.val_ds, trainer.actor, self.scorer)
+        self.scorer = RewardManager(rule_cfg, trainer.algorithm.tokenizer, cfg.data.max_response_length)
+        self.validator = Validator(cfg, trainer.algorithm.val_ds, trainer.actor, self.scorer)
 
     def run(self, step: int) -> dict[str, float]:
         metrics = self.validator.run(step)

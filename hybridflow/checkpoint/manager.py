@@ -49,11 +49,11 @@ class LoadedCheckpoint:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class SaveStats:
-    step: int
-    blocking_s: float  # time save() held the caller (flatten + snapshot, or the whole write when sync)
-    stage_s: float
+def should_save(save_freq: int, step: int, is_last_step: bool) -> bool:
+    """`trainer.checkpoint.save_freq`: 0 never; -1 only at the last step; k every k steps and at the last step."""
+    if save_freq == 0:
+        return False
+    return is_last_step or (save_freq > 0 and step % save_freq == 0)
 
 
 def _rank_file(rank: int) -> str:
@@ -85,7 +85,6 @@ class CheckpointManager:
         self._writer = AsyncWriter()
         self._stager = CpuStager()
         self._protected: set[int] = set()
-        self.last_stats: SaveStats | None = None
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             atomic.clean_stale(self.root)
@@ -100,10 +99,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ queries
     def should_save(self, step: int, is_last_step: bool) -> bool:
-        """save_freq semantics: 0 never; -1 only at the last step; k every k steps and at the last step."""
-        if self.save_freq == 0:
-            return False
-        return is_last_step or (self.save_freq > 0 and step % self.save_freq == 0)
+        return should_save(self.save_freq, step, is_last_step)
 
     def latest(self) -> Path | None:
         """Newest complete local checkpoint (waits for an in-flight save first)."""
@@ -127,7 +123,6 @@ class CheckpointManager:
         Returns the final directory (complete once `wait()` returns when async). Raises `CheckpointWriteError`
         for a failure of this save (sync) or of the previous one (async).
         """
-        t0 = time.perf_counter()
         self._writer.wait()
         plan = {}
         for name, state in components.items():
@@ -142,10 +137,8 @@ class CheckpointManager:
         marker = {"format_version": FORMAT_VERSION, "step": int(step), "world_size": self.world_size,
                   "components": {n: {"format": fmt} for n, (_t, _s, fmt) in plan.items()},
                   "created_unix": time.time(), "versions": _versions()}
-        t_stage = time.perf_counter()
         if self.async_save:
             plan = {n: (self._stager.stage(t, prefix=n), s, f) for n, (t, s, f) in plan.items()}
-        stage_s = time.perf_counter() - t_stage
         final = self.root / atomic.step_dirname(step)
 
         def job() -> None:
@@ -159,7 +152,6 @@ class CheckpointManager:
             except Exception as err:
                 raise CheckpointWriteError(f"checkpoint save failed (step {step} → {final}): "
                                            f"{type(err).__name__}: {err}") from err
-        self.last_stats = SaveStats(step=int(step), blocking_s=time.perf_counter() - t0, stage_s=stage_s)
         return final
 
     def _write(self, final: Path, plan: dict[str, tuple[dict, dict, str]], extra_text: str, rank_text: str,

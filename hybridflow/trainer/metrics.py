@@ -1,4 +1,5 @@
-"""Per-step data metrics computed on the driver from the batch: rewards, advantages, values, lengths, throughput."""
+"""Per-step metrics on the driver: the one reduction of per-rank worker metrics, and data metrics from the batch
+(rewards, advantages, values, lengths, throughput)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ import torch
 
 from hybridflow.algorithms import masked_mean
 from hybridflow.protocol import DataProto
+
+
+def reduce_metrics(per_rank: list[dict[str, float]] | dict[str, float], prefix: str = "") -> dict[str, float]:
+    """Average each key over the ranks that reported it (a single dict: one rank, as collected without concat).
+    With `prefix`, a bare key (no `/`, as the engine reports `loss`) is namespaced `<prefix>/<key>`."""
+    if isinstance(per_rank, dict):
+        per_rank = [per_rank]
+    keys = sorted({k for m in per_rank for k in m})
+    means = {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in keys}
+    return {(f"{prefix}/{k}" if prefix and "/" not in k else k): v for k, v in means.items()}
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

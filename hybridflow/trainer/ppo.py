@@ -1,6 +1,6 @@
-"""The PPO/GRPO trainer: a single-controller driver whose `step()` is the numbered list of stage calls.
+"""PPO/GRPO: `PPOAlgorithm.step()` is the numbered list of stage calls; `PPOTrainer` runs it in the one loop.
 
-Everything heavy runs inside worker groups (`self.actor`, `self.critic`, `self.reward_model`); the driver only
+Everything heavy runs inside worker groups (`groups.actor`, `groups.critic`, `groups.reward_model`); the driver only
 moves DataProtos between them and does the cheap tensor math (rewards, advantages, metrics).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,11 +23,15 @@ from hybridflow.algorithms import (
     masked_mean,
 )
 from hybridflow.config import Config, resolve
-from hybridflow.data.contract import skipped_rows_event
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.balance import balanced_order
-from hybridflow.trainer.checkpointing import TrainerCheckpointing
-from hybridflow.trainer.metrics import compute_data_metrics, memory_metrics, throughput_metrics
+from hybridflow.trainer.loop import Algorithm, Trainer
+from hybridflow.trainer.metrics import (
+    compute_data_metrics,
+    memory_metrics,
+    reduce_metrics,
+    throughput_metrics,
+)
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
 from hybridflow.trainer.timing import StageTimer
 from hybridflow.trainer.validation import Validator
@@ -36,20 +40,16 @@ from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from hybridflow.checkpoint.worker import CheckpointingGroup
+    from hybridflow.data.contract import SkipReport
     from hybridflow.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
 
-def reduce_metrics(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:
-    """Average each key over the ranks that reported it (a single dict: one rank, as collected without concat)."""
-    if isinstance(per_rank, dict):
-        per_rank = [per_rank]
-    keys = {k for m in per_rank for k in m}
-    return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in sorted(keys)}
+class PPOAlgorithm(Algorithm):
+    guarded = ("actor", "critic")
 
-
-class PPOTrainer:
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None, groups: WorkerGroups | None = None) -> None:
         from hybridflow.data import build_rl_datasets, make_dataloader
@@ -66,86 +66,51 @@ class PPOTrainer:
                              f"set ({len(self.train_ds)} prompts) with drop_last: lower the batch size or add data")
         self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+        self.total_epochs = cfg.trainer.total_epochs
         self.total_steps = cfg.trainer.total_training_steps or len(self.loader) * cfg.trainer.total_epochs
         self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
-        self.tracker = tracker
         self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn, self.groups.reward_model,
                                    tracker=tracker) if self.val_ds else None
-        self.global_step = 0
-        self.epoch = 0
+        self.global_step = 0  # the step being trained (set by `step`)
         self._gen_calls = 0
-        self.history: list[dict[str, float]] = []
-        self._once_metrics: dict[str, float] = {}  # sent with the first logged step of this process
-        self.ckpt = TrainerCheckpointing(self)  # resume, saves, rollback, NaN guard
 
-    # ------------------------------------------------------------------------------------------------ fit
     @property
     def actor(self) -> ActorRolloutRefGroup:
         return self.groups.actor
 
-    def fit(self) -> list[dict[str, float]]:
-        """Train for `total_steps`; returns the per-step metrics (also sent to the tracker)."""
-        if self.ckpt.resume() and self.tracker is not None:
-            self.tracker.truncate_after(self.global_step)  # the killed run's later rows are logged again
-        self._report_skipped_rows()
-        if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
-            self._log(self.validator.run(step=0), step=0)
-        if self.tracker is not None:
-            self.tracker.start_progress(self.total_steps, initial_step=self.global_step)
-        try:
-            self._train_loop()
-        finally:
-            if self.tracker is not None:
-                self.tracker.stop_progress()
-        return self.history
+    # ------------------------------------------------------------------------------------ loop interface
+    def checkpoint_groups(self) -> dict[str, CheckpointingGroup]:
+        if self.cfg.trainer.use_colocated_worker or self.groups.critic is None:
+            return {"": self.groups.actor}  # one checkpoint for every role of the process
+        return {"actor": self.groups.actor, "critic": self.groups.critic}
 
-    def _train_loop(self) -> None:
-        if self.global_step >= self.total_steps:
-            logger.info("resumed at step %d of %d: nothing left to train", self.global_step, self.total_steps)
-            return
-        for batch in self._batches():
-            self.global_step += 1
-            self.ckpt.poll()  # a failed background save surfaces here
-            metrics = self.step(batch)
-            metrics |= self.ckpt.check_finite(metrics, self.global_step)  # skipped-step count, stop or roll back
-            is_last = self.global_step >= self.total_steps
-            test_freq = self.cfg.trainer.test_freq
-            val: dict[str, float] = {}
-            if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
-                val = self.validator.run(step=self.global_step)
-            self._log(metrics | val, step=self.global_step)
-            self.ckpt.after_validation(val, self.global_step)  # may roll back to the best checkpoint
-            self.ckpt.maybe_save(self.global_step, is_last)
-            if self.tracker is not None:
-                self.tracker.advance(self.global_step)
-            if is_last:
-                break
+    def skip_reports(self) -> list[SkipReport]:
+        return [ds.skips for ds in (self.train_ds, self.val_ds) if ds is not None]
 
-    def _batches(self) -> Iterator[DataProto]:
-        while self.epoch < self.cfg.trainer.total_epochs:
-            yield from self.loader
-            self.epoch += 1
+    def state_dict(self) -> dict[str, Any]:
+        ema = self.cfg.ref.ema
+        return {"kl_ctrl": self.kl_ctrl.state_dict(),
+                "gen_calls": int(self._gen_calls),  # the driver's sampling seeds count generate calls
+                "ema": {"enable": ema.enable, "decay": ema.decay, "update_every": ema.update_every}}
 
-    def _report_skipped_rows(self) -> None:
-        """Rows left out at load (malformed, empty prompt, over-long): one `data_skipped` event with counts,
-        reasons and example rows, and `data/skipped_rows` with the first logged step."""
-        reports = [ds.skips for ds in (self.train_ds, self.val_ds) if ds is not None]
-        message, data = skipped_rows_event(reports)
-        self._once_metrics["data/skipped_rows"] = float(data["skipped_rows"])
-        if data["skipped_rows"] and self.tracker is not None:
-            self.tracker.event("data_skipped", message, self.global_step, level="warning", **data)
+    def load_state_dict(self, extra: dict[str, Any]) -> None:
+        ema_saved, ema_now = bool(extra.get("ema", {}).get("enable", False)), self.cfg.ref.ema.enable
+        if ema_saved != ema_now:
+            raise ValueError(f"the checkpoint was saved with ref.ema.enable={ema_saved} but now ref.ema.enable="
+                             f"{ema_now}; resume with the same setting (or trainer.resume_mode=disable)")
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        self._gen_calls = int(extra.get("gen_calls", 0))
 
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        metrics = {"training/global_step": float(step), "training/epoch": float(self.epoch), **self._once_metrics,
-                   **metrics}
-        self._once_metrics = {}
-        self.history.append(metrics)
-        if self.tracker is not None:
-            self.tracker.log(metrics, step=step)
+    def on_rollback(self, extra: dict[str, Any]) -> None:
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+
+    def cleanups(self) -> list[Callable[[], object]]:
+        return [self.reward_fn.close, self.groups.close]
 
     # ----------------------------------------------------------------------------------------------- step
-    def step(self, batch: DataProto) -> dict[str, float]:
-        """One RL step; each numbered stage is timed as `timing/<name>`."""
+    def step(self, batch: DataProto, step: int) -> dict[str, float]:
+        """RL step `step`; each numbered stage is timed as `timing/<name>`."""
+        self.global_step = step
         timer, metrics = StageTimer(), {}
         start = time.perf_counter()
         with timer("gen"):  # 1. generate rollout.n responses per prompt (train→generate→train inside)
@@ -282,10 +247,20 @@ class PPOTrainer:
         b["advantages"], b["returns"] = adv, ret
         return metrics
 
-    def close(self) -> None:
-        """Wait for the last checkpoint save (raising its error), then release the workers; each step runs even
-        when an earlier one fails (a dead worker group cannot close its checkpoints but must still be released)."""
-        from hybridflow.trainer.run import run_cleanups
 
-        run_cleanups([self.ckpt.close, self.reward_fn.close, self.groups.close])
+class PPOTrainer(Trainer):
+    """The PPO/GRPO run: `PPOAlgorithm` in the one loop (`Trainer`)."""
 
+    algorithm: PPOAlgorithm
+
+    def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 tracker: Tracker | None = None, groups: WorkerGroups | None = None) -> None:
+        super().__init__(cfg, PPOAlgorithm(cfg, tokenizer=tokenizer, tracker=tracker, groups=groups), tracker)
+
+    @property
+    def groups(self) -> WorkerGroups:
+        return self.algorithm.groups
+
+    @property
+    def actor(self) -> ActorRolloutRefGroup:
+        return self.algorithm.actor

@@ -1,4 +1,5 @@
-"""Reward-model training: `RMTrainer(cfg).fit()` — Bradley-Terry on (prompt, chosen, rejected) pairs.
+"""Reward-model training: `RewardModelAlgorithm`, run as `RMTrainer(cfg).fit()` — Bradley-Terry on (prompt,
+chosen, rejected) pairs.
 
 loss = -log σ(r_chosen - r_rejected - margin), where r is the scalar head at the last response position —
 exactly how `RewardModelWorker` scores responses during PPO. The model is the critic-style scalar head on a
@@ -13,17 +14,22 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import CriticConfig
+from hybridflow.config.schema import CriticConfig, RMConfig
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised import SupervisedTrainer
+from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs
 from hybridflow.trainer.supervised_losses import bradley_terry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hybridflow.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +41,10 @@ def rm_model_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.rm.init_from))
 
 
-def build_preference_datasets(cfg: Config, tokenizer: Any) -> tuple[Dataset, Dataset | None]:
+def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, Dataset | None]:
     """(train, val) `PreferenceDataset`s from parquet files, or synthetic pairs of the built-in `data.task`."""
     from hybridflow.data import PreferenceDataset, task_splits
-    from hybridflow.trainer.synthetic_pairs import preference_rows
+    from hybridflow.data.synthetic_pairs import preference_rows
 
     d = cfg.data
     kwargs = dict(max_length=d.max_prompt_length + d.max_response_length, prompt_key=d.prompt_key,
@@ -56,11 +62,9 @@ def build_preference_datasets(cfg: Config, tokenizer: Any) -> tuple[Dataset, Dat
     return train, val
 
 
-class RMTrainer(SupervisedTrainer):
+class RewardModelAlgorithm(SupervisedAlgorithm):
     section, role, loss = "rm", "critic", "bradley_terry"
-
-    def __init__(self, cfg: Config, **kwargs: Any) -> None:
-        super().__init__(rm_model_config(cfg), **kwargs)
+    sec: RMConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
         return build_preference_datasets(self.cfg, self.tokenizer)
@@ -80,8 +84,8 @@ class RMTrainer(SupervisedTrainer):
     def loss_kwargs(self) -> dict[str, Any]:
         return {"margin": self.sec.margin}
 
-    def validate(self) -> dict[str, float]:
-        loader = self._loader(self.val_ds, shuffle=False, drop_last=False)
+    def run(self, step: int) -> dict[str, float]:
+        loader = self.make_loader(self.val_ds, shuffle=False, drop_last=False)
         chosen, rejected = [], []
         for batch in loader:
             scores = self.group.eval_scores(batch).batch["scores"]
@@ -92,3 +96,12 @@ class RMTrainer(SupervisedTrainer):
         return {"val/loss": float(bradley_terry(r_c, r_r, self.sec.margin).mean()),
                 "val/accuracy": float((diff > 0).double().mean()), "val/reward_margin": float(diff.mean()),
                 "val/chosen_reward": float(r_c.mean()), "val/rejected_reward": float(r_r.mean())}
+
+
+class RMTrainer(SupervisedTrainer):
+    algorithm_cls = RewardModelAlgorithm
+    algorithm: RewardModelAlgorithm
+
+    def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 tracker: Tracker | None = None) -> None:
+        super().__init__(rm_model_config(cfg), tokenizer=tokenizer, tracker=tracker)

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: `SFTTrainer(cfg).fit()` and the quickstart's warm start `run_sft(cfg, steps=...)`.
+"""Supervised fine-tuning: `SFTAlgorithm` (run as `SFTTrainer(cfg).fit()`) and the quickstart's warm start
+`run_sft(cfg, steps=...)` with its target gate (`sft.target_val_loss`, `stop_at_target`, `extra_schedules`).
 
 The loss is the token-mean negative log-likelihood of the response tokens only (prompt tokens are never
 trained on), computed by the same TrainEngine as PPO (packing, FSDP2, local or Ray) from the engine layout of
@@ -18,9 +19,9 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig
+from hybridflow.config.schema import ActorConfig, SFTConfig
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised import SupervisedTrainer
+from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_sft_rows
 
 if TYPE_CHECKING:
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SFTTrainer(SupervisedTrainer):
+class SFTAlgorithm(SupervisedAlgorithm):
     section, role, loss = "sft", "actor", "sft"
+    sec: SFTConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
         from hybridflow.data.build import build_sft_datasets
@@ -47,9 +49,9 @@ class SFTTrainer(SupervisedTrainer):
             ppo_epochs=1, shuffle=False, grad_clip=s.grad_clip, optim=s.optim, entropy_coeff=0.0, use_kl_loss=False,
         )
 
-    def validate(self) -> dict[str, float]:
+    def run(self, step: int) -> dict[str, float]:
         """Token-mean NLL and greedy token accuracy of the validation responses."""
-        loader = self._loader(self.val_ds, shuffle=False, drop_last=False)
+        loader = self.make_loader(self.val_ds, shuffle=False, drop_last=False)
         totals = torch.zeros(3, dtype=torch.float64)
         for batch in loader:
             out = self.group.eval_lm(batch).batch
@@ -64,11 +66,11 @@ class SFTTrainer(SupervisedTrainer):
 
     final_schedule = True  # run_sft: False while an extra schedule (sft.extra_schedules) may still follow
 
-    def missed_target(self) -> None:
+    def missed_target(self, history: list[dict[str, float]], step: int) -> None:
         target = self.sec.target_val_loss
         if target is None or self.val_ds is None or not self.final_schedule:
             return
-        loss = next((m["val/loss"] for m in reversed(self.history) if "val/loss" in m), float("nan"))
+        loss = next((m["val/loss"] for m in reversed(history) if "val/loss" in m), float("nan"))
         if loss <= target:
             return
         message = (f"SFT ended at sft.total_steps={self.total_steps} with val/loss {loss:.4f} above "
@@ -77,8 +79,13 @@ class SFTTrainer(SupervisedTrainer):
         if self.tracker is None:
             logger.warning(message)
         else:
-            self.tracker.event("sft_target_missed", message, step=self.global_step, level="warning",
-                               val_loss=loss, target=target)
+            self.tracker.event("sft_target_missed", message, step=step, level="warning", val_loss=loss,
+                               target=target)
+
+
+class SFTTrainer(SupervisedTrainer):
+    algorithm_cls = SFTAlgorithm
+    algorithm: SFTAlgorithm
 
 
 def sft_config(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None = None,
@@ -113,7 +120,7 @@ def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None
     while True:
         trainer = SFTTrainer(cfg, tracker=tracker)
         trainer.global_step, trainer.total_steps = step, step + trainer.total_steps  # one step axis in the logs
-        trainer.final_schedule = schedule == sec.extra_schedules
+        trainer.algorithm.final_schedule = schedule == sec.extra_schedules
         try:
             history = trainer.fit()
             path = trainer.export()
@@ -121,7 +128,8 @@ def run_sft(cfg: Config, *, steps: int | None = None, out_dir: str | Path | None
             trainer.close()
         step = trainer.global_step
         loss = next((m["val/loss"] for m in reversed(history) if "val/loss" in m), None)
-        if trainer.final_schedule or sec.target_val_loss is None or loss is None or loss <= sec.target_val_loss:
+        final = trainer.algorithm.final_schedule
+        if final or sec.target_val_loss is None or loss is None or loss <= sec.target_val_loss:
             break
         schedule += 1  # the gate was missed: one more warm-up + cosine schedule from the model as it is
         cfg = _next_schedule(cfg, path, schedule, loss, tracker, step)

@@ -1,9 +1,9 @@
-"""`SupervisedTrainer`: the driver loop shared by SFT and reward-model training (and DPO later).
+"""`SupervisedAlgorithm`: one `SupervisedWorker` group trained on a fixed objective (SFT, reward model; DPO later),
+run by the one loop (`hybridflow.trainer.loop.Trainer`) as `SupervisedTrainer`.
 
-A subclass says which datasets, collate function, engine role/loss and validation reduction it uses; this base
-runs the loop: resume → (validate) → steps of one `train_batch` call each → validation every `trainer.test_freq`
-→ checkpoints through `CheckpointManager` every `trainer.checkpoint.save_freq` → HF export at the end.
-The engine config is derived from the section (`sft`/`rm`) without touching the user's config.
+A subclass says which datasets, collate function, engine role/loss and validation reduction it uses; a step is
+one `train_batch` call. The engine config is derived from the section (`sft`/`rm`) without touching the user's
+config. At the end the model is exported as an HF directory (`<section>.export_dir`, default `<run_dir>/hf`).
 """
 
 from __future__ import annotations
@@ -11,63 +11,55 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from abc import abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig, CriticConfig
+from hybridflow.config.schema import ActorConfig, CriticConfig, RMConfig, SFTConfig
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.loop import Algorithm, Trainer
+from hybridflow.trainer.metrics import reduce_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from hybridflow.checkpoint.worker import CheckpointingGroup
+    from hybridflow.controller import ResourcePool
     from hybridflow.data.dataloader import StatefulDataLoader
     from hybridflow.tracking import Tracker
-    from hybridflow.trainer.supervised_worker import SupervisedGroup
+    from hybridflow.workers.supervised import SupervisedGroup
 
 logger = logging.getLogger(__name__)
 
 
-def mean_metrics(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    """Average each metric over the ranks (the engine already reduced them over ranks: `loss` is the whole-batch
-    loss on every rank) and namespace bare engine keys as `<prefix>/<key>`."""
-    keys = sorted({k for m in per_rank for k in m})
-    out = {}
-    for k in keys:
-        vals = [m[k] for m in per_rank if k in m]
-        out[k if "/" in k else f"{prefix}/{k}"] = float(sum(vals) / len(vals))
-    return out
-
-
-class SupervisedTrainer(ABC):
-    section: str = ""  # "sft" | "rm": the config section with epochs, batch_size, optim, export_dir, ...
-    role: str = "actor"  # engine role: actor (language model) | critic (scalar head)
-    loss: str = ""  # SUPERVISED_LOSSES name
+class SupervisedAlgorithm(Algorithm):
+    section: ClassVar[str] = ""  # "sft" | "rm": the config section with epochs, batch_size, optim, export_dir, ...
+    role: ClassVar[str] = "actor"  # engine role: actor (language model) | critic (scalar head)
+    loss: ClassVar[str] = ""  # SUPERVISED_LOSSES name
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None) -> None:
         from hybridflow.models.loader import load_tokenizer
 
-        self.cfg = cfg
-        self.sec = getattr(cfg, self.section)
+        self.cfg, self.tracker = cfg, tracker
+        self.sec: SFTConfig | RMConfig = getattr(cfg, self.section)
+        self.guarded = (self.section,)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.train_ds, self.val_ds = self.build_datasets()
         self.world_size = self._world_size()
         self._check_batch_size()
-        self.loader = self._loader(self.train_ds, shuffle=cfg.data.shuffle, drop_last=True)
+        self.loader = self.make_loader(self.train_ds, shuffle=cfg.data.shuffle, drop_last=True)
         if len(self.loader) == 0:
             raise ValueError(f"{self.section}.batch_size={self.sec.batch_size} is larger than the training set "
                              f"({len(self.train_ds)} rows): lower {self.section}.batch_size or add data")
         self.total_steps = self.sec.total_steps or len(self.loader) * self.sec.epochs
-        self.tracker = tracker
-        self.global_step = 0
-        self.history: list[dict[str, float]] = []
         self.group = self._build_group()
+        self.validator = self if self.val_ds is not None else None
 
     # ----------------------------------------------------------------------------------------- subclass API
     @abstractmethod
@@ -80,22 +72,16 @@ class SupervisedTrainer(ABC):
     def role_config(self) -> ActorConfig | CriticConfig:
         """The ActorConfig/CriticConfig the engine trains with (the section mapped onto the role's fields)."""
 
+    @abstractmethod
+    def run(self, step: int) -> dict[str, float]:
+        """Validation metrics (the algorithm is its own `Validator`)."""
+
     def model_path(self) -> str | None:
         """Where the model starts from (None = `model.path`, else `model.preset`)."""
         return None
 
-    @abstractmethod
-    def validate(self) -> dict[str, float]: ...
-
     def loss_kwargs(self) -> dict[str, Any]:
         return {}
-
-    def reached_target(self, metrics: dict[str, float]) -> bool:
-        """True when the validation `metrics` meet the section's stop criterion (none by default)."""
-        return False
-
-    def missed_target(self) -> None:  # noqa: B027 - optional hook: sections without a target do nothing
-        """Called when `total_steps` ran out before `reached_target` held (only for sections with a target)."""
 
     # ----------------------------------------------------------------------------------------------- build
     def _world_size(self) -> int:
@@ -109,7 +95,7 @@ class SupervisedTrainer(ABC):
             raise ValueError(f"{self.section}.batch_size={b} must be divisible by the {w} data-parallel ranks "
                              f"(trainer.nnodes × trainer.n_gpus_per_node); use e.g. {max(w, b // w * w)}")
 
-    def _loader(self, ds: Dataset, shuffle: bool, drop_last: bool) -> StatefulDataLoader:
+    def make_loader(self, ds: Dataset, shuffle: bool, drop_last: bool) -> StatefulDataLoader:
         from hybridflow.data.dataloader import StatefulDataLoader
 
         d = self.cfg.data
@@ -119,78 +105,31 @@ class SupervisedTrainer(ABC):
 
     def _build_group(self) -> SupervisedGroup:
         from hybridflow.controller import ResourcePool, WorkerGroup
-        from hybridflow.trainer.supervised_worker import SupervisedGroup, SupervisedWorker
+        from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
         worker = functools.partial(SupervisedWorker, self.cfg, self.role, self.role_config(), self.loss,
                                    self.loss_kwargs(), self.total_steps, self.model_path())
-        pool = ResourcePool.from_config(self.cfg)
-        self.pool = pool
-        group = SupervisedGroup(WorkerGroup(pool, worker, backend=self.cfg.trainer.backend, name=f"{self.section}"))
+        self.pool: ResourcePool = ResourcePool.from_config(self.cfg)
+        group = SupervisedGroup(WorkerGroup(self.pool, worker, backend=self.cfg.trainer.backend,
+                                            name=f"{self.section}"))
         group.init_model()
         return group
 
-    # ----------------------------------------------------------------------------------------------- loop
-    def fit(self) -> list[dict[str, float]]:
-        """Train `total_steps` optimizer steps; returns the logged metrics of every step."""
-        t = self.cfg.trainer
-        self._resume()
-        if t.val_before_train and self.val_ds is not None and self.global_step == 0:
-            self._log(self.validate(), step=0)
-        for batch in self._batches():
-            self.global_step += 1
-            start = time.perf_counter()
-            metrics = mean_metrics(self.group.train_batch(batch), self.section)
-            metrics["timing/step"] = time.perf_counter() - start
-            is_last = self.global_step >= self.total_steps
-            validated = self.val_ds is not None and (is_last or (t.test_freq > 0 and self.global_step % t.test_freq == 0))
-            if validated:
-                metrics |= self.validate()
-            done = validated and self.reached_target(metrics)
-            self._log(metrics, step=self.global_step)
-            self._maybe_save(is_last or done)
-            if done:
-                logger.info("%s: stop criterion met at step %d of at most %d", self.section, self.global_step,
-                            self.total_steps)
-                break
-            if is_last:
-                self.missed_target()
-                break
-        return self.history
+    # ------------------------------------------------------------------------------------ loop interface
+    def step(self, batch: DataProto, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = reduce_metrics(self.group.train_batch(batch), self.section)
+        metrics["timing/step"] = time.perf_counter() - start
+        return metrics
 
-    def _batches(self) -> Iterator[DataProto]:
-        while True:  # cycle epochs until total_steps (which may be set beyond the epochs)
-            yield from self.loader
+    def checkpoint_groups(self) -> dict[str, CheckpointingGroup]:
+        return {"": self.group}
 
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        metrics = {"training/global_step": float(step), **metrics}
-        self.history.append(metrics)
-        if self.tracker is not None:
-            self.tracker.log(metrics, step=step)
-        else:
-            logger.info("%s step %d: %s", self.section, step,
-                        ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "training/global_step"))
+    def state_dict(self) -> dict[str, Any]:
+        return {"section": self.section}
 
-    # ---------------------------------------------------------------------------------------- checkpoints
-    def _maybe_save(self, is_last: bool) -> None:
-        ck = self.cfg.trainer.checkpoint
-        if ck.save_freq == 0 or not (is_last or (ck.save_freq > 0 and self.global_step % ck.save_freq == 0)):
-            return
-        self.group.save_checkpoint(self.global_step, {"loader": self.loader.state_dict(),
-                                                      "global_step": self.global_step, "section": self.section})
-
-    def _resume(self) -> None:
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
-        extras = self.group.load_checkpoint(t.resume_path if t.resume_mode == "path" else None)
-        extra = extras[0]
-        if extra is None:
-            return
-        self.global_step = int(extra["global_step"])
-        self.loader.load_state_dict(extra["loader"])
-        logger.info("%s: resumed at step %d", self.section, self.global_step)
-        if self.tracker is not None:
-            self.tracker.truncate_after(self.global_step)  # the killed run's later rows are logged again
+    def cleanups(self) -> list[Callable[[], object]]:
+        return [self.group.worker_group.shutdown, self.pool.release]
 
     # ---------------------------------------------------------------------------------------------- export
     def export_dir(self) -> Path:
@@ -203,11 +142,23 @@ class SupervisedTrainer(ABC):
         logger.info("%s: exported the model to %s", self.section, out)
         return out
 
-    def close(self) -> None:
-        """Wait for the last save, then release the workers (every step runs, see `run_cleanups`)."""
-        from hybridflow.trainer.run import run_cleanups
 
-        run_cleanups([self.group.close_checkpoints, self.group.worker_group.shutdown, self.pool.release])
+class SupervisedTrainer(Trainer):
+    """A supervised run: `algorithm_cls` in the one loop, then `export()`."""
+
+    algorithm_cls: ClassVar[type[SupervisedAlgorithm]]
+    algorithm: SupervisedAlgorithm
+
+    def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 tracker: Tracker | None = None) -> None:
+        super().__init__(cfg, self.algorithm_cls(cfg, tokenizer=tokenizer, tracker=tracker), tracker)
+
+    @property
+    def group(self) -> SupervisedGroup:
+        return self.algorithm.group
+
+    def export(self) -> Path:
+        return self.algorithm.export()
 
 
 def run_supervised(trainer_cls: type[SupervisedTrainer], cfg: Config,
@@ -219,6 +170,5 @@ def run_supervised(trainer_cls: type[SupervisedTrainer], cfg: Config,
     with tracked_run(cfg, tracker) as tracker:
         trainer = trainer_cls(cfg, tracker=tracker)
         with cleaned_up(trainer.close):
-            with tracker.progress(trainer.total_steps, trainer.global_step):
-                history = trainer.fit()
+            history = trainer.fit()
             return trainer.export(), history

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
-from hybridflow.workers.checkpointing import CheckpointingGroup, CheckpointingWorker
 from hybridflow.workers.losses import make_actor_loss
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
-from hybridflow.workers.checkpointing import CheckpointingGroup, CheckpointingWorker
 from hybridflow.workers.losses import make_critic_loss
 
 if TYPE_CHECKING:

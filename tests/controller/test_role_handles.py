@@ -27,7 +27,7 @@ from hybridflow.controller.decorator import registered_methods
 from hybridflow.controller.proxy import expected_shape
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.roles import ROLES
-from hybridflow.trainer.supervised_worker import SupervisedGroup, SupervisedWorker
+from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
 HANDLES = [(role.handle_cls, role.worker_cls) for role in ROLES.values()] + [(SupervisedGroup, SupervisedWorker)]
 

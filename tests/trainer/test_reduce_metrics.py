@@ -1,6 +1,6 @@
 """`reduce_metrics`: per-rank metric dicts → one dict (a lone dict is what a one-rank group returns uncopied)."""
 
-from hybridflow.trainer.ppo import reduce_metrics
+from hybridflow.trainer.metrics import reduce_metrics
 
 
 def test_averages_each_key_over_the_ranks_that_report_it():

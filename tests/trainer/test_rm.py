@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from hybridflow.config import load_config
 from hybridflow.data import PreferenceDataset, task_splits
+from hybridflow.data.synthetic_pairs import preference_rows, sampled_preference_rows
 from hybridflow.models.loader import load_model, load_tokenizer
 from hybridflow.rewards.synthetic import arithmetic
 from hybridflow.rewards.synthetic import sort as sort_score
 from hybridflow.trainer.rm import RMTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs, pair_halves, split_pair
 from hybridflow.trainer.supervised_losses import make_bt_loss
-from hybridflow.trainer.synthetic_pairs import preference_rows, sampled_preference_rows
 
 
 def _cfg(tmp_path, *extra: str):

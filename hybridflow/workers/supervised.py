@@ -3,7 +3,8 @@ every other role through a `WorkerGroup` — so local, multi-process and Ray run
 
 The engine is built from an engine config the trainer derives (its `sft`/`rm` section mapped onto the actor or
 critic fields); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses to Ray.
-The driver holds a `SupervisedGroup`.
+Checkpointing is the trained roles' (`CheckpointingWorker`, component `engine`). The driver holds a
+`SupervisedGroup`.
 """
 
 from __future__ import annotations
@@ -14,21 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config
 from hybridflow.config.schema import ActorConfig, CriticConfig
-from hybridflow.controller import Dispatch, RoleGroup, Worker, gathered, per_rank, register
+from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised_batch import last_response_values
 from hybridflow.trainer.supervised_losses import build_loss
 
 if TYPE_CHECKING:
-    from hybridflow.checkpoint import CheckpointManager
     from hybridflow.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
 
 
-class SupervisedWorker(Worker):
+class SupervisedWorker(CheckpointingWorker, Worker):
     """`role_cfg` is the ActorConfig (LM) or CriticConfig (scalar head) the engine trains with; `model_path`
     initialises the model (None = `cfg.model.path`, else its preset)."""
 
@@ -43,7 +44,6 @@ class SupervisedWorker(Worker):
         self.total_steps, self.model_path = total_steps, model_path
         self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
         self.engine: TrainEngine  # built by init_model
-        self._ckpt: CheckpointManager | None = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -101,36 +101,8 @@ class SupervisedWorker(Worker):
         return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch["response_mask"]).cpu()})
 
     # --------------------------------------------------------------------------------------------- save/load
-    def _manager(self) -> CheckpointManager:
-        if self._ckpt is None:
-            from hybridflow.checkpoint import CheckpointManager
-
-            self._ckpt = CheckpointManager.from_config(self.cfg.trainer)
-        return self._ckpt
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
-        """Engine state (sharded model + optimizer + schedule) and the driver's `extra` via CheckpointManager."""
-        return str(self._manager().save(step, {"engine": self.engine.state_dict()}, extra=extra))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str | None) -> dict[str, Any] | None:
-        """Resume per `trainer.resume_mode` (`path` given = that checkpoint); the saved `extra`, or None."""
-        from hybridflow.checkpoint import find_resume_checkpoint
-
-        t = self.cfg.trainer
-        manager = self._manager()
-        found = find_resume_checkpoint(manager, "path" if path else t.resume_mode, path)
-        if found is None:
-            return None
-        loaded = manager.load(found, templates={"engine": self.engine.state_dict()})
-        self.engine.load_state_dict(loaded.components["engine"])
-        return loaded.extra
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def close_checkpoints(self) -> None:
-        if self._ckpt is not None:
-            self._ckpt.close()
+    def checkpoint_engines(self) -> dict[str, TrainEngine]:
+        return {"engine": self.engine}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> str:
@@ -139,7 +111,7 @@ class SupervisedWorker(Worker):
         return str(Path(out_dir))
 
 
-class SupervisedGroup(RoleGroup):
+class SupervisedGroup(CheckpointingGroup):
     """Driver-side handle of a `SupervisedWorker` group."""
 
     worker_cls = SupervisedWorker
@@ -147,7 +119,4 @@ class SupervisedGroup(RoleGroup):
     train_batch = per_rank(SupervisedWorker.train_batch)
     eval_lm = gathered(SupervisedWorker.eval_lm)
     eval_scores = gathered(SupervisedWorker.eval_scores)
-    save_checkpoint = per_rank(SupervisedWorker.save_checkpoint)
-    load_checkpoint = per_rank(SupervisedWorker.load_checkpoint)
-    close_checkpoints = per_rank(SupervisedWorker.close_checkpoints)
     export_hf = per_rank(SupervisedWorker.export_hf)

@@ -1,4 +1,5 @@
-"""Worker-side checkpointing: registered save/load/rollback methods shared by the trained role workers.
+"""Worker-side checkpointing: the registered save/load/rollback methods of every worker with a trained engine
+(PPO actor and critic, the SFT/RM `SupervisedWorker`), and the driver-side handle `CheckpointingGroup`.
 
 Decision: one `CheckpointManager` per worker *process*, so colocated roles (actor + critic + EMA ref in one
 process) write ONE checkpoint with one component per engine. The worker the driver calls (the actor in the

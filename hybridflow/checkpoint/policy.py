@@ -1,0 +1,163 @@
+"""The driver's checkpoint policy, the same for every trainer: which groups save, resume, a save every
+`trainer.checkpoint.save_freq` steps, the NaN guard and auto-rollback.
+
+The worker groups own the `CheckpointManager`s (one per worker process, see `hybridflow.checkpoint.worker`). The
+trainer names its groups: one (`""`) writes under `trainer.default_local_dir`; several (roles in their own groups)
+write under `<default_local_dir>/<name>` and resume from the newest step present for every one. The trainer gives
+the JSON `extra` (its data position and algorithm state); this policy adds its own (rollback, guard). A rollback
+restores weights, optimizer and LR schedule and hands the checkpoint's `extra` to `on_rollback`; the data
+position and step counter move on (no replay of the same batches).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridflow.checkpoint.manager import should_save
+from hybridflow.checkpoint.nan_guard import NonFiniteError, NonFiniteGuard
+from hybridflow.checkpoint.remote import join_url
+from hybridflow.checkpoint.rollback import RollbackDecision, RollbackTracker
+from hybridflow.config import Config
+
+if TYPE_CHECKING:
+    from hybridflow.checkpoint.worker import CheckpointingGroup
+    from hybridflow.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointPolicy:
+    """`groups`: name → the group that checkpoints (see the module docstring); `guarded`: the metric namespaces
+    whose `<ns>/loss`, `<ns>/grad_norm` and `<ns>/skipped` the NaN guard reads (e.g. "actor", "critic")."""
+
+    def __init__(self, cfg: Config, groups: dict[str, CheckpointingGroup], guarded: tuple[str, ...],
+                 tracker: Tracker | None = None,
+                 on_rollback: Callable[[dict[str, Any]], None] | None = None) -> None:
+        t = cfg.trainer
+        self.cfg, self.guarded, self.tracker, self.on_rollback = cfg, guarded, tracker, on_rollback
+        self.targets = groups
+        if t.checkpoint.save_freq == 0 and t.resume_mode == "disable":
+            self.targets = {}  # checkpointing off: no managers, no directories created
+            if t.rollback.enable:
+                logger.warning("trainer.rollback.enable=true is ignored with trainer.checkpoint.save_freq=0: "
+                               "there is no checkpoint to roll back to")
+        self.rollback = RollbackTracker.from_config(t.rollback) if t.rollback.enable else None
+        self.guard = NonFiniteGuard(t.max_consecutive_bad_steps, rollback_enabled=t.rollback.enable)
+        self.save_freq = t.checkpoint.save_freq
+        self.rollbacks: list[dict[str, Any]] = []  # one entry per rollback taken (also a tracker event)
+        for subdir, group in self.targets.items():
+            group.init_checkpoint(subdir or None)
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def resume(self) -> dict[str, Any] | None:
+        """Load per `trainer.resume_mode` into the workers and restore the guard/rollback state; returns
+        {"step", "path", "extra"} of the checkpoint, or None when starting fresh."""
+        t = self.cfg.trainer
+        if t.resume_mode == "disable" or not self.targets:
+            return None
+        infos = self._load(t.resume_mode, t.resume_path)
+        if infos is None:
+            return None
+        steps = {name: info["step"] for name, info in infos.items()}
+        if len(set(steps.values())) != 1:
+            raise ValueError(f"trainer.resume_path={t.resume_path!r} holds different steps per role {steps}; point "
+                             "it at a run directory whose roles were saved together")
+        info = next(iter(infos.values()))
+        extra = info["extra"]
+        if self.rollback is not None and extra.get("rollback") is not None:
+            self.rollback.load_state_dict(extra["rollback"])
+        if extra.get("guard") is not None:
+            self.guard.load_state_dict(extra["guard"])
+        return info
+
+    def _load(self, mode: str, path: str | None) -> dict[str, dict[str, Any]] | None:
+        if len(self.targets) == 1:
+            info = next(iter(self.targets.values())).load_checkpoint(mode, path)[0]
+            return None if info is None else {"": info}
+        if mode == "path":
+            assert path is not None, "validated by the config: resume_mode=path needs resume_path"
+            infos = {name: g.load_checkpoint("path", join_url(path, name))[0] for name, g in self.targets.items()}
+            return infos  # type: ignore[return-value]
+        per_role = {name: set(g.checkpoint_steps()[0]) for name, g in self.targets.items()}
+        common = set.intersection(*per_role.values())
+        if not common:
+            if any(per_role.values()):
+                logger.warning("no checkpoint step is present for every role (%s); starting fresh",
+                               {k: sorted(v) for k, v in per_role.items()})
+            return None
+        step = max(common)
+        return {name: g.load_checkpoint(mode, step=step)[0] for name, g in self.targets.items()}
+
+    # -------------------------------------------------------------------------------------------- each step
+    def poll(self) -> None:
+        """Raise the error of a failed background save now (CheckpointWriteError)."""
+        for group in self.targets.values():
+            group.poll_checkpoint()
+
+    def check_finite(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        """Count a step whose update the engines skipped (non-finite loss or grad norm); raises `NonFiniteError`
+        after `trainer.max_consecutive_bad_steps` in a row, or rolls back when rollback is enabled."""
+        losses = [metrics[f"{r}/loss"] for r in self.guarded if f"{r}/loss" in metrics]
+        norms = [metrics[f"{r}/grad_norm"] for r in self.guarded if f"{r}/grad_norm" in metrics]
+        if any(metrics.get(f"{r}/skipped", 0.0) > 0 for r in self.guarded):
+            losses.append(float("nan"))  # the engine's verdict counts even where averaging hid the bad value
+        self.guard.check(loss=torch.tensor(losses) if losses else None,
+                         grad_norm=torch.tensor(norms) if norms else None, step=step)
+        if self.guard.rollback_requested:
+            self.guard.rollback_requested = False
+            reason = f"{self.guard.max_bad} consecutive non-finite steps"
+            decision = self.rollback.request(reason) if self.rollback is not None else None
+            if decision is None:
+                raise NonFiniteError(f"{reason} (last at step {step}) and no checkpoint to roll back to (or "
+                                     "trainer.rollback.max_rollbacks reached). Training stopped.")
+            self._roll_back(decision, step)
+        return self.guard.metrics()
+
+    def after_validation(self, val_metrics: dict[str, float], step: int) -> None:
+        """Feed the rollback tracker; reload the best checkpoint when the metric kept falling."""
+        if self.rollback is None:
+            return
+        decision = self.rollback.observe(val_metrics)
+        if decision is not None:
+            self._roll_back(decision, step)
+
+    def _roll_back(self, decision: RollbackDecision, step: int) -> None:
+        assert self.rollback is not None, "a rollback decision comes from the rollback tracker"
+        extras = {name: g.rollback_checkpoint(decision.target_step, decision.lr_scale)[0]
+                  for name, g in self.targets.items()}
+        if self.on_rollback is not None:
+            self.on_rollback(next(iter(extras.values())))
+        self.guard.consecutive = 0
+        if self.tracker is not None:
+            self.tracker.event("rollback", f"reloaded checkpoint step {decision.target_step} at step {step}: "
+                               f"{decision.reason}; lr x {decision.lr_scale:g} "
+                               f"[{decision.rollback_index}/{self.rollback.max_rollbacks}]", step, level="warning",
+                               target_step=decision.target_step, lr_scale=decision.lr_scale, reason=decision.reason)
+            if getattr(self.tracker, "health", None) is not None:
+                self.tracker.health.reset_val()
+        self.rollbacks.append({"step": step, "target_step": decision.target_step, "lr_scale": decision.lr_scale,
+                               "reason": decision.reason})
+
+    def maybe_save(self, step: int, is_last: bool, extra: Callable[[], dict[str, Any]]) -> None:
+        """Save at `trainer.checkpoint.save_freq` (see `should_save`) with the trainer's `extra()` and this
+        policy's own state."""
+        if not self.targets or not should_save(self.save_freq, step, is_last):
+            return
+        if self.rollback is not None:
+            self.rollback.on_checkpoint(step)
+            best = self.rollback.best_step
+            for group in self.targets.values():
+                group.protect_checkpoints([] if best is None else [best])
+        state = {**extra(), "rollback": self.rollback.state_dict() if self.rollback is not None else None,
+                 "guard": self.guard.state_dict()}
+        for group in self.targets.values():
+            group.save_checkpoint(step, state)
+
+    def close(self) -> None:
+        """Wait for the last save (raising its error)."""
+        for group in self.targets.values():
+            group.close_checkpoints()

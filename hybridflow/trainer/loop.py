@@ -1,0 +1,201 @@
+"""`Trainer`: the one driver loop of every training method (PPO/GRPO, SFT, reward model; DPO later).
+
+resume → validate before training → per step: algorithm step, NaN guard, validation every `trainer.test_freq`,
+log, rollback, checkpoint every `trainer.checkpoint.save_freq` → close. What differs between methods is an
+`Algorithm`: its data loader, its worker groups and its `step(batch, step)` — the numbered stage list. The
+checkpoint policy is `CheckpointPolicy`'s, the run status `tracked_run`'s (`hybridflow.trainer.run`).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hybridflow.checkpoint import DataPosition
+from hybridflow.checkpoint.policy import CheckpointPolicy
+from hybridflow.config import Config, to_dict
+from hybridflow.data.contract import skipped_rows_event
+from hybridflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from hybridflow.checkpoint.worker import CheckpointingGroup
+    from hybridflow.data.contract import SkipReport
+    from hybridflow.data.dataloader import StatefulDataLoader
+    from hybridflow.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+class Validator(Protocol):
+    def run(self, step: int) -> dict[str, float]:
+        """Validation metrics (`val/...`, `timing/val`) of the model as it is at `step`."""
+        ...
+
+
+class Algorithm(ABC):
+    """What one training method gives the loop. Subclasses set the attributes in `__init__`."""
+
+    loader: StatefulDataLoader
+    total_steps: int  # optimizer steps of the run (also sizes the LR schedules)
+    total_epochs: int | None = None  # stop after this many passes over the data (None: cycle until total_steps)
+    validator: Validator | None = None
+    guarded: tuple[str, ...] = ()  # metric namespaces the NaN guard reads (`<ns>/loss`, `<ns>/grad_norm`)
+
+    @abstractmethod
+    def step(self, batch: DataProto, step: int) -> dict[str, float]:
+        """Train on `batch` as optimizer step `step`; returns its metrics."""
+
+    @abstractmethod
+    def checkpoint_groups(self) -> dict[str, CheckpointingGroup]:
+        """The groups that checkpoint: {"": group} for one root, else {sub-directory: group}."""
+
+    @abstractmethod
+    def cleanups(self) -> list[Callable[[], object]]:
+        """Release workers and pools, in order (each runs even when an earlier one fails)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Driver-side state saved in the checkpoint's `extra` (JSON)."""
+        return {}
+
+    def load_state_dict(self, extra: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Restore `state_dict()` from a checkpoint's `extra` when resuming."""
+
+    def on_rollback(self, extra: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """The workers were rolled back to a checkpoint whose `extra` is given (data position moves on)."""
+
+    def skip_reports(self) -> list[SkipReport]:
+        """Rows the datasets left out at load (reported once, `data_skipped` + `data/skipped_rows`)."""
+        return []
+
+    def reached_target(self, metrics: dict[str, float]) -> bool:
+        """True when a step's validated `metrics` meet the method's stop criterion (none by default)."""
+        return False
+
+    def missed_target(self, history: list[dict[str, float]], step: int) -> None:  # noqa: B027 - optional hook
+        """`total_steps` ran out before `reached_target` held."""
+
+
+class Trainer:
+    """Runs `algorithm` for `algorithm.total_steps` steps with checkpoints, validation, logging and a NaN guard."""
+
+    def __init__(self, cfg: Config, algorithm: Algorithm, tracker: Tracker | None = None) -> None:
+        self.cfg, self.algorithm, self.tracker = cfg, algorithm, tracker
+        self.loader = algorithm.loader
+        self.total_steps = algorithm.total_steps
+        self.validator = algorithm.validator
+        self.global_step = 0
+        self.epoch = 0
+        self.history: list[dict[str, float]] = []
+        self._once_metrics: dict[str, float] = {}  # sent with the first logged step of this process
+        self.ckpt = CheckpointPolicy(cfg, algorithm.checkpoint_groups(), algorithm.guarded, tracker,
+                                     on_rollback=algorithm.on_rollback)
+
+    def step(self, batch: DataProto) -> dict[str, float]:
+        """One optimizer step of the algorithm at `global_step` (tests and benchmarks call or wrap it)."""
+        return self.algorithm.step(batch, self.global_step)
+
+    def validate(self) -> dict[str, float]:
+        return self.validator.run(step=self.global_step) if self.validator is not None else {}
+
+    # ------------------------------------------------------------------------------------------------ fit
+    def fit(self) -> list[dict[str, float]]:
+        """Train up to `total_steps`; returns the per-step metrics (also sent to the tracker)."""
+        self._resume()
+        self._report_skipped_rows()
+        if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
+            self._log(self.validate(), step=0)
+        if self.tracker is not None:
+            self.tracker.start_progress(self.total_steps, initial_step=self.global_step)
+        try:
+            self._train_loop()
+        finally:
+            if self.tracker is not None:
+                self.tracker.stop_progress()
+        return self.history
+
+    def _train_loop(self) -> None:
+        if self.global_step >= self.total_steps:
+            logger.info("resumed at step %d of %d: nothing left to train", self.global_step, self.total_steps)
+            return
+        test_freq = self.cfg.trainer.test_freq
+        for batch in self._batches():
+            self.global_step += 1
+            self.ckpt.poll()  # a failed background save surfaces here
+            metrics = self.step(batch)
+            metrics |= self.ckpt.check_finite(metrics, self.global_step)  # skipped-step count, stop or roll back
+            is_last = self.global_step >= self.total_steps
+            val: dict[str, float] = {}
+            if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
+                val = self.validate()
+            done = bool(val) and self.algorithm.reached_target(metrics | val)
+            self._log(metrics | val, step=self.global_step)
+            self.ckpt.after_validation(val, self.global_step)  # may roll back to the best checkpoint
+            self.ckpt.maybe_save(self.global_step, is_last or done, self._extra)
+            if self.tracker is not None:
+                self.tracker.advance(self.global_step)
+            if done:
+                logger.info("stop criterion met at step %d of at most %d", self.global_step, self.total_steps)
+                break
+            if is_last:
+                self.algorithm.missed_target(self.history, self.global_step)
+                break
+
+    def _batches(self) -> Iterator[DataProto]:
+        epochs = self.algorithm.total_epochs
+        while epochs is None or self.epoch < epochs:
+            yield from self.loader
+            self.epoch += 1
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        metrics = {"training/global_step": float(step), "training/epoch": float(self.epoch), **self._once_metrics,
+                   **metrics}
+        self._once_metrics = {}
+        self.history.append(metrics)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step=step)
+        else:
+            logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+    def _report_skipped_rows(self) -> None:
+        """Rows left out at load (malformed, empty prompt, over-long): one `data_skipped` event with counts,
+        reasons and example rows, and `data/skipped_rows` with the first logged step."""
+        reports = self.algorithm.skip_reports()
+        if not reports:
+            return
+        message, data = skipped_rows_event(reports)
+        self._once_metrics["data/skipped_rows"] = float(data["skipped_rows"])
+        if data["skipped_rows"] and self.tracker is not None:
+            self.tracker.event("data_skipped", message, self.global_step, level="warning", **data)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def _resume(self) -> None:
+        info = self.ckpt.resume()
+        if info is None:
+            return
+        extra = info["extra"]
+        self.algorithm.load_state_dict(extra)
+        self.global_step = int(extra["global_step"])
+        loader_state = extra["loader"]
+        if "data" in extra:  # an epoch-boundary save resumes at (epoch + 1, 0), see DataPosition
+            pos = DataPosition.from_dict(extra["data"], len(self.loader))
+            loader_state = {**loader_state, "epoch": pos.epoch, "batch_in_epoch": pos.batch}
+        self.loader.load_state_dict(loader_state)
+        self.epoch = self.loader.epoch
+        logger.info("resumed from %s at step %d (epoch %d, batch %d of %d)", info["path"], self.global_step,
+                    self.epoch, self.loader.batch_in_epoch, len(self.loader))
+        if self.tracker is not None:
+            self.tracker.truncate_after(self.global_step)  # the killed run's later rows are logged again
+
+    def _extra(self) -> dict[str, Any]:
+        return {"config": to_dict(self.cfg), "global_step": int(self.global_step),
+                "data": DataPosition(self.loader.epoch, self.loader.batch_in_epoch).to_dict(),
+                "loader": self.loader.state_dict(), **self.algorithm.state_dict()}
+
+    def close(self) -> None:
+        """Wait for the last checkpoint save (raising its error), then release the workers; each step runs even
+        when an earlier one fails (a dead worker group cannot close its checkpoints but must still be released)."""
+        from hybridflow.trainer.run import run_cleanups
+
+        run_cleanups([self.ckpt.close, *self.algorithm.cleanups()])
