@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.checkpoint import atomic
 from hybridflow.checkpoint.storage import read_flat_tensors
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     return latest
 
 
-def model_config_from_checkpoint(ckpt: Path) -> Any:
+def model_config_from_checkpoint(ckpt: Path) -> ModelConfig | None:
     """The `ModelConfig` saved in `extra["config"]["model"]` by the trainer; None when absent."""
     from hybridflow.config.loader import build
     from hybridflow.config.schema import ModelConfig
@@ -43,7 +46,7 @@ def model_config_from_checkpoint(ckpt: Path) -> Any:
     return None if section is None else build(ModelConfig, section, "model")
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "actor", model_cfg: Any = None,
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "actor", model_cfg: ModelConfig | None = None,
               dtype: torch.dtype | None = None) -> Path:
     """Write `component`'s model of `checkpoint` to `out_dir` as an HF model directory; returns `out_dir`."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

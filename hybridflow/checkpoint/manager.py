@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from hybridflow.checkpoint.flatten import flatten_state, tensor_keys
 from hybridflow.checkpoint.remote import RemoteMirror, open_mirror
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 from hybridflow.checkpoint.storage import CpuStager, choose_format, read_component, write_component
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class CheckpointManager:
         collective.barrier(self._group)
 
     @classmethod
-    def from_config(cls, trainer_cfg: Any, **kwargs: Any) -> CheckpointManager:
+    def from_config(cls, trainer_cfg: TrainerConfig, **kwargs: Any) -> CheckpointManager:
         """Build from `Config.trainer` (default_local_dir, default_hdfs_dir, checkpoint.*)."""
         ck = trainer_cfg.checkpoint
         return cls(trainer_cfg.default_local_dir, trainer_cfg.default_hdfs_dir, atomic_save=ck.atomic_save,

@@ -11,15 +11,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.checkpoint import atomic, collective
-from hybridflow.checkpoint.remote import is_remote_url, join_url
+from hybridflow.checkpoint.remote import RemoteMirror, is_remote_url, join_url
+
+if TYPE_CHECKING:
+    from hybridflow.checkpoint.manager import CheckpointManager
 
 logger = logging.getLogger(__name__)
 
 
-def find_resume_checkpoint(manager: Any, mode: str, resume_path: str | None = None) -> Path | None:
+def find_resume_checkpoint(manager: CheckpointManager, mode: str, resume_path: str | None = None) -> Path | None:
     """The checkpoint directory to resume from, or None to start fresh. Collective when distributed.
 
     `manager` is a `CheckpointManager` (its local root, remote mirror and rank group are used). A remote
@@ -47,10 +50,9 @@ def find_resume_checkpoint(manager: Any, mode: str, resume_path: str | None = No
     return _download(manager, name)
 
 
-def _resolve_explicit(manager: Any, resume_path: str) -> Path:
+def _resolve_explicit(manager: CheckpointManager, resume_path: str) -> Path:
     if is_remote_url(resume_path):
         base, _, name = resume_path.rstrip("/").rpartition("/")
-        from hybridflow.checkpoint.remote import RemoteMirror
         mirror = RemoteMirror(base)
         if not mirror.is_complete(name):
             raise ValueError(f"trainer.resume_path={resume_path!r} is not a complete checkpoint (no "
@@ -67,10 +69,11 @@ def _resolve_explicit(manager: Any, resume_path: str) -> Path:
     return path
 
 
-def _download(manager: Any, name: str, mirror: Any = None) -> Path:
+def _download(manager: CheckpointManager, name: str, mirror: RemoteMirror | None = None) -> Path:
     mirror = mirror or manager.mirror
+    assert mirror is not None, "a download needs a mirror (the caller checked manager.mirror)"
     target = manager.root / name
-    group = getattr(manager, "_group", None)
+    group = manager._group  # noqa: SLF001 - the manager's gloo group, for the download vote
     if manager.rank == 0 and not atomic.is_complete(target):
         logger.info("no local copy of %s; downloading from %s", name, mirror.url(name))
         collective.phase("download", lambda: mirror.download(name, manager.root), group)

@@ -10,7 +10,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from hybridflow.config.schema import RollbackConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ class RollbackTracker:
         self._warned_exhausted = False
 
     @classmethod
-    def from_config(cls, rollback_cfg: Any, higher_is_better: bool = True) -> RollbackTracker:
+    def from_config(cls, rollback_cfg: RollbackConfig, higher_is_better: bool = True) -> RollbackTracker:
         return cls(rollback_cfg.patience, rollback_cfg.lr_scale, rollback_cfg.max_rollbacks, rollback_cfg.metric,
                    higher_is_better)
 
@@ -112,7 +119,7 @@ class RollbackTracker:
         self.ckpt_scores = {int(k): float(v) for k, v in state["ckpt_scores"].items()}
 
 
-def scale_lr(optimizer: Any, scheduler: Any | None, factor: float) -> None:
+def scale_lr(optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None, factor: float) -> None:
     """Multiply the learning rate by `factor` durably: param groups now, and the scheduler's base LRs, which
     LambdaLR-style schedulers recompute every step from (else the next `scheduler.step()` would undo it)."""
     for group in optimizer.param_groups:
