@@ -1,4 +1,6 @@
-"""Checkpoints: atomic + async saves, retention, fsspec remote mirror, resume, rollback, NaN guard, HF export."""
+"""Checkpoints: atomic + async saves, retention, fsspec remote mirror, resume, rollback, NaN guard, HF export; the
+driver policy every trainer uses (`policy.CheckpointPolicy`) and the methods every trained worker registers
+(`worker.CheckpointingWorker`)."""
 
 from hybridflow.checkpoint.async_writer import CheckpointWriteError
 from hybridflow.checkpoint.manager import CheckpointManager, LoadedCheckpoint
