@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig
+from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_sft_rows
+from hybridflow.workers.engine_specs import sft_head, sft_spec
 
 if TYPE_CHECKING:
     from hybridflow.tracking import Tracker
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 class SFTTrainer(SupervisedTrainer):
-    section, role, loss = "sft", "actor", "sft"
+    section, loss = "sft", "sft"
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
         from hybridflow.data.build import build_sft_datasets
@@ -40,12 +41,11 @@ class SFTTrainer(SupervisedTrainer):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)
 
-    def role_config(self) -> ActorConfig:
-        s = self.sec
-        return dataclasses.replace(
-            self.cfg.actor, ppo_mini_batch_size=s.batch_size, ppo_micro_batch_size_per_gpu=s.micro_batch_size_per_gpu,
-            ppo_epochs=1, shuffle=False, grad_clip=s.grad_clip, optim=s.optim, entropy_coeff=0.0, use_kl_loss=False,
-        )
+    def engine_spec(self) -> EngineSpec:
+        return sft_spec(self.cfg, self.total_steps, self.model_path())
+
+    def train_head(self) -> HeadRequest:
+        return sft_head(self.cfg)
 
     def validate(self) -> dict[str, float]:
         """Token-mean NLL and greedy token accuracy of the validation responses."""

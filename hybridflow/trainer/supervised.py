@@ -1,9 +1,10 @@
 """`SupervisedTrainer`: the driver loop shared by SFT and reward-model training (and DPO later).
 
-A subclass says which datasets, collate function, engine role/loss and validation reduction it uses; this base
+A subclass says which datasets, collate function, engine spec/head/loss and validation reduction it uses; this base
 runs the loop: resume → (validate) → steps of one `train_batch` call each → validation every `trainer.test_freq`
 → checkpoints through `CheckpointManager` every `trainer.checkpoint.save_freq` → HF export at the end.
-The engine config is derived from the section (`sft`/`rm`) without touching the user's config.
+The engine spec is derived from the section (`sft`/`rm`, see `workers/engine_specs.py`) without touching the
+user's config.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.protocol import DataProto
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from hybridflow.data.dataloader import StatefulDataLoader
+    from hybridflow.engine import EngineSpec, HeadRequest
     from hybridflow.tracking import Tracker
     from hybridflow.trainer.supervised_worker import SupervisedGroup
 
@@ -45,7 +46,6 @@ def mean_metrics(per_rank: list[dict[str, float]], prefix: str) -> dict[str, flo
 
 class SupervisedTrainer(ABC):
     section: str = ""  # "sft" | "rm": the config section with epochs, batch_size, optim, export_dir, ...
-    role: str = "actor"  # engine role: actor (language model) | critic (scalar head)
     loss: str = ""  # SUPERVISED_LOSSES name
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -77,8 +77,12 @@ class SupervisedTrainer(ABC):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]: ...
 
     @abstractmethod
-    def role_config(self) -> ActorConfig | CriticConfig:
-        """The ActorConfig/CriticConfig the engine trains with (the section mapped onto the role's fields)."""
+    def engine_spec(self) -> EngineSpec:
+        """The engine this trainer trains (`workers/engine_specs.py`: the section mapped onto an EngineSpec)."""
+
+    @abstractmethod
+    def train_head(self) -> HeadRequest:
+        """What the loss reads from the engine (log-probs for SFT, values for a reward model)."""
 
     def model_path(self) -> str | None:
         """Where the model starts from (None = `model.path`, else `model.preset`)."""
@@ -121,8 +125,8 @@ class SupervisedTrainer(ABC):
         from hybridflow.controller import ResourcePool, WorkerGroup
         from hybridflow.trainer.supervised_worker import SupervisedGroup, SupervisedWorker
 
-        worker = functools.partial(SupervisedWorker, self.cfg, self.role, self.role_config(), self.loss,
-                                   self.loss_kwargs(), self.total_steps, self.model_path())
+        worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
+                                   self.loss_kwargs())
         pool = ResourcePool.from_config(self.cfg)
         self.pool = pool
         group = SupervisedGroup(WorkerGroup(pool, worker, backend=self.cfg.trainer.backend, name=f"{self.section}"))
