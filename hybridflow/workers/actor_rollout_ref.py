@@ -14,7 +14,7 @@ import torch
 
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.checkpointing import CheckpointingGroup, CheckpointingWorker
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.losses import make_actor_loss
@@ -53,6 +53,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     # ------------------------------------------------------------------------------------------- generate
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.GEN)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways (the
         rollout engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`)."""
@@ -72,18 +73,21 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     # ------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.OLD_LOG_PROB)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         out = self.actor.infer(data, actor_head(self.cfg, entropy=True))
-        return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+        return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.REF)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
         out = self.ref.infer(data, ref_head(self.cfg))
-        return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
+        return DataProto.from_dict({keys.REF_LOG_PROB.name: out["log_probs"]})
 
     # ------------------------------------------------------------------------------------------- update
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @keys.checked_stage(keys.UPDATE_ACTOR)
     def update_actor(self, data: DataProto) -> dict[str, float]:
         from hybridflow.engine import train_update
 

@@ -9,7 +9,7 @@ import torch
 
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.checkpointing import CheckpointingGroup, CheckpointingWorker
 from hybridflow.workers.engine_specs import VALUES, critic_plan, critic_spec
 from hybridflow.workers.losses import make_critic_loss
@@ -35,10 +35,12 @@ class CriticWorker(CheckpointingWorker, Worker):
         self.loss_fn = make_critic_loss(self.cfg.critic, self.cfg.data.max_response_length)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.VALUES_STAGE)
     def compute_values(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict({"values": self.critic.infer(data, VALUES)["values"]})
+        return DataProto.from_dict({keys.VALUES.name: self.critic.infer(data, VALUES)["values"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @keys.checked_stage(keys.UPDATE_CRITIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:
         from hybridflow.engine import train_update
 

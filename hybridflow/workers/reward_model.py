@@ -13,7 +13,7 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, RoleGroup, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import SCORES, reward_model_spec
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ class RewardModelWorker(Worker):
         self.rm = TrainEngine(reward_model_spec(self.cfg), device=self.device)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.REWARD_MODEL_SCORE)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict(tensors={"rm_scores": self.rm.infer(data, SCORES)["scores"]})
+        return DataProto.from_dict(tensors={keys.RM_SCORES.name: self.rm.infer(data, SCORES)["scores"]})
 
 
 class RewardModelGroup(RoleGroup):
