@@ -72,8 +72,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
-META_KEYS = frozenset({"n", "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "validate", "seeds",
-                       "epoch", "batch_in_epoch", "metrics"})
+META_KEYS = frozenset({"n", "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "validate", "epoch",
+                       "batch_in_epoch", "metrics"})
 
 MODEL_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, RESPONSES)
 

@@ -66,6 +66,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         self.actor.to_mode("train")
         t3 = time.perf_counter()
         out = out.to("cpu")
+        out.meta_info.pop("seeds", None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
         engine_metrics = out.meta_info.get("metrics") or {}  # cache alloc, graph capture, decode steps
         out.meta_info["metrics"] = {**engine_metrics, "timing/switch": (t1 - t0) + (t3 - t2),
                                     "timing/generate": t2 - t1}
