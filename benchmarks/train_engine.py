@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from hybridflow.algorithms.aggregation import agg_loss
 from hybridflow.config import load_config
-from hybridflow.engine import TrainEngine, attention
+from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, attention, train_update
 from hybridflow.engine.attention import packed_backend
 from hybridflow.engine.flops import FlopsCounter, peak_flops
 from hybridflow.protocol import DataProto
+from hybridflow.workers.engine_specs import actor_spec
 
 log = logging.getLogger("bench.train_engine")
 
@@ -79,7 +80,19 @@ def build_engine(model: str, args: argparse.Namespace, variant: str, num_seqs: i
     if args.num_layers:
         overrides.append(f"model.override_config={{num_hidden_layers: {args.num_layers}}}")
     cfg = load_config(files=[], overrides=overrides)
-    return TrainEngine(cfg.model, cfg.actor, role="actor", device=args.device, data_cfg=cfg.data)
+    return TrainEngine(actor_spec(cfg), device=args.device)
+
+
+def _head(args: argparse.Namespace) -> HeadRequest:
+    return HeadRequest("lm", 1.0, args.chunk_size, False)
+
+
+def _logprobs(engine: TrainEngine, data: DataProto, args: argparse.Namespace) -> torch.Tensor:
+    return engine.infer(data, _head(args))["log_probs"]
+
+
+def _train(engine: TrainEngine, data: DataProto, args: argparse.Namespace) -> dict[str, float]:
+    return train_update(engine, data, pg_loss, _head(args), UpdatePlan(len(data)))
 
 
 def mem_gib() -> float | None:
@@ -92,10 +105,11 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def bench_train(engine: TrainEngine, data: DataProto, steps: int) -> dict[str, Any]:
-    engine.train_step(data, pg_loss)  # warm-up (allocator, optimizer state)
+def bench_train(engine: TrainEngine, data: DataProto, args: argparse.Namespace) -> dict[str, Any]:
+    steps = args.steps
+    _train(engine, data, args)  # warm-up (allocator, optimizer state)
     reset_peak()
-    runs = [engine.train_step(data, pg_loss) for _ in range(steps)]
+    runs = [_train(engine, data, args) for _ in range(steps)]
     tokens = float(data.batch["attention_mask"].sum())
     step_s = sum(r["step_time_s"] for r in runs) / steps
     out = {
@@ -117,14 +131,14 @@ def bench_logprobs(engine: TrainEngine, args: argparse.Namespace, vocab: int) ->
     for tokens in [int(t) for t in args.logprob_tokens.split(",")]:
         n = max(1, tokens // args.seq_len)
         data = make_batch(n, args.seq_len, vocab, variable=False, seed=1)
-        engine.forward_logprobs(data)  # warm-up
+        _logprobs(engine, data, args)  # warm-up
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         reset_peak()
         base = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
         t0 = time.perf_counter()
-        engine.forward_logprobs(data)
+        _logprobs(engine, data, args)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -145,13 +159,13 @@ def bench_logprobs(engine: TrainEngine, args: argparse.Namespace, vocab: int) ->
 def check_offload(engine: TrainEngine, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
     """to_mode offload/train round trip: device memory freed and identical log-probs afterwards."""
     data = make_batch(4, args.seq_len, vocab, variable=True, seed=2)
-    before = engine.forward_logprobs(data).batch["log_probs"]
+    before = _logprobs(engine, data, args)
     alloc = (lambda: torch.cuda.memory_allocated() / 2**30) if torch.cuda.is_available() else (lambda: None)
     on_device = alloc()
     engine.to_mode("offload")
     offloaded = alloc()
     engine.to_mode("train")
-    after = engine.forward_logprobs(data).batch["log_probs"]
+    after = _logprobs(engine, data, args)
     return {"allocated_gib_train": on_device, "allocated_gib_offloaded": offloaded,
             "logprobs_identical_after_reload": bool(torch.equal(before, after))}
 
@@ -191,7 +205,7 @@ def main() -> None:
                 engine = build_engine(model, args, variant, args.num_seqs)
                 vocab = engine.module.config.vocab_size
                 data = make_batch(args.num_seqs, args.seq_len, vocab, args.variable_lengths)
-                entry[f"train_{variant}"] = bench_train(engine, data, args.steps)
+                entry[f"train_{variant}"] = bench_train(engine, data, args)
                 entry["packed_attention"] = packed_backend(engine.device, engine.compute_dtype)
                 entry["varlen_error"] = attention._varlen_error
                 log.info("%s %s %s", model, variant, entry[f"train_{variant}"])

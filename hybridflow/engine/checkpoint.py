@@ -31,7 +31,7 @@ EXTRA_FILE = "engine_extra.json"
 
 
 def get_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """{"model": sharded state, "optimizer": sharded state (trainable roles)}: DCP-ready."""
+    """{"model": sharded state, "optimizer": sharded state (trained engines)}: DCP-ready."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)

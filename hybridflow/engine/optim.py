@@ -1,7 +1,8 @@
 """AdamW and the learning-rate schedule: linear warmup, then constant or cosine decay to `min_lr_ratio`.
 
-Decision: the schedule advances once per training step (one `train_step` call), as in verl, so warmup and
-cosine lengths are counted in trainer steps, not in optimizer (mini-batch) steps.
+Decision: the schedule advances once per training step (`TrainEngine.lr_scheduler_step`, once per
+`train_update`), as in verl, so warmup and cosine lengths are counted in trainer steps, not in optimizer
+(mini-batch) steps.
 """
 
 from __future__ import annotations

@@ -1,19 +1,22 @@
-"""`TrainEngine`: one FSDP2 model (actor, critic, reference or reward model) with its optimizer and schedule.
+"""`TrainEngine`: one FSDP2 module (causal LM or scalar head) with, when trained, its optimizer and LR schedule.
 
-Decisions: inputs use verl's layout (see `packing.py`) and outputs are [B, R] aligned with `responses`;
-forward passes are packed by default (`data.use_packed_dataset`); training runs PPO epochs × mini-batches ×
-micro-batches with the caller's `loss_fn` returning each micro-batch's share of the mini-batch loss (global token
-normaliser), so gradients are summed — never averaged — over micro-batches and data-parallel ranks. A
-non-finite gradient norm skips the optimizer step. torch.distributed must be initialised (world size 1 is fine).
+Decisions: the engine is built from an `EngineSpec` and knows no roles; callers say what to compute (a
+`HeadRequest`) and how to score it (a `LossFn`). Inputs use verl's layout (see `packing.py`) and outputs are
+[B, R] aligned with `responses`; forward passes are packed by default. `forward_backward` accumulates one
+mini-batch's gradients over micro-batches, with the caller's `loss_fn` returning each micro-batch's share of the
+mini-batch loss (global token normaliser), so gradients are summed — never averaged — over micro-batches and
+data-parallel ranks; `step` clips and applies them (a non-finite gradient norm or loss skips the step). Epochs ×
+mini-batches live in `engine/update.py`. torch.distributed must be initialised (world size 1 is fine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, loss_normalizer
-from hybridflow.config.schema import DataConfig, ModelConfig
 from hybridflow.engine import checkpoint as ckpt
 from hybridflow.engine.attention import register as register_attention
 from hybridflow.engine.compile import compile_layers, wants_compile
-from hybridflow.engine.flops import FlopsCounter, peak_flops
+from hybridflow.engine.flops import FlopsCounter
 from hybridflow.engine.fsdp import (
     DTYPES,
     apply_fsdp2,
@@ -41,64 +43,74 @@ from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micr
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.packing import build_inputs, scatter_to_responses
-from hybridflow.engine.settings import RoleConfig, role_settings
-from hybridflow.models.loader import load_model, load_tokenizer
+from hybridflow.engine.spec import EngineSpec, MicroBatching
+from hybridflow.models.loader import load_module, load_tokenizer
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[dict[str, torch.Tensor], DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
+# loss_fn(outputs of one micro-batch, the micro-batch on the device, {loss_agg_mode: mini-batch normaliser over
+# all ranks}) -> (this micro-batch's share of the mini-batch loss, metrics: shares or micro-batch means)
+LossFn = Callable[[dict[str, torch.Tensor], DataProto, dict[str, torch.Tensor]],
+                  tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 MODES = ("train", "generate", "offload")
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-class TrainEngine:
-    """FSDP2 training/inference engine for one role. `module` is the FSDP2-wrapped HF model."""
+@dataclass(frozen=True)
+class BackwardStats:
+    """What one `forward_backward` did: the loss function's metrics averaged over micro-batches, tokens, FLOPs."""
 
-    def __init__(self, model_cfg: ModelConfig, role_cfg: RoleConfig, *, role: str,
-                 device: str | torch.device | None = None, data_cfg: DataConfig | None = None,
-                 total_training_steps: int | None = None, model_path: str | None = None, seed: int = 0) -> None:
+    metrics: dict[str, float]
+    num_tokens: int
+    flops: float
+
+
+class TrainEngine:
+    """FSDP2 training/inference engine for one module built from `spec`. `module` is the FSDP2-wrapped HF model."""
+
+    def __init__(self, spec: EngineSpec, *, device: str | torch.device | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("TrainEngine needs torch.distributed initialised (world size 1 is fine: "
                                "dist.init_process_group('gloo' or 'nccl', ...))")
-        self.role = role
-        self.settings = s = role_settings(role_cfg, role)
+        self.spec = spec
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        self.packed = True if data_cfg is None else data_cfg.use_packed_dataset
-        self.compute_dtype = resolve_dtype(model_cfg.dtype, self.device)
+        self.compute_dtype = resolve_dtype(spec.model.dtype, self.device)
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
-        self.seed = seed
-        self.global_step = 0
+        self.global_step = 0  # completed updates (LR-schedule steps)
+        fsdp = spec.fsdp
 
-        model = load_model(model_cfg, role, path=model_path, dtype=DTYPES[s.fsdp.param_dtype],
-                           attn_implementation=register_attention(), init_device=self.device)
-        if s.trainable and model_cfg.enable_gradient_checkpointing:
+        model = load_module(spec.model, spec.head, path=spec.model_path, dtype=DTYPES[fsdp.param_dtype],
+                            attn_implementation=register_attention(), init_device=self.device)
+        if spec.trainable and spec.model.enable_gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not s.trainable:
+        if not spec.trainable:
             model.requires_grad_(False)
         model.to(self.device)
-        if wants_compile(model_cfg.use_torch_compile, self.device):
+        if wants_compile(spec.model.use_torch_compile, self.device):
             compile_layers(decoder_layers(model))
-        reduce_dtype, master_dtype = DTYPES[s.fsdp.reduce_dtype], DTYPES[s.fsdp.param_dtype]
-        apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, reduce_dtype, s.fsdp.reshard_after_forward)
+        reduce_dtype, master_dtype = DTYPES[fsdp.reduce_dtype], DTYPES[fsdp.param_dtype]
+        apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, reduce_dtype, fsdp.reshard_after_forward)
         # Deferring the gradient reduction to a mini-batch's last micro-batch accumulates in reduce_dtype; only
         # when that is at least as wide as the master weights is it the same sum (bf16 reduce + fp32 master: no).
-        defer = s.fsdp.defer_grad_sync
+        defer = fsdp.defer_grad_sync
         self._defer_grad_sync = ((defer is True or (defer == "auto" and self.dp_size == 1))
                                  and reduce_dtype.itemsize >= master_dtype.itemsize)
         install_engine_forward(model)
         self.module = model
-        self.tokenizer = load_tokenizer(model_cfg)
-        self.flops = FlopsCounter(model.config, with_lm_head=role in ("actor", "ref"))
+        self.tokenizer = load_tokenizer(spec.model)
+        self.flops = FlopsCounter(model.config, with_lm_head=spec.head == "lm")
         self.optimizer = self.lr_scheduler = None
-        if s.trainable:
-            self.optimizer = build_optimizer(model.parameters(), s.optim)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, s.optim, total_training_steps)
+        if spec.optimizer is not None:
+            self.optimizer = build_optimizer(model.parameters(), spec.optimizer.optim)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer.optim, spec.optimizer.total_steps)
         self._params_on_device = self._optim_on_device = True
+        self._training = False  # inside `training()`
+        self._pending_loss: torch.Tensor | None = None  # summed loss shares since the last `step`
         self.to_rest()  # start offloaded where configured
 
     # ----------------------------------------------------------------------------------------- placement
@@ -110,7 +122,7 @@ class TrainEngine:
         if self.optimizer is not None and mode != "train":
             self.optimizer.zero_grad(set_to_none=True)
         self._place(params=mode != "offload",
-                    optim=mode == "train" or (mode == "generate" and not self.settings.fsdp.optimizer_offload))
+                    optim=mode == "train" or (mode == "generate" and not self.spec.fsdp.optimizer_offload))
 
     def _place(self, params: bool, optim: bool) -> None:
         if self.device.type == "cpu":
@@ -131,7 +143,7 @@ class TrainEngine:
     def to_rest(self) -> None:
         """Back to the resting placement after an operation: on the CPU whatever `fsdp.param_offload` /
         `optimizer_offload` ask for (checkpoint loads and saves, forward passes and steps end here)."""
-        f = self.settings.fsdp
+        f = self.spec.fsdp
         self._place(params=not f.param_offload, optim=self._optim_on_device and not f.optimizer_offload)
 
     # ----------------------------------------------------------------------------------------- forward
@@ -140,21 +152,30 @@ class TrainEngine:
         ids = batch["input_ids"]
         b, r = ids.shape[0], batch["responses"].shape[1]
         # Indices are built where the batch lives (the host, normally) and copied without stalling the GPU.
-        inputs = build_inputs(ids, batch["attention_mask"], batch["position_ids"], r, self.packed).to(self.device)
+        inputs = build_inputs(ids, batch["attention_mask"], batch["position_ids"], r, self.spec.packed).to(self.device)
         out = self.module(hf_inputs=inputs, hf_request=req)
         if req.kind == "score":
             return {"scores": out["values"]}, inputs.num_tokens
         return {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()}, inputs.num_tokens
 
-    def _micro_batches(self, data: DataProto, training: bool) -> list[list[int]]:
-        s = self.settings
-        if s.use_dynamic_bsz:
-            lengths = data.batch["attention_mask"].sum(-1).tolist()
-            return token_budget_micro_batches(lengths, s.max_token_len if training else s.infer_max_token_len)
-        return fixed_micro_batches(len(data), s.micro_batch_size if training else s.infer_micro_batch_size)
+    def _micro_batches(self, data: DataProto, batching: MicroBatching) -> list[list[int]]:
+        if batching.dynamic:
+            return token_budget_micro_batches(data.batch["attention_mask"].sum(-1).tolist(), batching.max_tokens)
+        return fixed_micro_batches(len(data), batching.size)
+
+    def _check_head(self, head: HeadRequest) -> None:
+        wants = "lm" if head.kind == "lm" else "value"
+        if wants != self.spec.head:
+            what = "log-probs need a language-model head" if wants == "lm" else "values and scores need a scalar head"
+            raise ValueError(f"{what}; this engine's module has the {self.spec.head!r} head (EngineSpec.head)")
 
     @torch.no_grad()
-    def _infer(self, data: DataProto, req: HeadRequest) -> dict[str, torch.Tensor]:
+    def infer(self, data: DataProto, head: HeadRequest) -> dict[str, torch.Tensor]:
+        """Forward passes over `data` in `spec.infer_batching` micro-batches; CPU float32 outputs in row order:
+        lm → `log_probs` [B, R] (+ `entropy` [B, R]) of `responses` under softmax(logits / temperature);
+        value → `values` [B, R], the scalar head at the position before each response token (critic);
+        score → `scores` [B], the scalar head at each sequence's last valid token (reward model)."""
+        self._check_head(head)
         missing = [k for k in INPUT_KEYS if k not in data.batch]
         if missing:
             raise ValueError(f"batch lacks {missing}; the engine needs {list(INPUT_KEYS)} (verl layout)")
@@ -163,9 +184,9 @@ class TrainEngine:
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         order: list[int] = []
         try:
-            for idx in self._micro_batches(data, training=False):
+            for idx in self._micro_batches(data, self.spec.infer_batching):
                 index = torch.tensor(idx)
-                out, _ = self._forward_micro({k: data.batch[k][index] for k in INPUT_KEYS}, req)
+                out, _ = self._forward_micro({k: data.batch[k][index] for k in INPUT_KEYS}, head)
                 for k, v in out.items():
                     parts[k].append(v.float())
                 order += idx
@@ -179,88 +200,19 @@ class TrainEngine:
             self.to_rest()
         return results
 
-    def forward_logprobs(self, data: DataProto, temperature: float | None = None,
-                         calculate_entropy: bool = False) -> DataProto:
-        """`log_probs` [B, R] (and `entropys` [B, R]) of `responses` under softmax(logits / temperature)."""
-        temperature = data.meta_info.get("temperature", 1.0) if temperature is None else temperature
-        req = HeadRequest("lm", temperature, self.settings.logprob_chunk_size, calculate_entropy)
-        out = self._infer(data, req)
-        tensors = {"log_probs": out["log_probs"]}
-        if calculate_entropy:
-            tensors["entropys"] = out["entropy"]
-        return DataProto.from_dict(tensors=tensors)
-
-    def forward_values(self, data: DataProto) -> DataProto:
-        """`values` [B, R]: the scalar head at the position before each response token (critic convention)."""
-        self._require_scalar_head()
-        return DataProto.from_dict(tensors={"values": self._infer(data, HeadRequest("value"))["values"]})
-
-    def forward_scores(self, data: DataProto) -> DataProto:
-        """`rm_scores` [B]: the scalar head at each sequence's last valid token (reward-model convention)."""
-        self._require_scalar_head()
-        return DataProto.from_dict(tensors={"rm_scores": self._infer(data, HeadRequest("score"))["scores"]})
-
-    def _require_scalar_head(self) -> None:
-        if self.role not in ("critic", "reward"):
-            raise ValueError(f"values need a scalar head; this engine's role is {self.role!r} (use critic/reward)")
-
     # ----------------------------------------------------------------------------------------- training
-    def mini_batch_size_per_gpu(self, n: int) -> int:
-        """SAMPLES per optimizer step on this rank: ppo_mini_batch_size (prompts) × n / world size."""
-        samples = self.settings.mini_batch_prompts * n
-        if samples % self.dp_size:
-            raise ValueError(f"ppo_mini_batch_size={self.settings.mini_batch_prompts} prompts × rollout.n={n} = "
-                             f"{samples} samples is not divisible by the world size {self.dp_size}")
-        return samples // self.dp_size
-
-    def _global_norms(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        local = torch.stack([loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES]).to(torch.float64)
-        if self.dp_size > 1:
-            local = local.to(self.device)
-            dist.all_reduce(local)
-        return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
-
-    def train_step(self, data: DataProto, loss_fn: LossFn, *, mini_batch_size: int | None = None,
-                   calculate_entropy: bool | None = None, temperature: float | None = None) -> dict[str, float]:
-        """PPO epochs over mini-batches of this rank's `data`; one LR-schedule step. Returns averaged metrics.
-
-        `mini_batch_size`: SAMPLES per optimizer step on this rank; default from `ppo_mini_batch_size` and
-        `data.meta_info["n"]` (responses per prompt, default 1). `loss_fn(outputs, micro_batch, global_norm)`
-        gets `global_norm[mode]` = the whole mini-batch's normaliser over all ranks for each loss_agg_mode.
-        """
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Train placement (weights + optimizer on the device) and train mode for `forward_backward`/`step` calls;
+        afterwards back to rest. An exception inside drops any half-accumulated gradient, so the next update equals
+        a fresh engine's."""
         if self.optimizer is None:
-            raise ValueError(f"role {self.role!r} is not trainable (no optimizer)")
-        s = self.settings
-        per_gpu = mini_batch_size or self.mini_batch_size_per_gpu(int(data.meta_info.get("n", 1)))
-        per_gpu = min(per_gpu, len(data))
-        if len(data) % per_gpu:
-            raise ValueError(f"{len(data)} samples on this rank are not divisible by the per-GPU mini-batch "
-                             f"{per_gpu}; make data.train_batch_size a multiple of ppo_mini_batch_size")
-        temperature = data.meta_info.get("temperature", 1.0) if temperature is None else temperature
-        entropy = s.entropy_coeff != 0 if calculate_entropy is None else calculate_entropy
-        req = (HeadRequest("lm", temperature, s.logprob_chunk_size, entropy) if self.role == "actor"
-               else HeadRequest("value"))
+            raise ValueError("this engine is not trainable (EngineSpec.optimizer is None: no optimizer)")
         self._enter(optim=True)
         self.module.train()
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        flops = 0.0
+        self._training = True
         try:
-            minis = self._mini_batches(data, per_gpu)
-            for mini in minis:
-                metrics, mini_flops = self._train_mini_batch(mini, loss_fn, req)
-                flops += mini_flops
-                for k, v in metrics.items():
-                    sums[k] += v
-                    counts[k] += 1
-            with warnings.catch_warnings():
-                # A skipped (non-finite) step still advances the schedule; torch warns about that order.
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-                self.lr_scheduler.step()
-            self.global_step += 1
+            yield
         except BaseException as err:
             try:  # a failed mini-batch leaves no half-accumulated gradient behind
                 self._drop_partial_grads()
@@ -270,35 +222,41 @@ class TrainEngine:
                              type(cleanup).__name__, cleanup)
             raise
         finally:
+            self._training = False
+            self._pending_loss = None
             self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
             self.to_rest()
-        sync()
-        elapsed = time.perf_counter() - start
-        out = {k: sums[k] / counts[k] for k in sums}
-        out = self._mean_over_ranks(out)
-        out.update(self._perf_metrics(sums["num_tokens"], flops, elapsed))
-        out["skipped"] = sums["skipped"]
-        out["lr"] = self.lr_scheduler.get_last_lr()[0]
-        return out
 
-    def _mini_batches(self, data: DataProto, per_gpu: int) -> Iterator[DataProto]:
-        s = self.settings
-        seed = self.seed * 100_003 + self.global_step
-        return data.make_iterator(per_gpu, s.ppo_epochs, seed=seed, shuffle=s.shuffle)
+    def _global_norms(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        local = torch.stack([loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES]).to(torch.float64)
+        if self.dp_size > 1:
+            local = local.to(self.device)
+            dist.all_reduce(local)
+        return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
 
-    def _train_mini_batch(self, mini: DataProto, loss_fn: LossFn, req: HeadRequest) -> tuple[dict[str, float], float]:
-        global_norm = self._global_norms(mini.batch["response_mask"])
-        self.optimizer.zero_grad(set_to_none=True)
+    def forward_backward(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest) -> BackwardStats:
+        """Accumulate the gradients of `loss_fn` over this rank's mini-batch `batch`, cut by `spec.train_batching`.
+
+        `loss_fn(outputs, micro_batch, global_norm)` gets `global_norm[mode]` = the whole mini-batch's normaliser
+        over all ranks for each loss_agg_mode. Call inside `with engine.training():`; `step()` applies the sum.
+        """
+        if not self._training:
+            raise RuntimeError("forward_backward runs inside `with engine.training():` (placement, train mode, "
+                               "cleanup on failure)")
+        self._check_head(head)
+        global_norm = self._global_norms(batch.batch["response_mask"])
+        if self._pending_loss is None:  # a new accumulation (the last step's gradients stay readable until now)
+            self.optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
-        micro = self._micro_batches(mini, training=True)
+        micro = self._micro_batches(batch, self.spec.train_batching)
         tokens, flops = 0, 0.0
         for i, idx in enumerate(micro):
             self._set_grad_sync(i == len(micro) - 1)
-            mb = mini.select_idxs(idx)
+            mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
-            outputs, n_tok = self._forward_micro(mb.batch, req)
+            outputs, n_tok = self._forward_micro(mb.batch, head)
             mb_dev = mb.to(self.device, non_blocking=True)
             loss, metrics = loss_fn(outputs, mb_dev, global_norm)
             # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
@@ -308,6 +266,16 @@ class TrainEngine:
             for k, v in metrics.items():  # device tensors stay on device: one host sync per mini-batch, not per metric
                 sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
             tokens += n_tok
+        self._pending_loss = loss_total if self._pending_loss is None else self._pending_loss + loss_total
+        means = {k: v / len(micro) for k, v in _host_floats(sums).items()}
+        return BackwardStats(metrics=means, num_tokens=tokens, flops=flops)
+
+    def step(self) -> dict[str, float]:
+        """Clip and apply the accumulated gradients (skipped when the gradient norm or the loss is not finite);
+        returns `loss` (summed over ranks), `grad_norm`, `skipped` (0/1)."""
+        if not self._training or self._pending_loss is None:
+            raise RuntimeError("step() applies what forward_backward accumulated inside `with engine.training():`")
+        loss_total, self._pending_loss = self._pending_loss, None
         grad_norm = self._clip_grad_norm()
         skipped = not (torch.isfinite(grad_norm) and torch.isfinite(loss_total))
         if skipped:
@@ -318,10 +286,16 @@ class TrainEngine:
             self.optimizer.step()
         if self.dp_size > 1:
             dist.all_reduce(loss_total)
-        out = {k: v / len(micro) for k, v in _host_floats(sums).items()}
-        out.update(loss=float(loss_total), grad_norm=float(grad_norm), skipped=float(skipped),
-                   num_tokens=float(tokens))
-        return out, flops
+        return {"loss": float(loss_total), "grad_norm": float(grad_norm), "skipped": float(skipped)}
+
+    def lr_scheduler_step(self) -> float:
+        """End of one update (one training step of the caller): advance the LR schedule; returns the new LR."""
+        with warnings.catch_warnings():
+            # A skipped (non-finite) step still advances the schedule; torch warns about that order.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.lr_scheduler.step()
+        self.global_step += 1
+        return self.lr_scheduler.get_last_lr()[0]
 
     def _set_grad_sync(self, sync: bool) -> None:
         """`fsdp.defer_grad_sync`: micro-batches before a mini-batch's last neither reduce nor reshard: FSDP2
@@ -365,25 +339,8 @@ class TrainEngine:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         if torch.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(params, self.settings.grad_clip, norm, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, norm, foreach=True)
         return norm
-
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.dp_size == 1 or not metrics:
-            return metrics
-        keys = sorted(k for k in metrics if k not in ("loss", "grad_norm", "num_tokens", "skipped"))
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        out = dict(metrics)
-        out.update({k: float(v) / self.dp_size for k, v in zip(keys, t.tolist())})
-        return out
-
-    def _perf_metrics(self, local_tokens: float, flops: float, elapsed: float) -> dict[str, float]:
-        out = {"tokens_per_s_per_gpu": local_tokens / max(elapsed, 1e-9), "step_time_s": elapsed}
-        peak = peak_flops(self.device)
-        if peak is not None:
-            out["mfu"] = flops / (elapsed * peak)
-        return out
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from hybridflow.models.tokenizer import builtin_tokenizer
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref", "critic", "reward")
+HEADS = ("lm", "value")  # causal LM | backbone + scalar head
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -85,26 +86,38 @@ def model_config(cfg: ModelConfig, path: str | None = None) -> PretrainedConfig:
 def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None,
                dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
                init_device: str | torch.device = "cpu") -> PreTrainedModel:
-    """The model for `role`: a causal LM (actor/ref) or backbone + scalar head (critic/reward).
+    """The model for `role`: a causal LM (actor/ref) or backbone + scalar head (critic/reward); see `load_module`."""
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: must be one of {', '.join(ROLES)}")
+    head = "value" if role in SCALAR_HEAD_ROLES else "lm"
+    return load_module(cfg, head, path=path, dtype=dtype, attn_implementation=attn_implementation,
+                       init_device=init_device)
+
+
+def load_module(cfg: ModelConfig, head: str = "lm", *, path: str | None = None,
+                dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+                init_device: str | torch.device = "cpu") -> PreTrainedModel:
+    """A causal LM (`head="lm"`) or backbone + scalar head (`head="value"`).
 
     `path` overrides `cfg.path` (critic.model_path, reward_model.path). Presets are initialised from `cfg.seed`
     directly on `init_device` (fast for billion-parameter shapes on a GPU), so the actor and reference start
     identical on a given device type; checkpoints always load on CPU.
     """
-    if role not in ROLES:
-        raise ValueError(f"role={role!r}: must be one of {', '.join(ROLES)}")
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}: must be one of {', '.join(HEADS)}")
+    scalar = head == "value"
     path = path or cfg.path
     hf_cfg = model_config(cfg, path)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if path is None:
         with _seeded(cfg.seed, torch.device(init_device)), torch.device(init_device):
-            if role in SCALAR_HEAD_ROLES:
+            if scalar:
                 model = scalar_head_from_config(hf_cfg, dtype)
             else:
                 model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kwargs)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
-    elif role in SCALAR_HEAD_ROLES:
+    elif scalar:
         with _no_progress_bar():
             model = scalar_head_from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
     else:
@@ -113,7 +126,7 @@ def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None
                 str(Path(path).expanduser()), config=hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
                 **kwargs,
             )
-    logger.info("loaded %s for role %s from %s (%.1fM params)", type(model).__name__, role, path or cfg.preset,
+    logger.info("loaded %s (%s head) from %s (%.1fM params)", type(model).__name__, head, path or cfg.preset,
                 sum(p.numel() for p in model.parameters()) / 1e6)
     return model
 

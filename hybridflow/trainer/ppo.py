@@ -23,7 +23,7 @@ from hybridflow.algorithms import (
     masked_mean,
 )
 from hybridflow.config import Config, resolve
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import (
@@ -173,6 +173,7 @@ class PPOAlgorithm(Algorithm):
         view.meta_info = {**batch.meta_info, **meta}
         return view
 
+    @keys.checked_stage(keys.REWARD)
     def _reward(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         if self.res.use_reward_model:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
@@ -224,16 +225,16 @@ class PPOAlgorithm(Algorithm):
         batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1), self.res.world_size))
         return batch
 
+    @keys.checked_stage(keys.ADV)
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         alg, b, metrics = self.cfg.algorithm, batch.batch, {}
         mask = b["response_mask"]
         if self.res.use_reference:
-            kl = kl_penalty(b.get("old_log_probs", b.get("rollout_log_probs")), b["ref_log_prob"], alg.kl_penalty)
+            kl = kl_penalty(keys.sampling_log_probs(b), b["ref_log_prob"], alg.kl_penalty)
             metrics["kl/actor_ref"] = float(masked_mean(kl, mask))
         if alg.use_kl_in_reward:
-            old = b["old_log_probs"] if "old_log_probs" in b else b["rollout_log_probs"]
-            rewards, kl_metrics = apply_kl_penalty(b["token_level_scores"], old, b["ref_log_prob"], mask,
-                                                   self.kl_ctrl, alg.kl_penalty)
+            rewards, kl_metrics = apply_kl_penalty(b["token_level_scores"], keys.sampling_log_probs(b),
+                                                   b["ref_log_prob"], mask, self.kl_ctrl, alg.kl_penalty)
             b["token_level_rewards"] = rewards
             metrics |= kl_metrics
         else:

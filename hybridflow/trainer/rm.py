@@ -20,11 +20,13 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import CriticConfig, RMConfig
+from hybridflow.config.schema import RMConfig
+from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs
 from hybridflow.trainer.supervised_losses import bradley_terry
+from hybridflow.workers.engine_specs import VALUES, rm_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,7 +65,7 @@ def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase) -
 
 
 class RewardModelAlgorithm(SupervisedAlgorithm):
-    section, role, loss = "rm", "critic", "bradley_terry"
+    section, loss = "rm", "bradley_terry"
     sec: RMConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
@@ -72,14 +74,11 @@ class RewardModelAlgorithm(SupervisedAlgorithm):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_pairs, pad_token_id=self.pad_id)
 
-    def role_config(self) -> CriticConfig:
-        s = self.sec
-        # Rows are interleaved (chosen, rejected) pairs: fixed, even micro-batches and no shuffling keep pairs whole.
-        return dataclasses.replace(
-            self.cfg.critic, ppo_mini_batch_size=2 * s.batch_size,
-            ppo_micro_batch_size_per_gpu=2 * s.micro_batch_size_per_gpu, use_dynamic_bsz=False, ppo_epochs=1,
-            shuffle=False, grad_clip=s.grad_clip, optim=s.optim,
-        )
+    def engine_spec(self) -> EngineSpec:
+        return rm_spec(self.cfg, self.total_steps, self.model_path())
+
+    def train_head(self) -> HeadRequest:
+        return VALUES
 
     def loss_kwargs(self) -> dict[str, Any]:
         return {"margin": self.sec.margin}

@@ -19,10 +19,12 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig, SFTConfig
+from hybridflow.config.schema import SFTConfig
+from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_sft_rows
+from hybridflow.workers.engine_specs import sft_head, sft_spec
 
 if TYPE_CHECKING:
     from hybridflow.tracking import Tracker
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class SFTAlgorithm(SupervisedAlgorithm):
-    section, role, loss = "sft", "actor", "sft"
+    section, loss = "sft", "sft"
     sec: SFTConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
@@ -42,12 +44,11 @@ class SFTAlgorithm(SupervisedAlgorithm):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)
 
-    def role_config(self) -> ActorConfig:
-        s = self.sec
-        return dataclasses.replace(
-            self.cfg.actor, ppo_mini_batch_size=s.batch_size, ppo_micro_batch_size_per_gpu=s.micro_batch_size_per_gpu,
-            ppo_epochs=1, shuffle=False, grad_clip=s.grad_clip, optim=s.optim, entropy_coeff=0.0, use_kl_loss=False,
-        )
+    def engine_spec(self) -> EngineSpec:
+        return sft_spec(self.cfg, self.total_steps, self.model_path())
+
+    def train_head(self) -> HeadRequest:
+        return sft_head(self.cfg)
 
     def run(self, step: int) -> dict[str, float]:
         """Token-mean NLL and greedy token accuracy of the validation responses."""

@@ -1,9 +1,10 @@
 """`SupervisedAlgorithm`: one `SupervisedWorker` group trained on a fixed objective (SFT, reward model; DPO later),
 run by the one loop (`hybridflow.trainer.loop.Trainer`) as `SupervisedTrainer`.
 
-A subclass says which datasets, collate function, engine role/loss and validation reduction it uses; a step is
-one `train_batch` call. The engine config is derived from the section (`sft`/`rm`) without touching the user's
-config. At the end the model is exported as an HF directory (`<section>.export_dir`, default `<run_dir>/hf`).
+A subclass says which datasets, collate function, engine spec/head/loss and validation reduction it uses; a step
+is one `train_batch` call. The engine spec is derived from the section (`sft`/`rm`, see `workers/engine_specs.py`)
+without touching the user's config. At the end the model is exported as an HF directory (`<section>.export_dir`,
+default `<run_dir>/hf`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig, CriticConfig, RMConfig, SFTConfig
+from hybridflow.config.schema import RMConfig, SFTConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import reduce_metrics
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
     from hybridflow.controller import ResourcePool
     from hybridflow.data.dataloader import StatefulDataLoader
+    from hybridflow.engine import EngineSpec, HeadRequest
     from hybridflow.tracking import Tracker
     from hybridflow.workers.supervised import SupervisedGroup
 
@@ -38,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 class SupervisedAlgorithm(Algorithm):
     section: ClassVar[str] = ""  # "sft" | "rm": the config section with epochs, batch_size, optim, export_dir, ...
-    role: ClassVar[str] = "actor"  # engine role: actor (language model) | critic (scalar head)
     loss: ClassVar[str] = ""  # SUPERVISED_LOSSES name
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -69,8 +70,12 @@ class SupervisedAlgorithm(Algorithm):
     def collate_fn(self) -> Callable[[list[Any]], DataProto]: ...
 
     @abstractmethod
-    def role_config(self) -> ActorConfig | CriticConfig:
-        """The ActorConfig/CriticConfig the engine trains with (the section mapped onto the role's fields)."""
+    def engine_spec(self) -> EngineSpec:
+        """The engine this trainer trains (`workers/engine_specs.py`: the section mapped onto an EngineSpec)."""
+
+    @abstractmethod
+    def train_head(self) -> HeadRequest:
+        """What the loss reads from the engine (log-probs for SFT, values for a reward model)."""
 
     @abstractmethod
     def run(self, step: int) -> dict[str, float]:
@@ -107,8 +112,8 @@ class SupervisedAlgorithm(Algorithm):
         from hybridflow.controller import ResourcePool, WorkerGroup
         from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
-        worker = functools.partial(SupervisedWorker, self.cfg, self.role, self.role_config(), self.loss,
-                                   self.loss_kwargs(), self.total_steps, self.model_path())
+        worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
+                                   self.loss_kwargs())
         self.pool: ResourcePool = ResourcePool.from_config(self.cfg)
         group = SupervisedGroup(WorkerGroup(self.pool, worker, backend=self.cfg.trainer.backend,
                                             name=f"{self.section}"))

@@ -8,7 +8,7 @@ common prefix of chosen and rejected (their shared prompt). Pairs are interleave
 chosen_1, ...) with `pair_chosen` [B] = 1/0, so fixed-size micro-batches of an even size never split a pair.
 Score slot: a pair row's response ends with one extra (pad) token. The engine's training outputs are values at
 the position BEFORE each response token, so the value at that slot is the scalar head at the sequence's real
-last token — exactly `TrainEngine.forward_scores`, which scores responses during PPO (causal attention: the
+last token — exactly the engine's `score` head, which scores responses during PPO (causal attention: the
 slot never changes earlier positions).
 Legend: B rows, P prompt width, R response width.
 """

@@ -1,4 +1,4 @@
-"""Losses of the supervised trainers (SFT, reward model), as `TrainEngine.train_step` loss closures.
+"""Losses of the supervised trainers (SFT, reward model), as `TrainEngine.forward_backward` loss closures.
 
 Decision: each loss is this micro-batch's share of the whole mini-batch loss — normalised by the engine's
 `global_norm` (counts over every micro-batch on every data-parallel rank) — so the engine's summed gradients are

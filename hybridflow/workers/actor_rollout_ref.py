@@ -15,7 +15,8 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
+from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.losses import make_actor_loss
 
 if TYPE_CHECKING:
@@ -33,18 +34,16 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridflow.engine import build_train_engine
+        from hybridflow.engine import TrainEngine
         from hybridflow.models.loader import load_tokenizer
         from hybridflow.rollout import build_rollout
 
         self.init_distributed()
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
-        common = dict(device=self.device, data_cfg=cfg.data, seed=cfg.model.seed)
-        self.actor = build_train_engine(cfg.model, cfg.actor, role="actor", total_training_steps=total_training_steps,
-                                        **common)
+        self.actor = TrainEngine(actor_spec(cfg, total_training_steps), device=self.device)
         if self.res.use_reference:  # same weights as the actor at step 0 (same path, or same preset seed)
-            self.ref = build_train_engine(cfg.model, cfg.ref, role="ref", **common)
+            self.ref = TrainEngine(ref_spec(cfg), device=self.device)
         self.rollout = build_rollout(
             self.actor.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
@@ -54,6 +53,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     # ------------------------------------------------------------------------------------------- generate
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.GEN)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways (the
         rollout engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`)."""
@@ -66,6 +66,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         self.actor.to_mode("train")
         t3 = time.perf_counter()
         out = out.to("cpu")
+        out.meta_info.pop("seeds", None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
         engine_metrics = out.meta_info.get("metrics") or {}  # cache alloc, graph capture, decode steps
         out.meta_info["metrics"] = {**engine_metrics, "timing/switch": (t1 - t0) + (t3 - t2),
                                     "timing/generate": t2 - t1}
@@ -73,21 +74,26 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     # ------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.OLD_LOG_PROB)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        out = self.actor.forward_logprobs(data, temperature=self.cfg.rollout.temperature, calculate_entropy=True)
-        return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropys"]})
+        out = self.actor.infer(data, actor_head(self.cfg, entropy=True))
+        return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.REF)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
-        out = self.ref.forward_logprobs(data, temperature=self.cfg.rollout.temperature)
-        return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
+        out = self.ref.infer(data, ref_head(self.cfg))
+        return DataProto.from_dict({keys.REF_LOG_PROB.name: out["log_probs"]})
 
     # ------------------------------------------------------------------------------------------- update
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @keys.checked_stage(keys.UPDATE_ACTOR)
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        metrics = self.actor.train_step(data, self.loss_fn, mini_batch_size=self.res.actor.mini_batch_samples_per_gpu,
-                                        calculate_entropy=True, temperature=self.cfg.rollout.temperature)
+        from hybridflow.engine import train_update
+
+        metrics = train_update(self.actor, data, self.loss_fn, actor_head(self.cfg, entropy=True),
+                               actor_plan(self.cfg, self.res.actor))
         metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -10,7 +10,8 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
+from hybridflow.workers.engine_specs import VALUES, critic_plan, critic_spec
 from hybridflow.workers.losses import make_critic_loss
 
 if TYPE_CHECKING:
@@ -25,25 +26,26 @@ class CriticWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridflow.engine import build_train_engine
+        from hybridflow.engine import TrainEngine
 
         self.init_distributed()
         cfg = self.cfg
         torch.manual_seed(self.cfg.trainer.seed)  # the new scalar head is randomly initialised
-        self.critic = build_train_engine(cfg.model, cfg.critic, role="critic", device=self.device, data_cfg=cfg.data,
-                                         total_training_steps=total_training_steps, model_path=cfg.critic.model_path,
-                                         seed=cfg.model.seed)
+        self.critic = TrainEngine(critic_spec(cfg, total_training_steps), device=self.device)
         self.loss_fn = make_critic_loss(self.cfg.critic, self.cfg.data.max_response_length)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.VALUES_STAGE)
     def compute_values(self, data: DataProto) -> DataProto:
-        out = self.critic.forward_values(data)
-        return DataProto.from_dict({"values": out.batch["values"]})
+        return DataProto.from_dict({keys.VALUES.name: self.critic.infer(data, VALUES)["values"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @keys.checked_stage(keys.UPDATE_CRITIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:
-        mini = resolve(self.cfg).critic.mini_batch_samples_per_gpu
-        metrics = self.critic.train_step(data, self.loss_fn, mini_batch_size=mini)
+        from hybridflow.engine import train_update
+
+        plan = critic_plan(self.cfg, resolve(self.cfg).critic)
+        metrics = train_update(self.critic, data, self.loss_fn, VALUES, plan)
         metrics = {(k if "/" in k else f"critic/{k}"): v for k, v in metrics.items()}
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb/critic"] = torch.cuda.max_memory_allocated() / 2**30

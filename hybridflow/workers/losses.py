@@ -1,4 +1,4 @@
-"""The actor's and critic's loss closures handed to `TrainEngine.train_step`.
+"""The actor's and critic's loss closures handed to `TrainEngine.forward_backward`.
 
 Each closure gets the engine's outputs for one micro-batch, the micro-batch itself and the mini-batch's global
 normaliser (so gradient accumulation and data parallelism give the whole-batch gradient) and returns

@@ -13,7 +13,8 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, RoleGroup, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
+from hybridflow.workers.engine_specs import SCORES, reward_model_spec
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine
@@ -27,20 +28,19 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine import build_train_engine
+        from hybridflow.engine import TrainEngine
 
         if not self.cfg.reward.reward_model.path:
             raise ValueError("reward.reward_model.path is required when a reward source is `model`: "
                              "train one with `hybridflow rm` and point reward.reward_model.path at its export")
         self.init_distributed()
         torch.manual_seed(self.cfg.trainer.seed)  # the new scalar head is randomly initialised
-        rm_cfg = self.cfg.reward.reward_model
-        self.rm = build_train_engine(self.cfg.model, rm_cfg, role="reward", device=self.device, data_cfg=self.cfg.data,
-                                     model_path=rm_cfg.path)
+        self.rm = TrainEngine(reward_model_spec(self.cfg), device=self.device)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.REWARD_MODEL_SCORE)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        return self.rm.forward_scores(data)
+        return DataProto.from_dict(tensors={keys.RM_SCORES.name: self.rm.infer(data, SCORES)["scores"]})
 
 
 class RewardModelGroup(RoleGroup):

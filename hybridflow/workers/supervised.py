@@ -1,9 +1,9 @@
 """`SupervisedWorker`: one TrainEngine trained on a fixed objective (SFT, reward model; DPO later), driven like
 every other role through a `WorkerGroup` — so local, multi-process and Ray runs behave the same as in PPO.
 
-The engine is built from an engine config the trainer derives (its `sft`/`rm` section mapped onto the actor or
-critic fields); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses to Ray.
-Checkpointing is the trained roles' (`CheckpointingWorker`, component `engine`). The driver holds a
+The engine is built from the `EngineSpec` the trainer derives from its `sft`/`rm` section
+(`workers/engine_specs.py`); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses
+to Ray. Checkpointing is the trained roles' (`CheckpointingWorker`, component `engine`). The driver holds a
 `SupervisedGroup`.
 """
 
@@ -17,8 +17,9 @@ import torch
 
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config
-from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.engine.model_forward import HeadRequest
+from hybridflow.engine.spec import EngineSpec
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised_batch import last_response_values
 from hybridflow.trainer.supervised_losses import build_loss
@@ -30,18 +31,15 @@ logger = logging.getLogger(__name__)
 
 
 class SupervisedWorker(CheckpointingWorker, Worker):
-    """`role_cfg` is the ActorConfig (LM) or CriticConfig (scalar head) the engine trains with; `model_path`
-    initialises the model (None = `cfg.model.path`, else its preset)."""
+    """`spec` is the trained engine (`head`: "lm" for SFT, "value" for a reward model); `train_head` is what the
+    loss reads (log-probs or values)."""
 
-    def __init__(self, cfg: Config, role: str, role_cfg: ActorConfig | CriticConfig, loss: str,
-                 loss_kwargs: dict[str, Any] | None = None, total_steps: int | None = None,
-                 model_path: str | None = None) -> None:
+    def __init__(self, cfg: Config, spec: EngineSpec, train_head: HeadRequest, loss: str,
+                 loss_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
-        if role not in ("actor", "critic"):
-            raise ValueError(f"role={role!r}: a supervised engine is a trained role, 'actor' (LM) or 'critic' "
-                             "(scalar head)")
-        self.cfg, self.role, self.role_cfg = cfg, role, role_cfg
-        self.total_steps, self.model_path = total_steps, model_path
+        if spec.optimizer is None:
+            raise ValueError("a supervised engine is trained: its EngineSpec needs an optimizer")
+        self.cfg, self.spec, self.train_head = cfg, spec, train_head
         self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
         self.engine: TrainEngine  # built by init_model
 
@@ -53,15 +51,16 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         # A head missing from the checkpoint (RM from an SFT model) is drawn from the global RNG: seed it the same
         # on every rank so runs repeat and FSDP2 shards one model.
         torch.manual_seed(self.cfg.trainer.seed)
-        self.engine = TrainEngine(self.cfg.model, self.role_cfg, role=self.role, device=self.device,
-                                  data_cfg=self.cfg.data, total_training_steps=self.total_steps,
-                                  model_path=self.model_path, seed=self.cfg.trainer.seed)
+        self.engine = TrainEngine(self.spec, device=self.device)
 
     # ------------------------------------------------------------------------------------------------ train
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def train_batch(self, data: DataProto) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch (the engine micro-batches it)."""
-        metrics = self.engine.train_step(data, self.loss_fn, mini_batch_size=len(data), calculate_entropy=False)
+        from hybridflow.engine import train_update
+        from hybridflow.workers.engine_specs import supervised_plan
+
+        metrics = train_update(self.engine, data, self.loss_fn, self.train_head, supervised_plan(len(data)))
         return {k: float(v) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------------------------------------- eval
@@ -69,7 +68,7 @@ class SupervisedWorker(CheckpointingWorker, Worker):
     def eval_lm(self, data: DataProto) -> DataProto:
         """Per-row sums for SFT validation: log-likelihood of the loss tokens, loss tokens, argmax hits."""
         # The engine moves micro-batches to its device and returns CPU tensors.
-        logp_BR = self.engine.forward_logprobs(data, temperature=1.0, calculate_entropy=False).batch["log_probs"]
+        logp_BR = self.engine.infer(data, self.train_head)["log_probs"]
         mask_BR = data.batch["response_mask"].to(logp_BR.dtype)
         hits_BR = self._argmax_hits(data).cpu()
         return DataProto.from_dict({
@@ -84,7 +83,7 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         the root module (FSDP2 hooks apply); logits only for the last R+1 positions, in micro-batches."""
         b = data.batch
         R = b["responses"].shape[1]
-        micro = self.engine.settings.infer_micro_batch_size
+        micro = self.spec.infer_batching.size
         out = []
         for s in range(0, len(data), micro):
             sl = slice(s, s + micro)
@@ -95,9 +94,9 @@ class SupervisedWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_scores(self, data: DataProto) -> DataProto:
-        """Reward-model score of each pair row [B]: the value at its score slot (= `forward_scores` of the row
+        """Reward-model score of each pair row [B]: the value at its score slot (= the `score` head on the row
         without the slot, as in PPO)."""
-        values_BR = self.engine.forward_values(data).batch["values"]
+        values_BR = self.engine.infer(data, self.train_head)["values"]
         return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch["response_mask"]).cpu()})
 
     # --------------------------------------------------------------------------------------------- save/load

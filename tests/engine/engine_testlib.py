@@ -1,4 +1,4 @@
-"""Helpers for engine tests: tiny-model configs, verl-layout batches, an SFT loss."""
+"""Helpers for engine tests: tiny-model configs and engines, verl-layout batches, an SFT loss, one-update steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import torch
 
 from hybridflow.algorithms.aggregation import agg_loss
 from hybridflow.config import load_config
+from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, train_update
 from hybridflow.protocol import DataProto
+from hybridflow.workers.engine_specs import actor_spec, critic_spec
 
 
 def make_config(*overrides: str):
@@ -36,3 +38,26 @@ def nll_loss(outputs, micro_batch, global_norm):
     loss = agg_loss(-outputs["log_probs"], micro_batch.batch["response_mask"], "token-mean",
                     global_norm["token-mean"])
     return loss, {"nll_share": loss.detach()}
+
+
+def make_engine(*overrides: str, role: str = "actor", total_training_steps: int | None = None) -> TrainEngine:
+    """The actor's (or critic's) engine for `make_config(*overrides)`, on the CPU."""
+    cfg = make_config(*overrides)
+    spec = critic_spec(cfg, total_training_steps) if role == "critic" else actor_spec(cfg, total_training_steps)
+    return TrainEngine(spec, device="cpu")
+
+
+def head_of(engine: TrainEngine, temperature: float = 1.0, entropy: bool = False) -> HeadRequest:
+    """Log-probs for a language model, values for a scalar head."""
+    return HeadRequest("lm", temperature, 1024, entropy) if engine.spec.head == "lm" else HeadRequest("value")
+
+
+def train_step(engine: TrainEngine, data: DataProto, loss_fn, *, mini_batch_size: int | None = None,
+               epochs: int = 1) -> dict[str, float]:
+    """One update of `engine` on `data` (default: one mini-batch of all rows, in order)."""
+    plan = UpdatePlan(mini_batch_size or len(data), epochs)
+    return train_update(engine, data, loss_fn, head_of(engine), plan)
+
+
+def logprobs(engine: TrainEngine, data: DataProto, temperature: float = 1.0, entropy: bool = False):
+    return engine.infer(data, head_of(engine, temperature, entropy))

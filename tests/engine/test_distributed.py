@@ -15,17 +15,14 @@ HERE = str(Path(__file__).parent)
 
 def _train_and_dump(rank: int, world: int, out: str, overrides: list[str]) -> None:
     sys.path.insert(0, HERE)
-    from engine_testlib import make_batch, make_config, nll_loss
+    from engine_testlib import logprobs, make_batch, make_engine, nll_loss, train_step
 
-    from hybridflow.engine import TrainEngine
-
-    cfg = make_config(*overrides)
-    engine = TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
+    engine = make_engine(*overrides)
     if "actor.fsdp.defer_grad_sync=true" in overrides:
         assert engine._defer_grad_sync  # N ranks too: one reduce-scatter per mini-batch
     data = make_batch(batch=8, seed=11).chunk(world)[rank]  # the dispatcher's DP split
-    metrics = [engine.train_step(data, nll_loss) for _ in range(2)]
-    logp = engine.forward_logprobs(data).batch["log_probs"]
+    metrics = [train_step(engine, data, nll_loss) for _ in range(2)]
+    logp = logprobs(engine, data)["log_probs"]
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
                for n, p in engine.module.named_parameters()}
     if rank == 0:
@@ -63,9 +60,7 @@ def _count_reduce_scatters(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store_rs", rank=rank, world_size=2)
     sys.path.insert(0, HERE)
-    from engine_testlib import make_batch, make_config, nll_loss
-
-    from hybridflow.engine import TrainEngine
+    from engine_testlib import make_batch, make_engine, nll_loss, train_step
 
     name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     original, calls = getattr(dist, name), []
@@ -77,10 +72,9 @@ def _count_reduce_scatters(rank: int, out: str) -> None:
     setattr(dist, name, counting)  # FSDP2 calls it through the torch.distributed module
     counts = {}
     for defer in ("true", "false"):
-        cfg = make_config("actor.ppo_micro_batch_size_per_gpu=1", f"actor.fsdp.defer_grad_sync={defer}")
-        engine = TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
+        engine = make_engine("actor.ppo_micro_batch_size_per_gpu=1", f"actor.fsdp.defer_grad_sync={defer}")
         calls.clear()
-        engine.train_step(make_batch(batch=8, seed=11).chunk(2)[rank], nll_loss)
+        train_step(engine, make_batch(batch=8, seed=11).chunk(2)[rank], nll_loss)
         counts[defer] = len(calls)
     save_file({"counts": torch.tensor([counts["true"], counts["false"]])}, f"{out}/rs{rank}.safetensors")
     dist.destroy_process_group()

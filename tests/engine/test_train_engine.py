@@ -5,21 +5,19 @@ import math
 
 import pytest
 import torch
-from engine_testlib import make_batch, make_config, nll_loss
+from engine_testlib import logprobs, make_batch, make_config, make_engine, nll_loss, train_step
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import agg_loss
 from hybridflow.engine import TrainEngine
 from hybridflow.models import load_model
+from hybridflow.workers.engine_specs import SCORES, VALUES, ref_spec, reward_model_spec
 
 pytestmark = pytest.mark.usefixtures("dist_group")
 
 
-def _engine(*overrides, role="actor", **kw):
-    cfg = make_config(*overrides)
-    role_cfg = cfg.critic if role == "critic" else cfg.actor
-    return TrainEngine(cfg.model, role_cfg, role=role, device="cpu", data_cfg=cfg.data, **kw)
+_engine = make_engine
 
 
 def _full(t):
@@ -64,7 +62,7 @@ def test_gradients_match_reference_for_any_micro_batching(overrides):
     ref_loss, ref_grads = _reference(data)
     engine = _engine(*overrides)
     assert engine.module.base_model.layers[0].gradient_checkpointing == ("model.enable_gradient_checkpointing=true" in overrides)
-    metrics = engine.train_step(data, nll_loss)
+    metrics = train_step(engine, data, nll_loss)
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
     grads = _grads(engine)
     for name, g in ref_grads.items():
@@ -80,10 +78,10 @@ def test_deferred_grad_sync_on_one_rank_is_bitwise_the_per_micro_batch_sum(monke
     data = make_batch(seed=0)
     overrides = ("model.dtype=bfloat16", "actor.ppo_micro_batch_size_per_gpu=2")
     deferred = _engine(*overrides)
-    deferred.train_step(data, nll_loss)
+    train_step(deferred, data, nll_loss)
     monkeypatch.setattr(TrainEngine, "_set_grad_sync", lambda self, sync: None)
     synced = _engine(*overrides)
-    synced.train_step(data, nll_loss)
+    train_step(synced, data, nll_loss)
     gd, gs = _grads(deferred), _grads(synced)
     assert all(g.dtype == torch.float32 for g in gd.values())
     for name in gs:
@@ -135,13 +133,13 @@ def test_failure_mid_mini_batch_leaves_no_partial_state(where, dtype, torch_rese
 
     hook = failed.module.base_model.layers[0].register_forward_hook(boom_in_backward) if where == "backward" else None
     with pytest.raises(RuntimeError, match="blew up"):
-        failed.train_step(data, counting)
+        train_step(failed, data, counting)
     if hook is not None:
         hook.remove()
     assert failed.global_step == 0
     fresh = _engine(*overrides)
     for _ in range(2):
-        assert failed.train_step(data, nll_loss)["loss"] == fresh.train_step(data, nll_loss)["loss"]
+        assert train_step(failed, data, nll_loss)["loss"] == train_step(fresh, data, nll_loss)["loss"]
         gf, gr = _grads(failed), _grads(fresh)
         assert all(torch.equal(gf[n], gr[n]) for n in gr)
         wf, wr = _weights(failed), _weights(fresh)
@@ -159,7 +157,7 @@ def test_a_failing_reset_keeps_the_original_error_and_says_so(monkeypatch, caplo
 
     monkeypatch.setattr(TrainEngine, "_drop_partial_grads", broken_reset)
     with pytest.raises(ValueError, match="loss blew up"):
-        engine.train_step(make_batch(seed=0), failing)
+        train_step(engine, make_batch(seed=0), failing)
     assert "resetting the engine's gradients/FSDP state failed (AttributeError" in caplog.text
 
 
@@ -174,33 +172,33 @@ def test_offload_on_off_same_result():
     for offload in ("false", "true"):
         engine = _engine(f"actor.fsdp.param_offload={offload}", f"actor.fsdp.optimizer_offload={offload}")
         for _ in range(2):
-            engine.train_step(data, nll_loss)
+            train_step(engine, data, nll_loss)
         engine.to_mode("generate")
         engine.to_mode("offload")
         engine.to_mode("train")
-        runs.append(engine.forward_logprobs(data).batch["log_probs"])
+        runs.append(logprobs(engine, data)["log_probs"])
     torch.testing.assert_close(runs[0], runs[1], atol=1e-6, rtol=0)
 
 
 def test_tiny_model_overfits_one_batch():
     data = make_batch(seed=2)
     engine = _engine("actor.optim.lr=1e-2")
-    first = engine.train_step(data, nll_loss)["loss"]
+    first = train_step(engine, data, nll_loss)["loss"]
     for _ in range(40):
-        last = engine.train_step(data, nll_loss)["loss"]
+        last = train_step(engine, data, nll_loss)["loss"]
     assert last < 0.1 * first, (first, last)
 
 
 def test_save_load_gives_identical_next_step(tmp_path):
     data, data2 = make_batch(seed=3), make_batch(seed=4)
     a = _engine("actor.optim.lr_warmup_steps=3")
-    a.train_step(data, nll_loss)
+    train_step(a, data, nll_loss)
     a.save(tmp_path / "ckpt")
-    m_a = a.train_step(data2, nll_loss)
-    b = _engine("actor.optim.lr_warmup_steps=3", seed=0)
+    m_a = train_step(a, data2, nll_loss)
+    b = _engine("actor.optim.lr_warmup_steps=3")
     b.load(tmp_path / "ckpt")
     assert b.global_step == 1
-    m_b = b.train_step(data2, nll_loss)
+    m_b = train_step(b, data2, nll_loss)
     assert m_a["loss"] == m_b["loss"] and m_a["lr"] == m_b["lr"]
     wa, wb = _weights(a), _weights(b)
     for name in wa:
@@ -216,11 +214,11 @@ def test_non_finite_loss_skips_the_optimizer_step():
         loss, m = nll_loss(outputs, mb, norm)
         return loss * float("nan"), m
 
-    metrics = engine.train_step(data, nan_loss)
+    metrics = train_step(engine, data, nan_loss)
     assert metrics["skipped"] == 1
     after = _weights(engine)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    assert engine.train_step(data, nll_loss)["skipped"] == 0
+    assert train_step(engine, data, nll_loss)["skipped"] == 0
 
 
 def test_ppo_epochs_and_mini_batches_count_optimizer_steps():
@@ -232,8 +230,8 @@ def test_ppo_epochs_and_mini_batches_count_optimizer_steps():
         calls.append(len(mb))
         return nll_loss(outputs, mb, norm)
 
-    data.meta_info["n"] = 2  # 2 prompts × 2 responses = 4 samples per mini-batch → 2 mini-batches × 2 epochs
-    engine.train_step(data, counting_loss)
+    # 2 prompts × 2 responses = 4 samples per mini-batch → 2 mini-batches × 2 epochs
+    train_step(engine, data, counting_loss, mini_batch_size=4, epochs=2)
     assert calls == [4, 4, 4, 4]
     assert engine.optimizer.state[next(iter(engine.module.parameters()))]["step"] == 4
 
@@ -244,7 +242,7 @@ def test_lr_warmup_and_cosine():
     data = make_batch(seed=7)
     lrs = [engine.optimizer.param_groups[0]["lr"]]
     for _ in range(6):
-        engine.train_step(data, nll_loss)
+        train_step(engine, data, nll_loss)
         lrs.append(engine.optimizer.param_groups[0]["lr"])
     # Warmup reaches the peak at its last step; cosine then decays from the peak to min_lr at the last step.
     expected = [0.5e-3, 1e-3] + [1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
@@ -263,11 +261,11 @@ def test_critic_learns_values():
                         norm["token-mean"])
         return loss, {}
 
-    first = engine.train_step(data, value_loss)["loss"]
+    first = train_step(engine, data, value_loss)["loss"]
     for _ in range(30):
-        last = engine.train_step(data, value_loss)["loss"]
+        last = train_step(engine, data, value_loss)["loss"]
     assert last < 0.1 * first, (first, last)
-    values = engine.forward_values(data).batch["values"]
+    values = engine.infer(data, VALUES)["values"]
     mask = data.batch["response_mask"].bool()
     assert values.shape == target.shape and (values[~mask] == 0).all()
     assert ((values - target)[mask] ** 2).mean() < 0.1 * first
@@ -275,17 +273,17 @@ def test_critic_learns_values():
 
 def test_forward_logprobs_micro_batching_invariant():
     data = make_batch(seed=9)
-    a = _engine("actor.log_prob_micro_batch_size_per_gpu=8").forward_logprobs(data, 0.5, calculate_entropy=True)
-    b = _engine("actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=20").forward_logprobs(
-        data, 0.5, calculate_entropy=True)
-    for key in ("log_probs", "entropys"):
-        torch.testing.assert_close(a.batch[key], b.batch[key], atol=1e-5, rtol=1e-5)
-    assert a.batch["log_probs"].shape == data.batch["responses"].shape
+    a = logprobs(_engine("actor.log_prob_micro_batch_size_per_gpu=8"), data, 0.5, entropy=True)
+    b = logprobs(_engine("actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=20"), data, 0.5,
+                 entropy=True)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5)
+    assert a["log_probs"].shape == data.batch["responses"].shape
 
 
 def test_save_hf_exports_trained_weights(tmp_path):
     engine = _engine()
-    engine.train_step(make_batch(seed=10), nll_loss)
+    train_step(engine, make_batch(seed=10), nll_loss)
     engine.save_hf(tmp_path / "hf")
     cfg = make_config(f"model.path={tmp_path / 'hf'}")
     loaded = load_model(cfg.model, "actor")
@@ -296,15 +294,14 @@ def test_save_hf_exports_trained_weights(tmp_path):
 
 def test_reference_and_reward_roles_are_inference_only():
     cfg = make_config()
-    ref = TrainEngine(cfg.model, cfg.ref, role="ref", device="cpu", data_cfg=cfg.data)
+    ref = TrainEngine(ref_spec(cfg), device="cpu")
     actor = _engine()
     data = make_batch(seed=12)
-    torch.testing.assert_close(ref.forward_logprobs(data).batch["log_probs"],
-                               actor.forward_logprobs(data).batch["log_probs"], atol=0, rtol=0)
+    torch.testing.assert_close(logprobs(ref, data)["log_probs"], logprobs(actor, data)["log_probs"], atol=0, rtol=0)
     with pytest.raises(ValueError, match="not trainable"):
-        ref.train_step(data, nll_loss)
-    rm = TrainEngine(cfg.model, cfg.reward.reward_model, role="reward", device="cpu", data_cfg=cfg.data)
-    scores = rm.forward_scores(data).batch["rm_scores"]
+        train_step(ref, data, nll_loss)
+    rm = TrainEngine(reward_model_spec(cfg), device="cpu")
+    scores = rm.infer(data, SCORES)["scores"]
     naive = load_model(cfg.model, "reward")
     b = data.batch
     for i in range(len(data)):
@@ -313,4 +310,4 @@ def test_reference_and_reward_roles_are_inference_only():
             last = naive(input_ids=b["input_ids"][i][keep][None]).logits[0, -1, 0]
         torch.testing.assert_close(scores[i], last, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="scalar head"):
-        actor.forward_values(data)
+        actor.infer(data, VALUES)

@@ -11,8 +11,9 @@ import torch.distributed as dist
 from rollout_helpers import EOS, PAD, make_prompts
 
 from hybridflow.config import load_config
-from hybridflow.engine.train_engine import TrainEngine
+from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, train_update
 from hybridflow.rollout import RolloutEngine
+from hybridflow.workers.engine_specs import actor_spec
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def train_engine():
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = load_config([], ["actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8"])
-    yield cfg, TrainEngine(cfg.model, cfg.actor, role="actor", device="cpu", data_cfg=cfg.data)
+    yield cfg, TrainEngine(actor_spec(cfg), device="cpu")
     if own:
         dist.destroy_process_group()
 
@@ -38,7 +39,7 @@ def test_hybrid_engine_on_fsdp2(train_engine):
 
     prompts = make_prompts(4, 12, module.config.vocab_size, meta={"n": 2, "temperature": 0.8, "seeds": [1, 2, 3, 4]})
     out = rollout.generate(prompts)
-    ref = engine.forward_logprobs(out, temperature=0.8).batch["log_probs"]
+    ref = engine.infer(out, HeadRequest("lm", temperature=0.8))["log_probs"]
     mask = out.batch["response_mask"]
     torch.testing.assert_close(out.batch["rollout_log_probs"], ref * mask, atol=1e-4, rtol=0)
 
@@ -46,12 +47,11 @@ def test_hybrid_engine_on_fsdp2(train_engine):
         logp = outputs["log_probs"]
         return -(logp * micro.batch["response_mask"]).sum() / norm["token-mean"], {}
 
-    out.meta_info["temperature"] = 1.0
-    engine.train_step(out, loss_fn, mini_batch_size=8)
+    train_update(engine, out, loss_fn, HeadRequest("lm", temperature=1.0), UpdatePlan(8, shuffle=True))
     rollout.sync_weights()
     assert rollout._weights.layers[0].q.data_ptr() == q.to_local().data_ptr()
     again = rollout.generate(prompts)
     assert not torch.allclose(again.batch["rollout_log_probs"], out.batch["rollout_log_probs"])
-    ref2 = engine.forward_logprobs(again, temperature=0.8).batch["log_probs"]
+    ref2 = engine.infer(again, HeadRequest("lm", temperature=0.8))["log_probs"]
     torch.testing.assert_close(again.batch["rollout_log_probs"], ref2 * again.batch["response_mask"],
                                atol=1e-4, rtol=0)

@@ -124,7 +124,7 @@ def test_scores_match_naive_token_classifier(tmp_path):
         with torch.no_grad():
             logits = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                          position_ids=b["position_ids"]).logits.squeeze(-1)
-        # Score = the head at the sequence's last real token (before the score slot), as forward_scores in PPO.
+        # Score = the head at the sequence's last real token (before the score slot), as the engine's score head in PPO.
         last_real = b["attention_mask"].shape[1] - 1 - b["attention_mask"].flip(-1).argmax(-1) - 1
         assert (b["input_ids"][torch.arange(len(last_real)), last_real] == load_tokenizer(cfg.model).eos_token_id).all()
         assert torch.allclose(scores, logits[torch.arange(len(last_real)), last_real], atol=1e-4)

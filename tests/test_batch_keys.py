@@ -1,0 +1,95 @@
+"""The PPO batch contract (`hybridflow/protocol/keys.py`): the checker's errors, debug mode off by default, and a
+whole PPO step (GAE, KL in reward and as a loss, recomputed old log-probs) that keeps the contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ppo_testlib import tiny_ppo_config
+
+from hybridflow.protocol import DataProto, keys
+
+
+def _after_gen(B: int = 4, P: int = 3, R: int = 5) -> DataProto:
+    ids = torch.ones(B, P + R, dtype=torch.long)
+    return DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": ids, "position_ids": ids.cumsum(-1), "prompts": ids[:, :P],
+                 "responses": ids[:, P:], "response_mask": ids[:, P:], "rollout_log_probs": torch.zeros(B, R),
+                 "token_level_scores": torch.zeros(B, R)},
+        non_tensors={"uid": np.array([str(i // 2) for i in range(B)], dtype=object)})
+
+
+def test_a_well_formed_batch_passes_every_stage_input():
+    batch = _after_gen()
+    for stage in (keys.GEN, keys.REWARD, keys.OLD_LOG_PROB, keys.REF, keys.VALUES_STAGE, keys.ADV):
+        keys.check(stage, batch, "in")
+
+
+def test_a_missing_key_names_the_stage_and_its_writer():
+    with pytest.raises(keys.BatchContractError, match=r"'update_critic' \(input\).*'values' \(written by values\)"):
+        keys.check(keys.UPDATE_CRITIC, _after_gen(), "in")
+
+
+def test_wrong_kind_and_inconsistent_shapes_are_caught():
+    bad_kind = _after_gen()
+    bad_kind.batch["token_level_scores"] = torch.zeros(4, 5, dtype=torch.long)
+    with pytest.raises(keys.BatchContractError, match="'token_level_scores' is int"):
+        keys.check(keys.ADV, bad_kind, "in")
+    bad_width = _after_gen()
+    bad_width.batch["token_level_scores"] = torch.zeros(4, 6)
+    with pytest.raises(keys.BatchContractError, match="'token_level_scores' has R=6 but other keys have R=5"):
+        keys.check(keys.ADV, bad_width, "in")
+
+
+def test_meta_info_holds_declared_metadata_only():
+    batch = _after_gen()
+    batch.meta_info.update(temperature=0.7, epoch=1)
+    keys.check(keys.REWARD, batch, "in")
+    batch.meta_info["token_level_scores"] = [0.0]
+    with pytest.raises(keys.BatchContractError, match="meta_info holds undeclared keys"):
+        keys.check(keys.REWARD, batch, "in")
+
+
+def test_every_stage_key_is_declared_once_with_verl_names():
+    assert {"old_log_probs", "ref_log_prob", "values", "advantages", "returns", "response_mask",
+            "token_level_scores", "token_level_rewards", "entropy"} <= set(keys.KEYS)
+    assert "entropys" not in keys.KEYS
+
+
+class _Stage:
+    @keys.checked_stage(keys.UPDATE_CRITIC)
+    def update(self, batch: DataProto) -> dict[str, float]:
+        return {"ran": 1.0}
+
+
+def test_checks_are_off_by_default_and_on_with_the_env_var(monkeypatch):
+    monkeypatch.delenv(keys.CHECK_ENV, raising=False)
+    assert _Stage().update(_after_gen()) == {"ran": 1.0}  # a bad batch goes through untouched
+    monkeypatch.setenv(keys.CHECK_ENV, "1")
+    with pytest.raises(keys.BatchContractError, match="'values'"):
+        _Stage().update(_after_gen())
+
+
+def test_sampling_log_probs_prefers_the_recomputed_ones():
+    batch = _after_gen().batch
+    assert keys.sampling_log_probs(batch) is batch["rollout_log_probs"]
+    batch["old_log_probs"] = torch.ones(4, 5)
+    assert keys.sampling_log_probs(batch) is batch["old_log_probs"]
+
+
+def test_a_ppo_step_keeps_the_contract(tmp_path: Path, monkeypatch):
+    from hybridflow.trainer.ppo import PPOTrainer
+
+    monkeypatch.setenv(keys.CHECK_ENV, "1")
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+                          "actor.use_kl_loss=true", "trainer.total_training_steps=1",
+                          "trainer.checkpoint.save_freq=0")
+    trainer = PPOTrainer(cfg)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert len(history) == 1 and np.isfinite(history[0]["critic/vf_loss"])
