@@ -42,7 +42,9 @@ WEAK_SFT = ["sft.label_noise=0.5", f"sft.target_val_loss={WEAK_SFT_VAL_LOSS}", "
 # The recipes of our side, as config overrides on top of hybridflow/config/quickstart.yaml.
 RECIPES: dict[str, list[str]] = {
     "quickstart": [],
-    "robust": ["algorithm.preset=robust"],
+    # The recommended recipe for a weak start (docs/tuning.md): the robust preset's lr warm-up, 2x the quickstart's lr,
+    # and 4 optimizer steps per generation batch (mini-batches of 8 of the 32 prompts), at the same sample budget.
+    "robust": ["algorithm.preset=robust", "actor.optim.lr=2e-4", "actor.ppo_mini_batch_size=8"],
 }
 SMOKE = ["--prompts", "4", "--n", "4", "--steps", "2", "--eval-size", "16", "--sft-steps", "4"]
 

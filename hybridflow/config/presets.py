@@ -14,7 +14,7 @@ from __future__ import annotations
 # warm-up recovered a weak start LESS than 1e-4 without (docs/benchmarks.md, "Weak-start recovery vs TRL").
 ALGORITHM_PRESETS: dict[str, list[str]] = {
     "robust": [
-        "actor.optim.lr_warmup_steps=10",  # Adam's first steps are its largest: warm up before the full lr
+        "actor.optim.lr_warmup_steps=5",  # Adam's first steps are its largest: warm up before the full lr
     ],
 }
 
