@@ -31,6 +31,33 @@ def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 # --------------------------------------------------------------------------------------------------- model
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on every trained module (actor, critic — whose value head stays fully trained — SFT, RM):
+    W + (alpha/rank)·B·A through PEFT; the base weights are frozen. rank 0 = off (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"  # all-linear = every Linear inside the decoder layers
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0 = LoRA off, e.g. 8, 16, 64)")
+        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "must be > 0 (the scale is alpha / rank)")
+        _check(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "must be in [0, 1)")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            _check(targets == "all-linear", "model.lora.target_modules", targets,
+                   "must be all-linear or a list of module names, e.g. [q_proj, k_proj, v_proj, o_proj]")
+        else:
+            _check(len(targets) > 0 and all(isinstance(t, str) and t for t in targets), "model.lora.target_modules",
+                   targets, "give a non-empty list of module names, e.g. [q_proj, v_proj], or all-linear")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str | None  # local HF model directory; None → use `preset`
     preset: str  # random-init preset when no path: tiny | qwen2.5-0.5b | qwen2.5-1.5b | qwen2.5-7b
@@ -41,6 +68,7 @@ class ModelConfig:
     dtype: str  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     override_config: dict[str, Any]  # keys applied to the HF config (e.g. num_hidden_layers) before init
     seed: int  # seed for random init of presets
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))

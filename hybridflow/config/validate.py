@@ -12,7 +12,7 @@ def validate_config(cfg: Config) -> None:
     errors = _resource_errors(cfg)
     if not errors:
         errors += _batch_errors(cfg)
-    errors += _name_errors(cfg)
+    errors += _name_errors(cfg) + _lora_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -107,3 +107,12 @@ def _largest_divisor_at_most(total: int, bound: int) -> int:
         if total % d == 0:
             return d
     return 1
+
+
+def _lora_errors(cfg: Config) -> list[str]:
+    lora = cfg.model.lora
+    if lora.enabled and cfg.ref.ema.enable:
+        return [f"model.lora.rank={lora.rank} with ref.ema.enable=true: with LoRA the reference is the actor with "
+                "its adapters disabled (no second model), which cannot be an EMA; set ref.ema.enable=false or "
+                "model.lora.rank=0"]
+    return []

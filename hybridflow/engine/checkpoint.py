@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +31,24 @@ logger = logging.getLogger(__name__)
 EXTRA_FILE = "engine_extra.json"
 
 
-def get_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """{"model": sharded state, "optimizer": sharded state (trained engines)}: DCP-ready."""
+def get_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     trainable_only: bool = False) -> dict[str, Any]:
+    """{"model": sharded state, "optimizer": sharded state (trained engines)}: DCP-ready. `trainable_only` (LoRA)
+    keeps only the trained parameters (adapters, a scalar head): the frozen base is rebuilt from the model."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=trainable_only))
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def set_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+def set_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any],
+                     trainable_only: bool = False) -> None:
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         return
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # trainable_only: the state holds the trained parameters only; the frozen base keeps its loaded weights.
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=not trainable_only))
 
 
 def save_dir(path: str | Path, state: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -64,10 +70,14 @@ def load_dir(path: str | Path, template: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None,
-              dtype: torch.dtype | None = None) -> None:
-    """Full (unsharded) weights in HF format, written by rank 0; all ranks must call it."""
+              dtype: torch.dtype | None = None,
+              transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
+    """Full (unsharded) weights in HF format, written by rank 0; all ranks must call it. `transform` maps the full
+    state dict before it is written (LoRA: merge the adapters)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
+        if transform is not None:
+            full = transform(full)
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.architectures = [type(model).__name__.removeprefix("FSDP")]
         save_model(out_dir, config, full, tokenizer, dtype)

@@ -44,7 +44,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                 reshard_after_forward: bool = True) -> torch.nn.Module:
     """Shard `model` in place; returns it (its class becomes FSDP<Model>)."""
-    master = next(model.parameters()).dtype
+    # Master dtype = that of the trained parameters (LoRA: fp32 adapters over a frozen compute-dtype base).
+    master = next((p for p in model.parameters() if p.requires_grad), next(model.parameters())).dtype
     mp = None
     if compute_dtype != master or reduce_dtype != master:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=True)

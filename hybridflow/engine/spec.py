@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hybridflow.config.schema import FSDPConfig, ModelConfig, OptimConfig
+from hybridflow.config.schema import FSDPConfig, LoraConfig, ModelConfig, OptimConfig
 
 ModuleHead = Literal["lm", "value"]  # causal LM (log-probs of tokens) | backbone + scalar head (values, scores)
 MODULE_HEADS: tuple[ModuleHead, ...] = ("lm", "value")
@@ -49,12 +49,19 @@ class EngineSpec:
     optimizer: OptimizerSpec | None = None
     model_path: str | None = None
     packed: bool = True  # data.use_packed_dataset: forward passes without padding
+    lora: LoraConfig | None = None  # adapters on a trained module (rank 0 or None = full fine-tuning)
 
     def __post_init__(self) -> None:
         if self.head not in MODULE_HEADS:
             raise ValueError(f"head={self.head!r}: must be one of {', '.join(MODULE_HEADS)}")
         if self.optimizer is not None and self.train_batching is None:
             raise ValueError("a trained engine (optimizer given) needs train_batching")
+        if self.uses_lora and self.optimizer is None:
+            raise ValueError("LoRA adapters need a trained engine (EngineSpec.optimizer); a frozen engine has none")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora is not None and self.lora.enabled
 
     @property
     def trainable(self) -> bool:

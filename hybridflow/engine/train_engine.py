@@ -39,6 +39,7 @@ from hybridflow.engine.fsdp import (
     move_optimizer,
     resolve_dtype,
 )
+from hybridflow.engine.lora import adapters_disabled, apply_lora, merged_state_dict
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
@@ -81,7 +82,9 @@ class TrainEngine:
         self.global_step = 0  # completed updates (LR-schedule steps)
         fsdp = spec.fsdp
 
-        model = load_module(spec.model, spec.head, path=spec.model_path, dtype=DTYPES[fsdp.param_dtype],
+        # LoRA: the frozen base is held in the compute dtype (no fp32 master, no optimizer state for it).
+        base_dtype = self.compute_dtype if spec.uses_lora else DTYPES[fsdp.param_dtype]
+        model = load_module(spec.model, spec.head, path=spec.model_path, dtype=base_dtype,
                             attn_implementation=register_attention(), init_device=self.device)
         if spec.trainable and spec.model.enable_gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
@@ -90,6 +93,8 @@ class TrainEngine:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not spec.trainable:
             model.requires_grad_(False)
+        # adapted leaf names (None = full fine-tuning); adapters are fp32 masters, only they (and a scalar head) train
+        self.lora_targets = apply_lora(model, spec.lora, spec.model.seed) if spec.uses_lora else None
         model.to(self.device)
         if wants_compile(spec.model.use_torch_compile, self.device):
             compile_layers(decoder_layers(model))
@@ -106,7 +111,7 @@ class TrainEngine:
         self.flops = FlopsCounter(model.config, with_lm_head=spec.head == "lm")
         self.optimizer = self.lr_scheduler = None
         if spec.optimizer is not None:
-            self.optimizer = build_optimizer(model.parameters(), spec.optimizer.optim)
+            self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], spec.optimizer.optim)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer.optim, spec.optimizer.total_steps)
         self._params_on_device = self._optim_on_device = True
         self._training = False  # inside `training()`
@@ -170,12 +175,19 @@ class TrainEngine:
             raise ValueError(f"{what}; this engine's module has the {self.spec.head!r} head (EngineSpec.head)")
 
     @torch.no_grad()
-    def infer(self, data: DataProto, head: HeadRequest) -> dict[str, torch.Tensor]:
+    def infer(self, data: DataProto, head: HeadRequest, *, disable_adapters: bool = False) -> dict[str, torch.Tensor]:
         """Forward passes over `data` in `spec.infer_batching` micro-batches; CPU float32 outputs in row order:
         lm → `log_probs` [B, R] (+ `entropy` [B, R]) of `responses` under softmax(logits / temperature);
         value → `values` [B, R], the scalar head at the position before each response token (critic);
-        score → `scores` [B], the scalar head at each sequence's last valid token (reward model)."""
+        score → `scores` [B], the scalar head at each sequence's last valid token (reward model).
+        `disable_adapters` (LoRA): the base model's outputs — the reference policy without a second model."""
         self._check_head(head)
+        if disable_adapters and self.lora_targets is None:
+            raise ValueError("disable_adapters=True needs LoRA adapters (model.lora.rank > 0); this engine has none")
+        with adapters_disabled(self.module) if disable_adapters else contextlib.nullcontext():
+            return self._infer(data, head)
+
+    def _infer(self, data: DataProto, head: HeadRequest) -> dict[str, torch.Tensor]:
         missing = [k for k in INPUT_KEYS if k not in data.batch]
         if missing:
             raise ValueError(f"batch lacks {missing}; the engine needs {list(INPUT_KEYS)} (verl layout)")
@@ -346,14 +358,14 @@ class TrainEngine:
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer" (sharded, DCP-ready), "extra" (JSON-safe counters)}."""
         self._enter(optim=True)
-        state = ckpt.get_engine_state(self.module, self.optimizer)
+        state = ckpt.get_engine_state(self.module, self.optimizer, trainable_only=self.lora_targets is not None)
         state["extra"] = {"global_step": self.global_step,
                           "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._enter(optim=True)
-        ckpt.set_engine_state(self.module, self.optimizer, state)
+        ckpt.set_engine_state(self.module, self.optimizer, state, trainable_only=self.lora_targets is not None)
         extra = state.get("extra") or {}
         self.global_step = int(extra.get("global_step", 0))
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
@@ -375,9 +387,14 @@ class TrainEngine:
         self.load_state_dict(state)
 
     def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Export full weights + config + tokenizer in HF format (all ranks call it; rank 0 writes)."""
+        """Export full weights + config + tokenizer in HF format (all ranks call it; rank 0 writes); with LoRA the
+        adapters are merged into the weights (a plain HF model)."""
         self._enter(optim=False)
-        ckpt.export_hf(self.module, path, self.tokenizer, dtype)
+        merge = None
+        if self.lora_targets is not None:
+            lora = self.spec.lora
+            merge = lambda state: merged_state_dict(state, lora.alpha / lora.rank)  # noqa: E731
+        ckpt.export_hf(self.module, path, self.tokenizer, dtype, transform=merge)
         self.to_rest()
 
 

@@ -5,7 +5,8 @@ seen by the next generate for free; `sync_weights` only checks that storage did 
 master weights, bf16 generation) → cast into reused buffers, once per `sync_weights`. FSDP2 over N ranks → each
 FSDP2 group (a decoder layer; the root's embeddings/norm/head) is unsharded in its compute dtype — one bf16
 all-gather per layer, not one collective per parameter — copied into reused buffers and resharded (peak = one
-extra layer). Where copies are made anyway, q/k/v and gate/up go into one fused buffer each.
+extra layer). Where copies are made anyway, q/k/v and gate/up go into one fused buffer each. LoRA: an adapted
+matrix is always a copy, W + (alpha/r)·B·A (one small GEMM into its buffer at each build); the others stay as above.
 """
 
 from __future__ import annotations
@@ -146,6 +147,15 @@ def _source(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     return p.detach().to(dtype).full_tensor(), True
 
 
+def _lora_factors(owner: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(B, A, scale) when `owner` is a PEFT LoRA layer with its adapter active; None otherwise (also without PEFT)."""
+    if owner is None or not hasattr(owner, "lora_A"):
+        return None
+    from hybridflow.engine.lora import lora_factors
+
+    return lora_factors(owner)
+
+
 class WeightView:
     """Builds and refreshes a `ModelWeights` over a module's parameters in the generation dtype."""
 
@@ -156,6 +166,7 @@ class WeightView:
         self._unsharded = False  # inside `_fsdp_unsharded`: parameters are FSDP's temporary full tensors
         self._parts: dict[object, list[torch.Tensor]] = {}  # fused buffer key -> its row-slice views
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
+        self._deltas: list[tuple[torch.Tensor, nn.Module]] = []  # (buffer holding W, its LoRA layer): += s·B·A
         self._fsdp_modules = [m for m in module.modules() if _is_fsdp(m)]
 
     def _zero_copy(self, p: torch.Tensor) -> bool:
@@ -187,11 +198,16 @@ class WeightView:
         self._pending[1].append(src)
 
     def _flush(self) -> None:
-        """All pending casts/copies as one `_foreach_copy_` (a few kernels instead of one per tensor)."""
+        """All pending casts/copies as one `_foreach_copy_` (a few kernels instead of one per tensor), then the LoRA
+        deltas into the copies (inside `_fsdp_unsharded` the adapters are gathered too, so B and A are whole)."""
         dst, src = self._pending
         if dst:
             torch._foreach_copy_(dst, src)
         self._pending = ([], [])
+        for buf, layer in self._deltas:
+            b, a, scale = _lora_factors(layer)
+            buf.addmm_(_source(b, self.dtype)[0].to(self.dtype), _source(a, self.dtype)[0].to(self.dtype), alpha=scale)
+        self._deltas = []
 
     def _buffer(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -210,20 +226,24 @@ class WeightView:
             return None
         src, temporary = _source(p, self.dtype)
         temporary = temporary or self._unsharded
-        if not temporary and src.dtype == self.dtype and src.device == self.device:
+        adapted = attr == "weight" and _lora_factors(owner) is not None
+        if not temporary and not adapted and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
         buf = self._buffer((id(owner), attr), src.shape, temporary)
         if temporary and not self._unsharded:
             buf.copy_(src)  # a parameter gathered on its own is copied and freed at once
         else:
             self._copy(buf, src)
+        if adapted:
+            self._deltas.append((buf, owner))
         return buf
 
     def _get_fused(self, owners: list[nn.Module], attr: str = "weight"
                    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(fused buffer, row-slice views) when every part needs a copy anyway; else (None, plain `_get`s)."""
         params = [getattr(o, attr, None) for o in owners]
-        if any(p is None for p in params) or any(self._zero_copy(p) for p in params):
+        adapted = [attr == "weight" and _lora_factors(o) is not None for o in owners]
+        if any(p is None for p in params) or (not any(adapted) and any(self._zero_copy(p) for p in params)):
             return None, [self._get(o, attr) for o in owners]
         rows = [p.shape[0] for p in params]
         key = ("fused", id(owners[0]), attr)
@@ -232,12 +252,14 @@ class WeightView:
         parts = self._parts.get(key)
         if parts is None or parts[0].data_ptr() != buf.data_ptr():
             parts = self._parts[key] = list(buf.split(rows, dim=0))
-        for p, part in zip(params, parts):
+        for p, part, owner, lora in zip(params, parts, owners, adapted):
             src, temporary = _source(p, self.dtype)
             if temporary and not self._unsharded:
                 part.copy_(src)
             else:
                 self._copy(part, src)
+            if lora:
+                self._deltas.append((part, owner))
         return buf, parts
 
     def _zero_copy_shape(self, p: torch.Tensor) -> bool:

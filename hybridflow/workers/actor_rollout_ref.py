@@ -42,7 +42,9 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
         self.actor = TrainEngine(actor_spec(cfg, total_training_steps), device=self.device)
-        if self.res.use_reference:  # same weights as the actor at step 0 (same path, or same preset seed)
+        # same weights as the actor at step 0 (same path, or same preset seed); with LoRA no second model: the
+        # reference is the actor with its adapters disabled
+        if self.res.use_reference and not cfg.model.lora.enabled:
             self.ref = TrainEngine(ref_spec(cfg), device=self.device)
         self.rollout = build_rollout(
             self.actor.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
@@ -82,8 +84,11 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.REF)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
-        out = self.ref.infer(data, ref_head(self.cfg))
+        if self.cfg.model.lora.enabled:
+            out = self.actor.infer(data, ref_head(self.cfg), disable_adapters=True)
+        else:
+            assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
+            out = self.ref.infer(data, ref_head(self.cfg))
         return DataProto.from_dict({keys.REF_LOG_PROB.name: out["log_probs"]})
 
     # ------------------------------------------------------------------------------------------- update

@@ -27,7 +27,7 @@ def actor_spec(cfg: Config, total_training_steps: int | None = None) -> EngineSp
         train_batching=MicroBatching(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
         infer_batching=MicroBatching(a.log_prob_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                      a.log_prob_max_token_len_per_gpu),
-        optimizer=OptimizerSpec(a.optim, a.grad_clip, total_training_steps),
+        optimizer=OptimizerSpec(a.optim, a.grad_clip, total_training_steps), lora=cfg.model.lora,
     )
 
 
@@ -42,6 +42,7 @@ def actor_plan(cfg: Config, batch: RoleBatch) -> UpdatePlan:
 
 
 def ref_spec(cfg: Config) -> EngineSpec:
+    """The frozen reference model (not built with LoRA: the actor with its adapters disabled is the reference)."""
     r = cfg.ref
     return EngineSpec(model=cfg.model, head="lm", fsdp=r.fsdp, packed=cfg.data.use_packed_dataset,
                       infer_batching=MicroBatching(r.log_prob_micro_batch_size_per_gpu))
@@ -56,7 +57,7 @@ def critic_spec(cfg: Config, total_training_steps: int | None = None) -> EngineS
     batching = MicroBatching(c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)
     return EngineSpec(model=cfg.model, head="value", fsdp=c.fsdp, packed=cfg.data.use_packed_dataset,
                       train_batching=batching, infer_batching=batching, model_path=c.model_path,
-                      optimizer=OptimizerSpec(c.optim, c.grad_clip, total_training_steps))
+                      optimizer=OptimizerSpec(c.optim, c.grad_clip, total_training_steps), lora=cfg.model.lora)
 
 
 def critic_plan(cfg: Config, batch: RoleBatch) -> UpdatePlan:
@@ -84,7 +85,7 @@ def sft_spec(cfg: Config, total_steps: int | None, model_path: str | None) -> En
         train_batching=MicroBatching(s.micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
         infer_batching=MicroBatching(a.log_prob_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                      a.log_prob_max_token_len_per_gpu),
-        optimizer=OptimizerSpec(s.optim, s.grad_clip, total_steps),
+        optimizer=OptimizerSpec(s.optim, s.grad_clip, total_steps), lora=cfg.model.lora,
     )
 
 
@@ -99,7 +100,7 @@ def rm_spec(cfg: Config, total_steps: int | None, model_path: str | None) -> Eng
     batching = MicroBatching(2 * s.micro_batch_size_per_gpu)
     return EngineSpec(model=cfg.model, head="value", fsdp=cfg.critic.fsdp, packed=cfg.data.use_packed_dataset,
                       train_batching=batching, infer_batching=batching, model_path=model_path,
-                      optimizer=OptimizerSpec(s.optim, s.grad_clip, total_steps))
+                      optimizer=OptimizerSpec(s.optim, s.grad_clip, total_steps), lora=cfg.model.lora)
 
 
 def supervised_plan(rows_on_rank: int) -> UpdatePlan:
