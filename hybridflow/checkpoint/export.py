@@ -2,7 +2,9 @@
 
 Reads the component's `model/*` tensors as full CPU tensors in one process (DCP shards of any world size, or
 safetensors) — no distributed launch and no optimizer state in memory. The model architecture and tokenizer
-come from the run's config stored in the checkpoint's `extra["config"]` (or one passed in).
+come from the run's config stored in the checkpoint's `extra["config"]` (or one passed in). A LoRA checkpoint
+holds only the adapters: it is written as a PEFT adapter directory, or (`merge=True`) merged into the base model
+(rebuilt from `model.path` / `model.preset`) as a plain HF model.
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ def model_config_from_checkpoint(ckpt: Path) -> ModelConfig | None:
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "actor", model_cfg: ModelConfig | None = None,
-              dtype: torch.dtype | None = None) -> Path:
-    """Write `component`'s model of `checkpoint` to `out_dir` as an HF model directory; returns `out_dir`."""
+              dtype: torch.dtype | None = None, merge: bool = False) -> Path:
+    """Write `component`'s model of `checkpoint` to `out_dir` as an HF model directory; returns `out_dir`. LoRA
+    checkpoints: a PEFT adapter directory, or with `merge` an HF model of base + adapters."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hybridflow.models.loader import load_tokenizer, model_config, save_model
+    from hybridflow.engine.lora import is_adapter_param, merge_adapters, save_adapter_dir, targets_from_state
+    from hybridflow.models.loader import load_module, load_tokenizer, model_config, save_model
 
     ckpt = resolve_checkpoint_dir(checkpoint)
     meta = atomic.read_json(ckpt / atomic.MARKER)
@@ -65,12 +69,29 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "
     if not flat:
         raise ValueError(f"{ckpt}/{component} has no '{MODEL_PREFIX}*' tensors; is it a model component?")
     state = {k[len(MODEL_PREFIX):]: v for k, v in flat.items()}
+    lora_state = any(is_adapter_param(k) for k in state)
+    if lora_state and not model_cfg.lora.enabled:
+        raise ValueError(f"{ckpt}/{component} holds LoRA adapters but model.lora.rank=0 in the config used; pass the "
+                         "run's config (with its model.lora.*) to hybridflow export")
+    if lora_state and not merge:
+        out = save_adapter_dir(out_dir, state, model_cfg.lora, targets_from_state(state), model_cfg.path)
+        return _record(out, ckpt, meta, component, "peft_adapter")
+    if lora_state:
+        base = load_module(model_cfg, "lm", dtype=torch.float32).state_dict()
+        state = merge_adapters(base, state, model_cfg.lora.alpha / model_cfg.lora.rank)
+    elif merge:
+        logger.warning("--merge ignored: %s/%s holds full weights (no LoRA adapters), exported as they are", ckpt,
+                       component)
     hf_config = model_config(model_cfg)
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type)
     if arch:
         hf_config.architectures = [arch]
     out = save_model(out_dir, hf_config, state, load_tokenizer(model_cfg), dtype)
+    return _record(out, ckpt, meta, component, "merged" if lora_state else "full")
+
+
+def _record(out: Path, ckpt: Path, meta: dict, component: str, kind: str) -> Path:
     (out / "hybridflow_export.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt.resolve()), "step": meta["step"], "component": component}, indent=1))
-    logger.info("exported %s (%s, step %d) to %s", ckpt, component, meta["step"], out)
+        {"checkpoint": str(ckpt.resolve()), "step": meta["step"], "component": component, "kind": kind}, indent=1))
+    logger.info("exported %s (%s, step %d) to %s (%s)", ckpt, component, meta["step"], out, kind)
     return out

@@ -1,4 +1,5 @@
-"""`hybridflow export --checkpoint DIR --out HF_DIR [CONFIG.yaml ...] [a.b=c ...]`: checkpoint → HF model dir."""
+"""`hybridflow export --checkpoint DIR --out HF_DIR [--merge] [CONFIG.yaml ...] [a.b=c ...]`: checkpoint → HF model
+dir (LoRA checkpoints: a PEFT adapter dir, or with `--merge` base + adapters as one HF model)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--component", default="actor", help="checkpoint component holding the model (default actor)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="cast floating weights (default: as saved)")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA checkpoints: write base + adapters merged as a plain HF model (default: a PEFT "
+                             "adapter dir, adapter_config.json + adapter_model.safetensors)")
     add_config_args(parser)  # only needed when the checkpoint does not carry the run's config
 
 
@@ -26,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_cfg = load_from_args(args.args).model if args.args else None
         out = export_hf(args.checkpoint, args.out, component=args.component, model_cfg=model_cfg,
-                        dtype=_DTYPES[args.dtype] if args.dtype else None)
+                        dtype=_DTYPES[args.dtype] if args.dtype else None, merge=args.merge)
     except (ValueError, FileNotFoundError) as err:
         return fail(err)
-    print(f"wrote Hugging Face model to {out}")
+    kind = "PEFT adapter" if (out / "adapter_config.json").is_file() else "Hugging Face model"
+    print(f"wrote {kind} to {out}")
     return 0

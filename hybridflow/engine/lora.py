@@ -103,36 +103,41 @@ def lora_factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] |
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model: every LoRA layer computes only W·x inside (PEFT's per-layer switch, no weights touched);
-    `requires_grad` of the adapters is restored afterwards (PEFT's switch clears it)."""
+    """The base model: every LoRA layer computes only W·x inside (no weights touched). Sets the flag PEFT's
+    `enable_adapters` sets, without its side effect on `requires_grad`: under FSDP2 that would land on whichever
+    (sharded or unsharded) parameter objects happen to be registered at the time."""
     layers = [m for _, m in lora_layers(model)]
-    grads = {id(p): p.requires_grad for m in layers for p in m.parameters()}
     for m in layers:
-        m.enable_adapters(False)
+        m._disable_adapters = True
     try:
         yield
     finally:
         for m in layers:
-            m.enable_adapters(True)
-            for p in m.parameters():
-                p.requires_grad_(grads[id(p)])
+            m._disable_adapters = False
 
 
 # --------------------------------------------------------------------------------------------- state dicts
 def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """A full state dict of an adapted model (`x.base_layer.weight`, `x.lora_A.default.weight`, …) → the plain
-    model's state dict with W + scale·B·A (computed in fp32, cast back to W's dtype) for every adapted layer."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if is_adapter_param(key):
+    model's state dict with W + scale·B·A for every adapted layer."""
+    base = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter_param(k)}
+    return merge_adapters(base, {k: v for k, v in state.items() if is_adapter_param(k)}, scale)
+
+
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
+                   scale: float) -> dict[str, torch.Tensor]:
+    """The plain model's state dict `base` with W + scale·B·A (computed in fp32, cast back to W's dtype) for each
+    `x.lora_A.default.weight` / `x.lora_B.default.weight` pair of `adapters`; other tensors are passed through."""
+    out = dict(base)
+    for key, a in adapters.items():
+        if ".lora_A." not in key:
             continue
-        if ".base_layer." in key:
-            prefix, leaf = key.split(".base_layer.", 1)
-            a, b = state.get(f"{prefix}.lora_A.{ADAPTER}.weight"), state.get(f"{prefix}.lora_B.{ADAPTER}.weight")
-            if leaf == "weight" and a is not None and b is not None:
-                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
-            key = f"{prefix}.{leaf}"
-        out[key] = value
+        prefix = key.split(".lora_A.", 1)[0]
+        b = adapters.get(f"{prefix}.lora_B.{ADAPTER}.weight")
+        w = out.get(f"{prefix}.weight")
+        if b is None or w is None:
+            raise ValueError(f"adapter {key}: no matching {prefix}.lora_B.{ADAPTER}.weight or base {prefix}.weight")
+        out[f"{prefix}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return out
 
 
