@@ -8,7 +8,14 @@ import pytest
 
 from hybridflow.agentic.formats import HermesFormat, HermesPlainFormat, get_format
 from hybridflow.agentic.session import ToolSession
-from hybridflow.agentic.tools import CalculatorTool, Tool, ToolContext, ToolResult, load_tools, safe_arithmetic
+from hybridflow.agentic.tools import (
+    CalculatorTool,
+    Tool,
+    ToolContext,
+    ToolResult,
+    load_tools,
+    safe_arithmetic,
+)
 from hybridflow.models.tokenizer import builtin_tokenizer
 
 
@@ -152,3 +159,20 @@ def test_tool_response_is_cut_to_max_tool_response_length():
     p = s.on_turn_end(0, _turn(tok, '{"name": "calculator", "arguments": {"expression": "7**40"}}'), True)
     _wait(p)
     assert tok.decode(s.collect(0, p)) == "\nUser: <tool_response>" + str(7**40)[:8] + "...</tool_response>\nAssistant:"
+
+
+# ------------------------------------------------------------------------------------------- config keys
+def test_multi_turn_config_is_off_by_default_and_validated():
+    from hybridflow.config import load_config
+
+    assert load_config([], []).rollout.multi_turn.enable is False
+    with pytest.raises(ValueError, match="rollout.multi_turn.max_assistant_turns=0"):
+        load_config([], ["rollout.multi_turn.max_assistant_turns=0"])
+    with pytest.raises(ValueError, match="rollout.multi_turn.enable.*rollout.name=hybrid"):
+        load_config([], ["rollout.multi_turn.enable=true", "rollout.name=hf"])
+    mt = load_config([], ["rollout.multi_turn.enable=true"]).rollout.multi_turn
+    with pytest.raises(ValueError, match="no tools.*rollout.multi_turn.tools"):
+        ToolSession.from_config(mt, builtin_tokenizer())
+    with pytest.raises(ValueError, match="unknown built-in tool 'calc'"):
+        ToolSession.from_config(load_config([], ["rollout.multi_turn.tools=[calc]"]).rollout.multi_turn,
+                                builtin_tokenizer())
