@@ -176,3 +176,18 @@ def test_multi_turn_config_is_off_by_default_and_validated():
     with pytest.raises(ValueError, match="unknown built-in tool 'calc'"):
         ToolSession.from_config(load_config([], ["rollout.multi_turn.tools=[calc]"]).rollout.multi_turn,
                                 builtin_tokenizer())
+
+
+def test_python_tool_runs_in_the_sandbox():
+    from hybridflow.agentic.tools import PythonTool
+    from hybridflow.rewards import sandbox
+
+    if not any(sandbox.available(m) for m in sandbox.ISOLATED_MODES):
+        pytest.skip("no sandbox mode works on this host (tests/rewards/test_sandbox.py covers the refusal)")
+    ok = PythonTool({"timeout_s": 10}).execute({"code": "print(6 * 7)"}, ToolContext("0"))
+    assert (ok.text.strip(), ok.is_error) == ("42", False)
+    bad = PythonTool({"timeout_s": 10}).execute({"code": "raise SystemExit(3)"}, ToolContext("0"))
+    assert bad.is_error and "exit 3" in bad.text
+    leak = PythonTool({"timeout_s": 10}).execute({"code": "import os; print(os.path.exists('/work'))"},
+                                                ToolContext("0"))
+    assert leak.text.strip() == "False"
