@@ -205,6 +205,28 @@ class ValSamplingConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Agentic rollouts (`rollout/multi_turn.py`, `agentic/`): turns of generation with tool calls in between."""
+
+    enable: bool  # false = one response per prompt (the single-turn engine)
+    format: str  # tool-call format (agentic/formats.TOOL_FORMATS): hermes | hermes_plain
+    tools: list[str]  # built-in tools offered (calculator, python)
+    tool_config_path: str | None  # YAML of user tools: tools: [{class_name, config, tool_schema}]
+    max_assistant_turns: int  # the trajectory ends after this many model turns
+    max_tool_response_length: int  # tokens of one tool's response text (longer ones are cut)
+    tool_timeout_s: float  # per turn's calls (they run concurrently); a late call answers an error
+    tool_workers: int  # threads running tool calls
+
+    def __post_init__(self) -> None:
+        _check(self.max_assistant_turns >= 1, "rollout.multi_turn.max_assistant_turns", self.max_assistant_turns,
+               "must be >= 1")
+        _check(self.max_tool_response_length >= 1, "rollout.multi_turn.max_tool_response_length",
+               self.max_tool_response_length, "must be >= 1 (tokens)")
+        _check(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", self.tool_timeout_s, "must be > 0")
+        _check(self.tool_workers >= 1, "rollout.multi_turn.tool_workers", self.tool_workers, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str  # hybrid = our engine on the actor's weights; hf = transformers.generate (reference / fallback)
     n: int  # responses per prompt
@@ -222,6 +244,7 @@ class RolloutConfig:
     free_cache_engine: bool  # release the KV cache when switching back to training
     seed: int
     val_kwargs: ValSamplingConfig
+    multi_turn: MultiTurnConfig
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1 (responses per prompt)")
@@ -231,6 +254,8 @@ class RolloutConfig:
         _check(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1)")
         _one_of("rollout.name", self.name, ("hybrid", "hf"))
+        _check(not (self.multi_turn.enable and self.name == "hf"), "rollout.multi_turn.enable", True,
+               "needs our engine (rollout.name=hybrid): the hf fallback generates one turn")
 
 
 @dataclass(frozen=True)

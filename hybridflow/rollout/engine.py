@@ -24,6 +24,7 @@ from hybridflow.rollout.forward import DecodeOps, RopeTable
 from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
 from hybridflow.rollout.model_runner import ModelRunner
+from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
 from hybridflow.rollout.sampling import SamplingParams, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
 from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
@@ -42,8 +43,9 @@ class RolloutEngine:
     def __init__(self, module: nn.Module, rollout_cfg: Any, *, eos_token_id: int | Sequence[int], pad_token_id: int,
                  max_prompt_length: int, max_response_length: int, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, compile_decode: bool | None = None,
-                 check_every: int | None = None) -> None:
+                 check_every: int | None = None, tokenizer: Any = None) -> None:
         self.cfg = rollout_cfg
+        self.session = _tool_session(rollout_cfg, tokenizer)  # None unless rollout.multi_turn.enable
         self.eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.pad_id, self.P, self.R = int(pad_token_id), int(max_prompt_length), int(max_response_length)
         self.device = torch.device(device) if device is not None else _module_device(module)
@@ -65,6 +67,9 @@ class RolloutEngine:
         reason = "rollout.name=hf" if self.cfg.name == "hf" else unsupported_reason(module, self.P + self.R)
         self._fallback = HFGenerate(module, reason, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                     max_new_tokens=self.R) if reason else None
+        if self._fallback is not None and self.session is not None:
+            raise ValueError(f"rollout.multi_turn.enable=true needs our engine, but it falls back to HF generate "
+                             f"({reason}); disable multi_turn or use a supported (Llama-family) model")
         if self._fallback is None:
             param_dtype = next(module.parameters()).dtype
             self.dtype = self._dtype_arg or (torch.bfloat16 if self.device.type == "cuda" else param_dtype)
@@ -177,14 +182,19 @@ class RolloutEngine:
             runner.set_sampling(params, self.eos_ids)
             sched = Scheduler(runner, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                               check_every=self.check_every)
+            if self.session is not None:
+                sched = self._multi_turn_scheduler(runner, prompts, params.n)
             runner.capture_s = 0.0
             res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
         out = self._assemble(ids_d, mask_d, pos_d, params.n, res).to(dev_in)
         out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        out.meta_info = {**meta, "metrics": {**self.timing, "rollout/decode_steps": res.decode_steps,
-                                             "rollout/prefills": res.prefills}}
+        metrics = {**self.timing, "rollout/decode_steps": res.decode_steps, "rollout/prefills": res.prefills}
+        if isinstance(res, MultiTurnResult):
+            metrics |= self.session.metrics() | {"rollout/extend_tokens": res.extend_tokens,
+                                                 "timing/tool_wait": res.tool_wait_s}
+        out.meta_info = {**meta, "metrics": metrics}
         if self.cfg.free_cache_engine:
             self.release_cache()
         return out
@@ -195,15 +205,37 @@ class RolloutEngine:
         ids_n, mask_n, pos_n = (t.repeat_interleave(n, 0) for t in (ids, mask, pos))
         resp_mask = (torch.arange(R, device=ids.device)[None] < res.lengths[:, None]).to(mask.dtype)
         resp_pos = pos_n[:, -1:] + torch.arange(1, R + 1, device=ids.device)[None]
+        # multi-turn: appended tool/user tokens are context (attended to), not trained on
+        loss_mask = res.model_mask.to(mask.dtype) if isinstance(res, MultiTurnResult) else resp_mask
         return DataProto.from_single_dict({
             "prompts": ids_n,
             "responses": res.tokens,
-            "response_mask": resp_mask,
-            "rollout_log_probs": res.log_probs * resp_mask,
+            "response_mask": loss_mask,
+            "rollout_log_probs": res.log_probs * loss_mask,
             "input_ids": torch.cat([ids_n, res.tokens], dim=1),
             "attention_mask": torch.cat([mask_n, resp_mask], dim=1),
             "position_ids": torch.cat([pos_n, resp_pos], dim=1),
         })
+
+
+    def _multi_turn_scheduler(self, runner: ModelRunner, prompts: DataProto, n: int) -> MultiTurnScheduler:
+        extra = prompts.non_tensor_batch.get("extra_info")
+        rows = len(prompts) * n
+        self.session.begin([None] * rows if extra is None else list(np.repeat(extra, n, axis=0)))
+        return MultiTurnScheduler(runner, self.session, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                                  check_every=self.check_every)
+
+
+def _tool_session(rollout_cfg: Any, tokenizer: Any):
+    mt = getattr(rollout_cfg, "multi_turn", None)
+    if mt is None or not mt.enable:
+        return None
+    if tokenizer is None:
+        raise ValueError("rollout.multi_turn.enable=true needs the tokenizer (to read tool calls and encode tool "
+                         "responses): pass tokenizer= to RolloutEngine/build_rollout")
+    from hybridflow.agentic.session import ToolSession
+
+    return ToolSession.from_config(mt, tokenizer)
 
 
 def build_rollout(module: nn.Module, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:

@@ -211,3 +211,29 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
             o = ops.attention(qg, kc, vc, start_b, end_b)
         x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
     return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)
+
+
+def extend(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_K: torch.Tensor, pos_K: torch.Tensor,
+           cache: KVCache, slot: int, col0: int, valid_T: torch.Tensor) -> torch.Tensor:
+    """Append K tokens to one slot (multi-turn: the last sampled token, then tool/user tokens): write their K/V at
+    columns [col0, col0 + K), attend to the slot's valid columns before col0 and causally among themselves;
+    earlier turns are read from the cache, never recomputed. Marks the new columns valid; last logits [V]."""
+    K = ids_K.shape[0]
+    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    group = spec.num_heads // spec.num_kv_heads
+    end = col0 + K
+    valid_T[col0:end] = True
+    mask_KC = valid_T[:end][None].repeat(K, 1)
+    mask_KC[:, col0:] &= torch.ones(K, K, dtype=torch.bool, device=ids_K.device).tril()
+    x = F.embedding(ids_K, w.embed)[None]
+    cos, sin = rope.cos[pos_K][None], rope.sin[pos_K][None]
+    for layer, lw in enumerate(w.layers):
+        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, K, D]
+        cache.k[layer][slot, :, col0:end] = k[0]
+        cache.v[layer][slot, :, col0:end] = v[0]
+        kc = cache.k[layer][slot: slot + 1, :, :end].repeat_interleave(group, dim=1)
+        vc = cache.v[layer][slot: slot + 1, :, :end].repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask_KC[None, None])
+        x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
+    return F.linear(rms_norm(x[0, -1], w.norm, spec.eps), w.lm_head)

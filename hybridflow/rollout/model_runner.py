@@ -128,6 +128,33 @@ class ModelRunner:
         stop = self.is_stop[tok]
         self.done[slot_t] = stop | (max_new <= 1)
 
+    def extend(self, slot: int, new_ids: list[int], prompt_width: int, resp_pos0: int) -> int:
+        """Multi-turn: append `new_ids` (tool/user tokens) to a finished slot's response, prefill only them (and the
+        turn's last sampled token, whose K/V no step wrote yet), sample the next model token and make the slot live
+        again. Returns the slot's new response length. The slot's `tok`/`pos`/`cidx`/`valid` drifted while it
+        waited (finished rows keep stepping, masked), so they are rebuilt from `step`, which never drifts."""
+        dev = self.device
+        step = int(self.step[slot])
+        k = len(new_ids)
+        assert step + k < self.max_new[slot], (step, k, int(self.max_new[slot]))
+        col0 = prompt_width + step - 1  # the column of response token step - 1
+        ids = torch.cat([self.out_tok[slot, step - 1: step], torch.tensor(new_ids, dtype=torch.long, device=dev)])
+        pos = resp_pos0 + step - 1 + torch.arange(k + 1, device=dev)
+        self.valid[slot, col0:] = False
+        logits = forward.extend(self.weights, self.spec, self.rope, ids, pos, self.cache, slot, col0, self.valid[slot])
+        counter = torch.tensor([step + k], dtype=torch.long, device=dev)  # the sampler's step = the token's index
+        tok, logp = self.ops.sample(logits[None], self.mode, self.temperature, self.top_k, self.top_p,
+                                    self.seed[slot: slot + 1], counter)
+        self.out_tok[slot, step: step + k] = ids[1:]
+        self.out_logp[slot, step: step + k] = 0.0
+        self.out_tok[slot, step + k] = tok[0]
+        self.out_logp[slot, step + k] = logp[0]
+        new_len = step + k + 1
+        self.tok[slot], self.step[slot] = tok[0], new_len
+        self.cidx[slot], self.pos[slot] = col0 + k + 1, pos[-1] + 1
+        self.done[slot] = self.is_stop[tok[0]] | (new_len >= self.max_new[slot])
+        return new_len
+
     # --------------------------------------------------------------------------------------------------- decode
     def _step(self, b: int, L: int, mode: str) -> None:
         T = self.cache.max_len

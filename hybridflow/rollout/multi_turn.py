@@ -1,0 +1,127 @@
+"""Multi-turn scheduling: continuous batching where a finished turn may hand its slot to tools and come back.
+
+Same admission and decode loop as `Scheduler`; the difference is what happens when a slot's `done` flag rises.
+The host decodes that turn's tokens and asks the `session` (`agentic/session.ToolSession`) for tool calls; if there
+are any, the slot *pauses* (keeps its KV cache, leaves the decode set) while the calls run in the session's thread
+pool, and the other slots keep decoding. When the results are ready their token ids are appended with
+`ModelRunner.extend` — only the new tokens are prefilled, earlier turns stay in the cache — and the slot decodes
+its next turn. Token in, token out: the response row is the exact sequence of sampled and appended ids, and
+`model_mask` marks which were sampled (the only ones trained on). The whole trajectory shares the response budget
+R = data.max_response_length; a tool response that leaves no room for one more model token ends the trajectory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.rollout.model_runner import ModelRunner
+from hybridflow.rollout.scheduler import GenerateResult
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # longest wait for a tool when nothing else can run
+
+
+@dataclass
+class MultiTurnResult(GenerateResult):
+    model_mask: torch.Tensor  # [B*n, R] 1 on sampled tokens, 0 on appended tool/user tokens and padding
+    extend_tokens: int  # tokens prefilled by extensions (appended ids + one re-fed token per extension)
+    tool_wait_s: float  # host time spent with no slot to decode, waiting for tools
+
+
+class MultiTurnScheduler:
+    def __init__(self, runner: ModelRunner, session, *, max_num_batched_tokens: int, check_every: int) -> None:
+        self.runner, self.session, self.max_tokens, self.check_every = runner, session, max_num_batched_tokens, check_every
+
+    def run(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int, seeds: list[int],
+            max_new: int) -> MultiTurnResult:
+        r, session = self.runner, self.session
+        B, P = ids_BP.shape
+        if n > r.cache.slots:
+            raise ValueError(f"rollout.n={n} exceeds the {r.cache.slots} KV slots; raise rollout.max_num_seqs")
+        tokens = torch.full((B * n, r.R), r.pad_id, dtype=torch.long, device=r.device)
+        logps = torch.zeros(B * n, r.R, dtype=torch.float32, device=r.device)
+        lengths = torch.zeros(B * n, dtype=torch.long, device=r.device)
+        model_mask = torch.zeros(B * n, r.R, dtype=torch.long, device=r.device)
+        resp_pos0 = (pos_BP[:, -1] + 1).tolist()
+        waiting, free = deque(range(B)), list(range(r.cache.slots))
+        heapq.heapify(free)
+        live: dict[int, int] = {}  # decoding slot -> output row
+        paused: dict[int, tuple[int, object]] = {}  # slot waiting on tools -> (row, PendingTools)
+        host_steps: dict[int, int] = {}  # live slot -> tokens in its response (upper bound)
+        turn_start: dict[int, int] = {}  # slot -> response index where its current turn began
+        appended: dict[int, list[tuple[int, int]]] = {}  # slot -> [start, end) spans of appended ids
+        prompts_per_prefill = max(1, self.max_tokens // max(P, 1))
+        decode_steps = prefills = extend_tokens = 0
+        tool_wait = 0.0
+        while waiting or live or paused:
+            while waiting and len(free) >= n:
+                k = min(len(waiting), len(free) // n, prompts_per_prefill)
+                prompts = [waiting.popleft() for _ in range(k)]
+                slots = [heapq.heappop(free) for _ in range(k * n)]
+                rows = [p * n + j for p in prompts for j in range(n)]
+                idx = torch.tensor(prompts, device=ids_BP.device)
+                r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new)
+                prefills += 1
+                live.update(zip(slots, rows))
+                for s in slots:
+                    host_steps[s], turn_start[s], appended[s] = 1, 0, []
+            for s in [s for s, (_, pending) in paused.items() if pending.ready()]:
+                row, pending = paused.pop(s)
+                new_ids = session.collect(row, pending)
+                step = int(r.step[s])
+                if step + len(new_ids) >= max_new:  # no room for a model token after the tool response
+                    self._finish(s, row, tokens, logps, lengths, model_mask, appended, free)
+                    continue
+                host_steps[s] = r.extend(s, new_ids, P, resp_pos0[row // n])
+                extend_tokens += len(new_ids) + 1
+                appended[s].append((step, step + len(new_ids)))
+                turn_start[s] = step + len(new_ids)
+                live[s] = row
+            if live:
+                remaining = max(max_new - host_steps[s] for s in live)
+                todo = min(self.check_every, remaining)
+                if todo > 0:
+                    kv_needed = P + max(host_steps[s] for s in live) + todo - 1
+                    b, L = r.shape(max(live), remaining, kv_needed)
+                    for _ in range(todo):
+                        r.step_(b, L)
+                    decode_steps += todo
+                    for s in live:
+                        host_steps[s] += todo
+                done = r.done_mask().numpy()
+                for s in [s for s in live if done[s]]:
+                    row = live.pop(s)
+                    del host_steps[s]
+                    step = int(r.step[s])
+                    turn_ids = r.out_tok[s, turn_start[s]: step].tolist()
+                    pending = session.on_turn_end(row, turn_ids, turn_complete=step < max_new)
+                    if pending is None:
+                        self._finish(s, row, tokens, logps, lengths, model_mask, appended, free)
+                    else:
+                        paused[s] = (row, pending)
+            elif paused and not any(p.ready() for _, p in paused.values()):
+                t0 = time.perf_counter()
+                futures = [f for _, p in paused.values() for f in p.futures()]
+                wait(futures, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                tool_wait += time.perf_counter() - t0
+        return MultiTurnResult(tokens, logps, lengths, decode_steps, prefills, model_mask, extend_tokens, tool_wait)
+
+    def _finish(self, s: int, row: int, tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor,
+                model_mask: torch.Tensor, appended: dict[int, list[tuple[int, int]]], free: list[int]) -> None:
+        r = self.runner
+        tok, logp, lens = r.harvest([s])
+        length = int(lens[0])
+        mask = (torch.arange(r.R, device=r.device) < length).long()
+        for a, b in appended.pop(s):
+            mask[a:b] = 0
+        tokens[row], logps[row], lengths[row], model_mask[row] = tok[0], logp[0] * mask, length, mask
+        self.session.end(row)
+        heapq.heappush(free, s)

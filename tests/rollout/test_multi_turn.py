@@ -1,0 +1,105 @@
+"""Multi-turn rollouts in our engine: appended tool tokens are masked out of the loss, and the KV cache reused
+across turns gives the same log-probs as one plain HF forward over the whole trajectory (a full re-prefill)."""
+
+from __future__ import annotations
+
+import torch
+from rollout_helpers import make_engine, make_prompts
+from test_rollout_engine import hf_logprobs
+
+from hybridflow.agentic.formats import ToolCall, ToolFormat
+from hybridflow.agentic.session import ToolSession
+from hybridflow.agentic.tools import Tool, ToolResult
+from hybridflow.models.tokenizer import builtin_tokenizer
+
+TOOL_TEXT = "ok"
+
+
+class AlwaysCall(ToolFormat):
+    """Every finished turn is one call to `echo` (a random model writes no real tool calls)."""
+
+    name = "always"
+
+    def parse(self, text):
+        return [ToolCall("echo", {})]
+
+    def render(self, results):
+        return "|" + "".join(results) + "|"
+
+
+class Echo(Tool):
+    name = "echo"
+
+    def execute(self, arguments, context):
+        return ToolResult(TOOL_TEXT)
+
+
+def _engine(model, R=40, turns=3, **kw):
+    vocab = model.config.vocab_size
+    # many stop ids, so turns end after a few tokens; none of them inside the tool text "|ok|"
+    tool_ids = set(builtin_tokenizer().encode("|ok|", add_special_tokens=False))
+    stops = [t for t in range(3, min(vocab, 99), 5) if t not in tool_ids]
+    eng = make_engine(model, 12, R, stop_token_ids=stops, **kw)
+    eng.session = ToolSession({"echo": Echo()}, AlwaysCall(), builtin_tokenizer(), max_assistant_turns=turns,
+                              max_tool_response_length=16, tool_timeout_s=5.0, tool_workers=2)
+    return eng
+
+
+def _spans(mask_row, length):
+    """[start, end) runs of 0 inside the first `length` tokens (the appended tool tokens)."""
+    out, start = [], None
+    for i in range(length):
+        if mask_row[i] == 0 and start is None:
+            start = i
+        if mask_row[i] == 1 and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_tool_tokens_are_context_not_loss(model):
+    out = _engine(model).generate(make_prompts(4, 12, model.config.vocab_size, meta={"n": 2}))
+    b, tool_ids = out.batch, builtin_tokenizer().encode("|ok|", add_special_tokens=False)
+    lengths = b["attention_mask"][:, 12:].sum(1)
+    m = out.meta_info["metrics"]
+    assert m["num_turns/max"] > 1 and m["tool_calls/max"] >= 1, m
+    extensions = 0
+    for row in range(len(out)):
+        L = int(lengths[row])
+        assert (b["attention_mask"][row, 12:][:L] == 1).all()  # attended: model and tool tokens
+        spans = _spans(b["response_mask"][row], L)
+        extensions += len(spans)
+        for a, e in spans:
+            assert b["responses"][row, a:e].tolist() == tool_ids
+            assert (b["rollout_log_probs"][row, a:e] == 0).all()
+        assert b["response_mask"][row, L - 1] == 1  # the trajectory ends on a model token
+        assert (b["response_mask"][row, L:] == 0).all()
+    assert extensions > 0
+    # only the appended ids (and the one re-fed last token) were prefilled after the prompt: KV reused
+    assert m["rollout/extend_tokens"] == extensions * (len(tool_ids) + 1), m
+    assert m["rollout/prefills"] == 1
+
+
+def test_kv_reuse_matches_full_reprefill(model):
+    out = _engine(model, temperature=1.0).generate(make_prompts(5, 12, model.config.vocab_size, meta={"n": 2}))
+    assert out.meta_info["metrics"]["tool_calls/mean"] > 0
+    ref = hf_logprobs(model, out, 1.0)  # one forward over prompt + all turns, masked to model tokens
+    torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=2e-4, rtol=0)
+
+
+def test_greedy_multi_turn_tokens_match_full_forward_argmax(model):
+    out = _engine(model).generate(make_prompts(3, 12, model.config.vocab_size, meta={"do_sample": False}))
+    P, b = 12, out.batch
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, P - 1:-1]
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-3  # skip near-ties
+    sel = b["response_mask"].bool() & clear
+    assert torch.equal(logits.argmax(-1)[sel], b["responses"][sel])
+
+
+def test_turn_limit_and_budget_bound_the_trajectory(model):
+    out = _engine(model, R=24, turns=2).generate(make_prompts(4, 12, model.config.vocab_size))
+    assert out.meta_info["metrics"]["num_turns/max"] <= 2
+    assert int(out.batch["attention_mask"][:, 12:].sum(1).max()) <= 24
