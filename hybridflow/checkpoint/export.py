@@ -2,7 +2,9 @@
 
 Reads the component's `model/*` tensors as full CPU tensors in one process (DCP shards of any world size, or
 safetensors) — no distributed launch and no optimizer state in memory. The model architecture and tokenizer
-come from the run's config stored in the checkpoint's `extra["config"]` (or one passed in). A LoRA checkpoint
+come from the run's config stored in the checkpoint's `extra["config"]` (or one passed in); the tokenizer is saved
+with the chat template training built its prompts with (`data.chat_template`, see `hybridflow.data.templates`).
+A LoRA checkpoint
 holds only the adapters: it is written as a PEFT adapter directory, or (`merge=True`) merged into the base model
 (rebuilt from `model.path` / `model.preset`) as a plain HF model.
 """
@@ -43,25 +45,37 @@ def model_config_from_checkpoint(ckpt: Path) -> ModelConfig | None:
     """The `ModelConfig` saved in `extra["config"]["model"]` by the trainer; None when absent."""
     from hybridflow.config.loader import build
     from hybridflow.config.schema import ModelConfig
-    extra = atomic.read_json(ckpt / "extra.json")
-    section = (extra.get("config") or {}).get("model")
+    section = _saved_config(ckpt).get("model")
     return None if section is None else build(ModelConfig, section, "model")
 
 
+def chat_template_from_checkpoint(ckpt: Path) -> str | None:
+    """The run's `data.chat_template` as saved in the checkpoint's `extra["config"]` (None when absent)."""
+    return (_saved_config(ckpt).get("data") or {}).get("chat_template")
+
+
+def _saved_config(ckpt: Path) -> dict:
+    return atomic.read_json(ckpt / "extra.json").get("config") or {}
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "actor", model_cfg: ModelConfig | None = None,
-              dtype: torch.dtype | None = None, merge: bool = False) -> Path:
+              dtype: torch.dtype | None = None, merge: bool = False, chat_template: str | None = None) -> Path:
     """Write `component`'s model of `checkpoint` to `out_dir` as an HF model directory; returns `out_dir`. LoRA
-    checkpoints: a PEFT adapter directory, or with `merge` an HF model of base + adapters."""
+    checkpoints: a PEFT adapter directory, or with `merge` an HF model of base + adapters. `model_cfg` and
+    `chat_template` (`data.chat_template`) default to the run's, saved in the checkpoint; a `model_cfg` given
+    without `chat_template` means the tokenizer's own template."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from hybridflow.engine.lora import is_adapter_param, merge_adapters, save_adapter_dir, targets_from_state
+    from hybridflow.data.templates import save_tokenizer
     from hybridflow.models.loader import load_module, load_tokenizer, model_config, save_model
 
     ckpt = resolve_checkpoint_dir(checkpoint)
     meta = atomic.read_json(ckpt / atomic.MARKER)
     if component not in meta["components"]:
         raise ValueError(f"--component {component}: {ckpt} holds {sorted(meta['components'])}")
-    model_cfg = model_cfg or model_config_from_checkpoint(ckpt)
+    if model_cfg is None:
+        model_cfg, chat_template = model_config_from_checkpoint(ckpt), chat_template_from_checkpoint(ckpt)
     if model_cfg is None:
         raise ValueError(f"{ckpt}/extra.json has no 'config' (saved by the trainer); pass the run's config "
                          "(hybridflow export --checkpoint DIR --out HF_DIR run.yaml [a.b=c ...])")
@@ -86,7 +100,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type)
     if arch:
         hf_config.architectures = [arch]
-    out = save_model(out_dir, hf_config, state, load_tokenizer(model_cfg), dtype)
+    out = save_model(out_dir, hf_config, state, None, dtype)
+    save_tokenizer(load_tokenizer(model_cfg), out, chat_template)
     return _record(out, ckpt, meta, component, "merged" if lora_state else "full")
 
 

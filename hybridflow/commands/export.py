@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hybridflow.checkpoint.export import export_hf
     try:
-        model_cfg = load_from_args(args.args).model if args.args else None
-        out = export_hf(args.checkpoint, args.out, component=args.component, model_cfg=model_cfg,
+        cfg = load_from_args(args.args) if args.args else None
+        out = export_hf(args.checkpoint, args.out, component=args.component, model_cfg=cfg and cfg.model,
+                        chat_template=cfg and cfg.data.chat_template,
                         dtype=_DTYPES[args.dtype] if args.dtype else None, merge=args.merge)
     except (ValueError, FileNotFoundError) as err:
         return fail(err)

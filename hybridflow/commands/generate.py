@@ -1,9 +1,10 @@
 """`hybridflow generate --input prompts.parquet --output out.parquet [CONFIG.yaml ...] [a.b=c ...]`.
 
 Offline generation with the rollout engine: each input row keeps its columns and gains `responses` (list of
-`rollout.n` strings) and `response_lengths` (tokens). The prompt column (`data.prompt_key`) holds chat messages
-(rendered with the tokenizer's chat template) or plain text. Prompt i is seeded with rollout.seed and i, so the
-output does not depend on --batch-size.
+`rollout.n` strings) and `response_lengths` (tokens). The prompt column (`data.prompt_key`) holds chat messages or
+a string (one user message), built into a prompt exactly as training does (`data.chat_template`, see
+`hybridflow.data.templates`). Prompt i is seeded with rollout.seed and i, so the output does not depend on
+--batch-size.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
 
 
-def _prompt_text(tokenizer: Any, value: Any, key: str) -> str:
-    from hybridflow.data.templates import render
+def _prompt_ids(tokenizer: Any, value: Any, key: str, row: int, chat_template: str | None) -> list[int]:
+    from hybridflow.data.templates import MalformedRow, prompt_ids
 
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return render(tokenizer, value)
-    raise ValueError(f"column {key!r} must hold text or a list of {{role, content}} messages; got {type(value).__name__}")
+    try:
+        return prompt_ids(tokenizer, value, chat_template)
+    except MalformedRow as err:
+        raise ValueError(f"row {row}, column data.prompt_key={key!r}: {err}; give text or a list of "
+                         "{role, content} messages") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
 def _generate(cfg: Any, args: argparse.Namespace) -> int:
     from hybridflow.data.collate import pad_sequences, position_ids_from_mask
     from hybridflow.data.parquet_io import read_rows, write_rows
-    from hybridflow.data.templates import encode
     from hybridflow.models.loader import load_model, load_tokenizer
     from hybridflow.protocol import DataProto
     from hybridflow.rollout import RolloutEngine, SamplingParams
@@ -67,11 +67,12 @@ def _generate(cfg: Any, args: argparse.Namespace) -> int:
     key, max_p = cfg.data.prompt_key, cfg.data.max_prompt_length
     if rows and key not in rows[0]:
         raise ValueError(f"{args.input} has no column data.prompt_key={key!r}; columns: {sorted(rows[0])}")
-    ids = [encode(tokenizer, _prompt_text(tokenizer, r[key], key)) for r in rows]
+    ids = [_prompt_ids(tokenizer, r[key], key, i, cfg.data.chat_template) for i, r in enumerate(rows)]
     too_long = [i for i, x in enumerate(ids) if len(x) > max_p]
     if too_long:
         raise ValueError(f"{len(too_long)} prompts exceed data.max_prompt_length={max_p} tokens (first: row "
-                         f"{too_long[0]}, {len(ids[too_long[0]])} tokens); raise data.max_prompt_length")
+                         f"{too_long[0]}, {len(ids[too_long[0]])} tokens, data.chat_template={cfg.data.chat_template!r}); raise "
+                         "data.max_prompt_length, or pass the data.chat_template the model was trained with")
     rollout_cfg = dataclasses.replace(cfg.rollout, free_cache_engine=False)
     engine = RolloutEngine(model, rollout_cfg, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id, max_prompt_length=max_p,

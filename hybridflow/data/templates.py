@@ -1,14 +1,20 @@
-"""Prompt normalisation and chat-template rendering.
+"""Prompt normalisation and chat-template rendering: the one prompt-building path of train, SFT, RM, eval,
+validation, `generate` and export.
 
 A prompt is a list of chat messages (`{role, content}`) or a plain string (treated as one user message). It is
-rendered with `data.chat_template` when set (`raw` = no template at all), else the tokenizer's own template, else a
-plain "User: ...\\nAssistant:" template — the same text the built-in tokenizer's template produces.
+rendered with `data.chat_template` when set (`raw` = the messages' contents joined by newlines, no markup), else
+the tokenizer's own template, else a plain "User: ...\\nAssistant:" template. Decision: every case is a Jinja
+template (`template_for`) rendered by transformers' `apply_chat_template`, so the exported tokenizer carries the
+very template training used and `apply_chat_template` outside hybridflow builds the same prompts.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -62,16 +68,34 @@ def to_messages(prompt: Any) -> Messages:
     return out
 
 
+# `raw`: contents joined by "\n", nothing added for the generation prompt. transformers renders chat templates with
+# trim_blocks, so the newline is an expression, not a literal after a block tag.
+RAW_JINJA = "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['content'] }}{% endfor %}"
+# For tokenizers without a template: "User: ...\nAssistant:" (the built-in tokenizer's template, minus its EOS).
+PLAIN_JINJA = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\\n' }}"
+    "{% else %}{{ 'Assistant: ' + m['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def template_for(tokenizer: Any, chat_template: str | None = None) -> str:
+    """The Jinja template prompts are built with: `data.chat_template` (`raw` → RAW_JINJA), else the tokenizer's,
+    else PLAIN_JINJA. Export writes this string into the tokenizer it saves."""
+    if chat_template == RAW_TEMPLATE:
+        return RAW_JINJA
+    return chat_template or getattr(tokenizer, "chat_template", None) or PLAIN_JINJA
+
+
 def plain_template(messages: Messages, add_generation_prompt: bool) -> str:
-    """The fallback template for tokenizers without one (matches the built-in tokenizer's template)."""
+    """The fallback template's text (PLAIN_JINJA rendered in Python; tests compare the two)."""
     parts = []
     for m in messages:
-        if m["role"] == "system":
-            parts.append(f"{m['content']}\n")
-        elif m["role"] == "user":
-            parts.append(f"User: {m['content']}\n")
-        else:
-            parts.append(f"Assistant: {m['content']}\n")
+        prefix = {"system": "", "user": "User: "}.get(m["role"], "Assistant: ")
+        parts.append(f"{prefix}{m['content']}\n")
     if add_generation_prompt:
         parts.append("Assistant:")
     return "".join(parts)
@@ -79,14 +103,29 @@ def plain_template(messages: Messages, add_generation_prompt: bool) -> str:
 
 def render(tokenizer: Any, messages: Messages, chat_template: str | None = None,
            add_generation_prompt: bool = True) -> str:
-    """Messages → prompt text (never token ids: transformers 5 `tokenize=True` returns a dict)."""
-    if chat_template == RAW_TEMPLATE:
-        return "\n".join(m["content"] for m in messages)
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        return plain_template(messages, add_generation_prompt)
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    """Messages → prompt text with `template_for(tokenizer, chat_template)` (never token ids: transformers 5
+    `tokenize=True` returns a dict)."""
+    return tokenizer.apply_chat_template(messages, chat_template=template_for(tokenizer, chat_template),
+                                         tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_ids(tokenizer: Any, prompt: Any, chat_template: str | None = None) -> list[int]:
+    """A prompt cell (messages or a string) → the token ids every command feeds the model."""
+    return encode(tokenizer, render(tokenizer, to_messages(prompt), chat_template))
+
+
+def save_tokenizer(tokenizer: Any, out_dir: str | Path, chat_template: str | None) -> None:
+    """Save `tokenizer` into `out_dir` carrying the template training used (`template_for`), both as
+    transformers 5 writes it (chat_template.jinja) and as `chat_template` in tokenizer_config.json (older readers).
+    The tokenizer passed in is not modified (the built-in one is a shared cached object)."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template_for(tokenizer, chat_template)
+    out = Path(out_dir)
+    tok.save_pretrained(str(out))
+    cfg_file = out / "tokenizer_config.json"
+    data = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    data["chat_template"] = tok.chat_template
+    cfg_file.write_text(json.dumps(data, indent=2))
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -141,9 +141,13 @@ class SupervisedAlgorithm(Algorithm):
         return Path(self.sec.export_dir or Path(self.cfg.trainer.run_dir) / "hf")
 
     def export(self) -> Path:
-        """Write the trained model as an HF directory (`<section>.export_dir`, default `<run_dir>/hf`)."""
+        """Write the trained model as an HF directory (`<section>.export_dir`, default `<run_dir>/hf`); its
+        tokenizer carries the chat template the prompts were built with (`data.chat_template`)."""
+        from hybridflow.data.templates import save_tokenizer
+
         out = self.export_dir()
         self.group.export_hf(str(out))
+        save_tokenizer(self.tokenizer, out, self.cfg.data.chat_template)
         logger.info("%s: exported the model to %s", self.section, out)
         return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import fsspec
@@ -156,14 +157,9 @@ def test_chat_template_choices():
                          chat_template="{% for m in messages %}Q={{ m['content'] }};{% endfor %}A=")
     assert custom[0]["input_ids"].tolist() == _ids("Q=hi;A=")
 
-    class NoTemplate:  # a tokenizer without a chat template gets the plain one
-        chat_template = None
-        pad_token_id = 0
-
-        def __call__(self, text, add_special_tokens=False):
-            return TOK(text, add_special_tokens=add_special_tokens)
-
-    plain = RLHFDataset([_row("", prompt=msgs)], NoTemplate(), max_prompt_length=64)
+    no_template = copy.deepcopy(TOK)  # a tokenizer without a chat template gets the plain one
+    no_template.chat_template = None
+    plain = RLHFDataset([_row("", prompt=msgs)], no_template, max_prompt_length=64)
     assert plain[0]["input_ids"].tolist() == _ids(plain_template(msgs, True)) == _ids(_prompt_text("hi"))
 
 
