@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `cfg.yaml --quiet-config a=b`: argparse ends the positionals at the flag; the rest are config args
+        if not hasattr(args, "args") or any(item.startswith("-") for item in extra):
+            parser.parse_args(argv)  # the usual "unrecognized arguments" error
+        args.args = [*args.args, *extra]
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

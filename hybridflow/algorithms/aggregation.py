@@ -10,7 +10,7 @@ What N counts, per mode (`loss_normalizer` computes it for one mask; `global_los
   seq-mean-token-sum       N = number of sequences with at least one valid token
   seq-mean-token-mean      N = number of sequences with at least one valid token
   seq-mean-token-sum-norm  N = number of sequences with at least one valid token; each sequence's token sum is
-                           also divided by the constant `max_len` (Dr.GRPO; pass rollout.response_length)
+                           also divided by the constant `max_len` (Dr.GRPO; pass data.max_response_length)
 Fully masked rows (padding added to divide a batch across ranks) never count.
 
 DP note: the value is this micro-batch's *share* of the mini-batch loss, so gradients must be *summed* over

@@ -19,9 +19,17 @@ def split_args(items: list[str]) -> tuple[list[str], list[str]]:
     return files, overrides
 
 
-def load_from_args(items: list[str], validate: bool = True) -> Config:
+def load_from_args(items: list[str], validate: bool = True, *, preflight: bool = False, data: bool = True,
+                   reward: bool = True) -> Config:
+    """The config of the command line; `preflight` also checks what it points at (model, data files when `data`,
+    reward functions when `reward`) before anything loads — see `hybridflow.config.preflight`."""
     files, overrides = split_args(items)
-    return load_config(files, overrides, validate=validate)
+    cfg = load_config(files, overrides, validate=validate)
+    if preflight:
+        from hybridflow.config.preflight import check_before_run
+
+        check_before_run(cfg, data=data, reward=reward)
+    return cfg
 
 
 def fail(err: Exception) -> int:

@@ -15,10 +15,12 @@ Batch sizes, stated once:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+logger = logging.getLogger(__name__)
 
 def _check(cond: bool, key: str, value: Any, fix: str) -> None:
     if not cond:
@@ -372,7 +374,7 @@ class SandboxConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    sources: list[RewardSourceConfig]
+    sources: list[RewardSourceConfig] | None  # null = custom when reward.custom.path is set, else rule
     custom: CustomRewardConfig
     reward_model: RewardModelConfig
     sandbox: SandboxConfig
@@ -384,6 +386,14 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig
 
     def __post_init__(self) -> None:
+        if self.sources is None:  # a default, filled in (not derived): the resolved config shows the real list
+            name = "custom" if self.custom.path else "rule"
+            object.__setattr__(self, "sources", [RewardSourceConfig(name=name, weight=1.0)])
+        elif self.custom.path and not any(s.name == "custom" for s in self.sources):
+            logger.warning("reward.custom.path=%r is set but reward.sources=%s does not name 'custom', so the "
+                           "function is not used; add {name: custom, weight: 1.0} to reward.sources (or leave "
+                           "reward.sources unset to score with it alone)", self.custom.path,
+                           [s.name for s in self.sources])
         _check(len(self.sources) >= 1, "reward.sources", self.sources,
                "give at least one source, e.g. [{name: rule, weight: 1.0}]")
         _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 seconds")

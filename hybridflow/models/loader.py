@@ -1,7 +1,8 @@
 """Load HF causal LMs (or scalar-head critics / reward models) and tokenizers from local dirs or presets; save back.
 
-Decision: only local directories (config.json + safetensors), never a hub download; presets are random-init
-from `presets.py` with a fixed seed. Weights load in float32 (master weights); compute dtype is the engine's
+Decision: only local directories (config.json + safetensors) or Hugging Face model ids already in the local HF
+cache (resolved with `local_files_only`), never a hub download; presets are random-init from `presets.py` with a
+fixed seed. Weights load in float32 (master weights); compute dtype is the engine's
 business. Saving writes safetensors + config.json + the tokenizer so HF `from_pretrained` reads it back.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,11 +40,35 @@ HEADS = ("lm", "value")  # causal LM | backbone + scalar head
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _check_dir(path: str, key: str) -> Path:
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")  # "org/name", as the Hub spells repository ids
+
+
+def resolve_path(path: str, key: str = "model.path") -> Path:
+    """A local directory as given, else a Hugging Face model id ("Qwen/Qwen2.5-0.5B-Instruct") resolved to its
+    snapshot in the local HF cache (`HF_HUB_CACHE`) with `local_files_only` — hybridflow never downloads."""
     p = Path(path).expanduser()
+    if p.exists() or not _HF_ID.match(str(path)):
+        return p
+    from huggingface_hub import constants as hf_constants
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"{key}={path!r} is neither a local directory nor a model in the local Hugging Face cache "
+            f"({hf_constants.HF_HUB_CACHE}); hybridflow never downloads at run time: fetch it once with "
+            f"`hf download {path}` (or `huggingface-cli download {path}`), or set {key} to a local directory"
+        ) from None
+
+
+def _check_dir(path: str, key: str) -> Path:
+    p = resolve_path(path, key)
     if not (p / "config.json").is_file():
         raise ValueError(f"{key}={path!r} is not a local HF model directory (no config.json); give a directory "
-                         "holding config.json + *.safetensors, or set model.path=null to use model.preset")
+                         "holding config.json + *.safetensors (or a cached Hugging Face model id), or set "
+                         "model.path=null to use model.preset")
     return p
 
 
@@ -51,7 +77,8 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     path = cfg.tokenizer_path or cfg.path
     if path is None:
         return builtin_tokenizer()
-    tok = _auto_tokenizer(Path(path).expanduser(), cfg.trust_remote_code)
+    key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+    tok = _auto_tokenizer(resolve_path(path, key), cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         logger.warning("tokenizer at %s has no pad token; using eos %r", path, tok.eos_token)
@@ -108,6 +135,7 @@ def load_module(cfg: ModelConfig, head: str = "lm", *, path: str | None = None,
     scalar = head == "value"
     path = path or cfg.path
     hf_cfg = model_config(cfg, path)
+    path = None if path is None else str(_check_dir(path, "model.path"))
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if path is None:
         with _seeded(cfg.seed, torch.device(init_device)), torch.device(init_device):

@@ -23,7 +23,13 @@ _CACHE: dict[Spec, Callable[..., Any]] = {}
 
 
 def load_custom_fn(path: str, name: str) -> Callable[..., Any]:
-    """Import `path` as a module and return its function `name` (ValueError naming the fix otherwise)."""
+    """Import `path` as a module and return its function `name`, called with verl's keywords."""
+    return _adapt(import_function(path, name))
+
+
+def import_function(path: str, name: str) -> Callable[..., Any]:
+    """Import `path` as a module and return its function `name` (ValueError naming the fix otherwise; an error
+    raised while importing the file becomes one line with its type and message)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"reward.custom.path={path!r} is not a file; point it to a .py file defining {name}()")
@@ -32,12 +38,18 @@ def load_custom_fn(path: str, name: str) -> Callable[..., Any]:
     if spec is None or spec.loader is None:
         raise ValueError(f"reward.custom.path={path!r} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # user code: any error is reported as one line naming the file
+        where = f" (line {err.lineno})" if isinstance(err, SyntaxError) else ""
+        raise ValueError(f"reward.custom.path={path!r} failed to import{where}: {type(err).__name__}: {err}; "
+                         "fix the file (run `python FILE` to see the traceback)") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"reward.custom.name={name!r} is not a function in {path}; functions there: {found}")
-    return _adapt(fn)
+        raise ValueError(f"reward.custom.name={name!r} is not a function in {path}; functions there: {found}; "
+                         "set reward.custom.name to one of them")
+    return fn
 
 
 def _adapt(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -102,7 +102,7 @@ class HealthMonitor:
         return HealthEvent("gen_time", (
             f"timing/gen={value:.2f}s is above trainer.health.gen_time_warn_s={self.gen_time_warn_s:g}s. "
             "Generation dominates the step: check data loading (data.num_workers, data.prefetch_factor), the "
-            "tokenizer cache, and generation settings (rollout.response_length, rollout.n, KV-cache/batch size); "
+            "tokenizer cache, and generation settings (data.max_response_length, rollout.n, rollout.max_num_seqs); "
             "raise the watermark if this speed is expected."), step,
             {"value": value, "threshold": self.gen_time_warn_s})
 

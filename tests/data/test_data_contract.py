@@ -105,5 +105,8 @@ def test_zero_token_prompt_with_raw_template_is_skipped_as_empty():
         def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
             return {"input_ids": [ord(c) for c in text if c != "?"]}
 
+        def apply_chat_template(self, messages: list, **kwargs: object) -> str:
+            return builtin_tokenizer().apply_chat_template(messages, **kwargs)
+
     ds = RLHFDataset([_row("hi"), _row("?")], Blind(), max_prompt_length=64, chat_template="raw")
     assert len(ds) == 1 and ds.skips.counts == {"empty_prompt": 1} and ds.skips.examples == {"empty_prompt": [1]}

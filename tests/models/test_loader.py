@@ -85,3 +85,25 @@ def test_bad_path_and_role_errors(tmp_path, actor_dir):
         load_model(_model_cfg(), "policy")
     with pytest.raises(ValueError, match="override_config.no_such_field"):
         load_model(_model_cfg(f"model.path={actor_dir}", "model.override_config={no_such_field: 1}"), "actor")
+
+
+def test_hf_model_id_resolves_through_the_local_cache_only(actor_dir, tmp_path, monkeypatch):
+    """`model.path=org/name` loads the cached snapshot (`local_files_only`); an uncached id is a clear error that
+    says how to fetch it — never a download (the hub endpoint is made unreachable here)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-chat" / "snapshots" / "0123abcd"
+    shutil.copytree(actor_dir, snapshot)
+    (tmp_path / "hub" / "models--acme--tiny-chat" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-chat" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    cfg = _model_cfg("model.path=acme/tiny-chat")
+    model = load_model(cfg, "actor")
+    ref = AutoModelForCausalLM.from_pretrained(str(actor_dir))
+    assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
+    assert load_tokenizer(cfg).encode("1+2") == load_tokenizer(_model_cfg()).encode("1+2")
+    with pytest.raises(ValueError, match=r"model.path='acme/not-cached'.*local Hugging Face cache.*hf download"):
+        load_model(_model_cfg("model.path=acme/not-cached"), "actor")
