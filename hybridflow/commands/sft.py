@@ -20,7 +20,10 @@ def run(args: argparse.Namespace) -> int:
         path, history = run_supervised(SFTTrainer, cfg)
     except (ValueError, KeyError) as err:
         return fail(err)
-    last = history[-1] if history else {}
+    if not history:
+        print(f"SFT: already at the last step, nothing trained; the model in {path} is unchanged")
+        return 0
+    last = history[-1]
     val = ", ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("val/"))
     print(f"SFT done: {len(history)} logged steps{', ' + val if val else ''}; HF model in {path}")
     print(f"use it with: hybridflow train model.path={path}")

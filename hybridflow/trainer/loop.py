@@ -86,6 +86,7 @@ class Trainer:
         self.total_steps = algorithm.total_steps
         self.validator = algorithm.validator
         self.global_step = 0
+        self.steps_run = 0  # optimizer steps this process ran (0 when resumed at total_steps)
         self.epoch = 0
         self.history: list[dict[str, float]] = []
         self._once_metrics: dict[str, float] = {}  # sent with the first logged step of this process
@@ -117,11 +118,18 @@ class Trainer:
 
     def _train_loop(self) -> None:
         if self.global_step >= self.total_steps:
-            logger.info("resumed at step %d of %d: nothing left to train", self.global_step, self.total_steps)
+            message = (f"resumed at step {self.global_step} of {self.total_steps} from trainer.default_local_dir: "
+                       "nothing left to train (raise the step count to train on, or set "
+                       "trainer.resume_mode=disable to start over)")
+            if self.tracker is not None:
+                self.tracker.event("nothing_to_train", message, self.global_step)
+            else:
+                logger.info(message)
             return
         test_freq = self.cfg.trainer.test_freq
         for batch in self._batches():
             self.global_step += 1
+            self.steps_run += 1
             self.ckpt.poll()  # a failed background save surfaces here
             metrics = self.step(batch)
             metrics |= self.ckpt.check_finite(metrics, self.global_step)  # skipped-step count, stop or roll back

@@ -167,6 +167,13 @@ class SupervisedTrainer(Trainer):
         return self.algorithm.group
 
     def export(self) -> Path:
+        """The algorithm's export, except after a run that trained nothing (resumed at `total_steps`): an
+        existing export is then left as it is (it is the model of that step, and what RL may be running from)."""
+        out = self.algorithm.export_dir()
+        if self.steps_run == 0 and (out / "config.json").is_file():
+            logger.info("%s: nothing trained in this run; the model exported at step %d in %s is left as it is",
+                        self.algorithm.section, self.global_step, out)
+            return out
         return self.algorithm.export()
 
 

@@ -81,3 +81,21 @@ def test_nan_guard_reads_the_algorithms_namespace(tmp_path):
     with pytest.raises(NonFiniteError, match="max_consecutive_bad_steps"):
         trainer.fit()
     assert [m["train/skipped_steps"] for m in trainer.history] == [0, 1]
+
+
+def test_resumed_at_total_steps_trains_nothing_and_says_so(tmp_path):
+    """Every method (PPO, SFT, RM run this loop): a run resumed at `total_steps` runs no step and no validation,
+    and records one `nothing_to_train` event naming the step and the fix."""
+    from hybridflow.tracking import Tracker
+
+    algo = FakeAlgorithm({}, {})
+    cfg = _cfg(tmp_path, "trainer.test_freq=1")
+    events = []
+    tracker = Tracker.from_config(cfg)
+    tracker.event = lambda kind, message, step, **kw: events.append((kind, message, step))  # type: ignore[method-assign]
+    trainer = Trainer(cfg, algo, tracker)
+    trainer._resume = lambda: setattr(trainer, "global_step", 6)  # type: ignore[method-assign]
+    assert trainer.fit() == [] and trainer.steps_run == 0
+    assert [(k, s) for k, _, s in events] == [("nothing_to_train", 6)]
+    assert "step 6 of 6" in events[0][1] and "trainer.resume_mode=disable" in events[0][1]
+    tracker.close()

@@ -190,3 +190,23 @@ def test_missed_target_runs_extra_schedules_from_the_current_model(tmp_path):
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert kinds.count("sft_extra_schedule") == 1 and kinds.count("sft_target_missed") == 1  # warned once, at the end
     assert kinds.index("sft_extra_schedule") < kinds.index("sft_target_missed")
+
+
+def test_rerun_of_a_finished_sft_trains_nothing_and_keeps_the_export(tmp_path, capsys):
+    """Re-running a finished SFT (same command, checkpoints on): no step past total_steps, the exported model RL
+    starts from is not rewritten, and the command says so in one line."""
+    from hybridflow.cli import main
+
+    argv = ["sft", "trainer.device=cpu", "trainer.backend=local", "trainer.logger=[]",
+            f"trainer.run_dir={tmp_path}/run", f"trainer.default_local_dir={tmp_path}/ckpt",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.checkpoint.async_save=false",
+            "model.override_config={num_hidden_layers: 1}", "data.train_size=16", "data.val_size=4",
+            "sft.total_steps=2", "sft.batch_size=8", "sft.micro_batch_size_per_gpu=8"]
+    assert main(argv) == 0
+    weights = tmp_path / "run" / "hf" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "already at the last step, nothing trained" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*")) == ["global_step_2"]
+    assert weights.stat().st_mtime_ns == before
