@@ -40,14 +40,16 @@ class ConfigError(ValueError):
     """A user error in the configuration; the message names the key, the value and the fix."""
 
 
-def load_config(files: Iterable[str | Path] = (), overrides: Iterable[str] = (), validate: bool = True) -> Config:
-    """Build the typed config from defaults, YAML files (later wins) and `a.b=c` overrides (last wins)."""
+def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides: Iterable[str] = (),
+                validate: bool = True) -> Config:
+    """Build the typed config from defaults, YAML files or nested dicts shaped like one (in order, later wins)
+    and `a.b=c` overrides (last wins)."""
     merged = load_defaults_dict()
     for f in files:
-        layer = _read_yaml(Path(f))
+        layer = dict(f) if isinstance(f, Mapping) else _read_yaml(Path(f))
         section = layer.get("algorithm")
         merged = merge(_with_preset(merged, section.get("preset") if isinstance(section, Mapping) else None), layer,
-                       source=str(f))
+                       source="a dict layer" if isinstance(f, Mapping) else str(f))
     parsed = [parse_override(item) for item in overrides]
     presets = [value for key, value in parsed if key == "algorithm.preset"]
     if presets:
