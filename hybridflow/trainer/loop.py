@@ -178,7 +178,29 @@ class Trainer:
             self.tracker.event("data_skipped", message, self.global_step, level="warning", **data)
 
     # ------------------------------------------------------------------------------------------- checkpoints
+    def _check_same_method(self) -> None:
+        """A checkpoint of another method in `trainer.default_local_dir` (an SFT run's, then `train` with the same
+        config) cannot be resumed: say so before the workers try to load it."""
+        from pathlib import Path
+
+        from hybridflow.checkpoint import atomic
+
+        t = self.cfg.trainer
+        if t.resume_mode != "auto" or "://" in t.default_local_dir:
+            return
+        latest = atomic.find_latest(Path(t.default_local_dir))
+        if latest is None or not (latest / "extra.json").is_file():
+            return
+        theirs = atomic.read_json(latest / "extra.json").get("section") or "ppo"
+        ours = self.algorithm.state_dict().get("section") or "ppo"
+        if theirs != ours:
+            raise ValueError(
+                f"trainer.default_local_dir={t.default_local_dir!r} holds a {theirs} checkpoint ({latest.name}); "
+                f"this {ours} run cannot resume from it. Give this run its own trainer.default_local_dir=DIR (or "
+                "set trainer.resume_mode=disable to start fresh and write beside it)")
+
     def _resume(self) -> None:
+        self._check_same_method()
         info = self.ckpt.resume()
         if info is None:
             return
