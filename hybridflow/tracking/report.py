@@ -88,6 +88,12 @@ def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
     return [r[key] for r in rows if r.get(key) is not None]
 
 
+def accuracy_rule(config: dict[str, Any]) -> str:
+    """What `val/accuracy` counts for an RL run (docs/metrics.md): the scorer's `acc`, else the threshold."""
+    threshold = (config.get("reward") or {}).get("success_threshold", 1.0)
+    return f"correct = scorer's acc, else score ≥ {threshold:g} (reward.success_threshold)"
+
+
 def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
     """(label, value, detail) for the header cards; only metrics that exist."""
     rows, cards = run.rows, []
@@ -97,7 +103,10 @@ def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
     for label, key in (("val reward", "val/reward"), ("val accuracy", "val/accuracy")):
         val = _values(rows, key)
         if val:
-            cards.append((label, f"{val[-1]:.3f}", f"first {val[0]:.3f} · best {max(val):.3f}"))
+            detail = f"first {val[0]:.3f} · best {max(val):.3f}"
+            if key == "val/accuracy" and _values(rows, "reward/score/mean") + _values(rows, "reward/mean"):
+                detail += f" · {accuracy_rule(run.config)}"
+            cards.append((label, f"{val[-1]:.3f}", detail))
     for label, key in (("SFT loss", "sft/loss"), ("RM loss", "rm/loss")):
         loss = _values(rows, key)
         if loss:
