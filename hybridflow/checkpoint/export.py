@@ -66,8 +66,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, component: str = "
     without `chat_template` means the tokenizer's own template."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hybridflow.engine.lora import is_adapter_param, merge_adapters, save_adapter_dir, targets_from_state
     from hybridflow.data.templates import save_tokenizer
+    from hybridflow.engine.lora import is_adapter_param, merge_adapters, save_adapter_dir, targets_from_state
     from hybridflow.models.loader import load_module, load_tokenizer, model_config, save_model
 
     ckpt = resolve_checkpoint_dir(checkpoint)
