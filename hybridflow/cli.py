@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "PPO/GRPO training: hybridflow train [CONFIG.yaml ...] [a.b=c ...]"),
     "sft": ("sft", "supervised fine-tuning: hybridflow sft [CONFIG.yaml ...] [a.b=c ...]"),
     "rm": ("rm", "reward-model training on prompt/chosen/rejected data"),
+    "dpo": ("dpo", "preference optimisation (DPO, cDPO, IPO, SimPO) on prompt/chosen/rejected data"),
     "generate": ("generate", "offline generation from a parquet of prompts to a parquet of outputs"),
     "eval": ("eval", "validation accuracy/reward of model.path (or a preset) with rollout.val_kwargs"),
     "export": ("export", "write a checkpoint as a Hugging Face model directory"),
@@ -42,7 +43,7 @@ def _available_commands() -> dict[str, tuple[str, str]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridflow",
-        description="RL post-training for LLMs (PPO, GRPO, SFT, RM) — single controller, hybrid engine.",
+        description="RL post-training for LLMs (PPO, GRPO, SFT, RM, DPO) — single controller, hybrid engine.",
     )
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -586,6 +586,43 @@ class RMConfig:
             _check(self.total_steps >= 1, "rm.total_steps", self.total_steps, "must be >= 1 or null")
 
 
+@dataclass(frozen=True)
+class DPOConfig:
+    """`hybridflow dpo`: offline preference optimisation (DPO / IPO / SimPO) of a causal LM on `prompt`/`chosen`/
+    `rejected` rows (or a built-in task's synthetic pairs); the reference is the starting model, frozen."""
+
+    loss_type: str  # dpo (sigmoid; label_smoothing > 0 = cDPO) | ipo | simpo (reference-free, length-normalised)
+    beta: float  # dpo/ipo: KL strength β (ipo: τ); simpo: reward scale β
+    label_smoothing: float  # dpo/simpo: ε, the share of pairs assumed mislabelled (cDPO); ipo: must be 0
+    gamma: float  # simpo only: target reward margin γ
+    epochs: int
+    total_steps: int | None  # optimizer steps; null = epochs × batches per epoch
+    batch_size: int  # PAIRS per optimizer step, global
+    micro_batch_size_per_gpu: int  # PAIRS per forward/backward per GPU (2 × rows: chosen and rejected together)
+    init_from: str | None  # HF dir of the starting (and reference) model, e.g. an SFT export; null = model.path
+    grad_clip: float
+    optim: OptimConfig
+    export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
+    synthetic_mix: dict[str, float]  # built-in task pairs: weights of the rejected kinds; {} = the task's default
+
+    def __post_init__(self) -> None:
+        from hybridflow.algorithms.preference import PREFERENCE_LOSSES
+
+        _one_of("dpo.loss_type", self.loss_type, PREFERENCE_LOSSES)
+        _check(self.beta > 0, "dpo.beta", self.beta, "must be > 0 (e.g. 0.1 for dpo/ipo, 2.0 for simpo)")
+        _check(0.0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
+               "must be in [0, 0.5) (0 = plain DPO; cDPO uses e.g. 0.1)")
+        _check(self.loss_type != "ipo" or self.label_smoothing == 0.0, "dpo.label_smoothing", self.label_smoothing,
+               "is not defined for dpo.loss_type=ipo; set dpo.label_smoothing=0 or use loss_type=dpo (cDPO)")
+        _check(self.gamma >= 0, "dpo.gamma", self.gamma, "must be >= 0 (SimPO's target reward margin)")
+        _check(self.epochs >= 1, "dpo.epochs", self.epochs, "must be >= 1")
+        _check(self.batch_size >= 1, "dpo.batch_size", self.batch_size, "must be >= 1 (pairs per step)")
+        _check(self.micro_batch_size_per_gpu >= 1, "dpo.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu,
+               "must be >= 1")
+        if self.total_steps is not None:
+            _check(self.total_steps >= 1, "dpo.total_steps", self.total_steps, "must be >= 1 or null")
+
+
 # --------------------------------------------------------------------------------------------------- root
 @dataclass(frozen=True)
 class Config:
@@ -602,4 +639,5 @@ class Config:
     resource_pool: ResourcePoolConfig
     sft: SFTConfig
     rm: RMConfig
+    dpo: DPOConfig
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, for user scripts

@@ -43,8 +43,10 @@ def rm_model_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.rm.init_from))
 
 
-def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, Dataset | None]:
-    """(train, val) `PreferenceDataset`s from parquet files, or synthetic pairs of the built-in `data.task`."""
+def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase,
+                              mix: dict[str, float] | None = None) -> tuple[Dataset, Dataset | None]:
+    """(train, val) `PreferenceDataset`s from parquet files, or synthetic pairs of the built-in `data.task` with the
+    rejected kinds weighted by `mix` (None or {}: the task's default)."""
     from hybridflow.data import PreferenceDataset, task_splits
     from hybridflow.data.synthetic_pairs import preference_rows
 
@@ -58,7 +60,7 @@ def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase) -
     if not d.task:
         raise ValueError("data.train_files is empty and data.task is not set: give prompt/chosen/rejected parquet")
     train_rows, val_rows = task_splits(d.task, d.train_size, d.val_size, d.seed)
-    mix = cfg.rm.synthetic_mix or None
+    mix = mix or None
     train = PreferenceDataset(preference_rows(train_rows, d.seed, mix), tokenizer, name="rm-train", **kwargs)
     val = PreferenceDataset(preference_rows(val_rows, d.seed + 1, mix), tokenizer, name="rm-val", **kwargs)
     return train, val
@@ -69,7 +71,7 @@ class RewardModelAlgorithm(SupervisedAlgorithm):
     sec: RMConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
-        return build_preference_datasets(self.cfg, self.tokenizer)
+        return build_preference_datasets(self.cfg, self.tokenizer, self.sec.synthetic_mix)
 
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_pairs, pad_token_id=self.pad_id)

@@ -1,4 +1,4 @@
-"""`SupervisedAlgorithm`: one `SupervisedWorker` group trained on a fixed objective (SFT, reward model; DPO later),
+"""`SupervisedAlgorithm`: one `SupervisedWorker` group trained on a fixed objective (SFT, reward model, DPO),
 run by the one loop (`hybridflow.trainer.loop.Trainer`) as `SupervisedTrainer`.
 
 A subclass says which datasets, collate function, engine spec/head/loss and validation reduction it uses; a step
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.schema import RMConfig, SFTConfig
+from hybridflow.config.schema import DPOConfig, RMConfig, SFTConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import reduce_metrics
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 class SupervisedAlgorithm(Algorithm):
-    section: ClassVar[str] = ""  # "sft" | "rm": the config section with epochs, batch_size, optim, export_dir, ...
+    section: ClassVar[str] = ""  # "sft" | "rm" | "dpo": the config section with epochs, batch_size, optim, export_dir, ...
     loss: ClassVar[str] = ""  # SUPERVISED_LOSSES name
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -47,7 +47,7 @@ class SupervisedAlgorithm(Algorithm):
         from hybridflow.models.loader import load_tokenizer
 
         self.cfg, self.tracker = cfg, tracker
-        self.sec: SFTConfig | RMConfig = getattr(cfg, self.section)
+        self.sec: SFTConfig | RMConfig | DPOConfig = getattr(cfg, self.section)
         self.guarded = (self.section,)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
@@ -88,6 +88,10 @@ class SupervisedAlgorithm(Algorithm):
     def loss_kwargs(self) -> dict[str, Any]:
         return {}
 
+    def ref_spec(self) -> EngineSpec | None:
+        """A frozen reference engine the worker builds beside the trained one (DPO); None = none."""
+        return None
+
     # ----------------------------------------------------------------------------------------------- build
     def _world_size(self) -> int:
         from hybridflow.config.resolved import process_on_nodes
@@ -113,7 +117,7 @@ class SupervisedAlgorithm(Algorithm):
         from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
         worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
-                                   self.loss_kwargs())
+                                   self.loss_kwargs(), self.ref_spec())
         self.pool: ResourcePool = ResourcePool.from_config(self.cfg)
         group = SupervisedGroup(WorkerGroup(self.pool, worker, backend=self.cfg.trainer.backend,
                                             name=f"{self.section}"))

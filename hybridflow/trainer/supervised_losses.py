@@ -1,9 +1,9 @@
-"""Losses of the supervised trainers (SFT, reward model), as `TrainEngine.forward_backward` loss closures.
+"""Losses of the supervised trainers (SFT, reward model, DPO/IPO/SimPO), as `TrainEngine.forward_backward` loss closures.
 
 Decision: each loss is this micro-batch's share of the whole mini-batch loss — normalised by the engine's
 `global_norm` (counts over every micro-batch on every data-parallel rank) — so the engine's summed gradients are
 exactly the whole-batch mean however it split the batch. Metrics are micro-batch means (the engine averages
-them). A new objective (e.g. DPO) is one more entry in `SUPERVISED_LOSSES`.
+them). A new objective is one more entry in `SUPERVISED_LOSSES`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridflow.algorithms.preference import REFERENCE_FREE, PairLogps, PreferenceLoss, preference_loss
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised_batch import last_response_values, pair_halves
 from hybridflow.utils.registry import Registry
@@ -57,6 +58,50 @@ def make_bt_loss(margin: float = 0.0, **_: Any) -> LossFn:
         diff = (r_c - r_r).detach()
         return loss, {"rm/accuracy": (diff > 0).float().mean(), "rm/reward_margin": diff.mean(),
                       "rm/chosen_reward": r_c.detach().mean(), "rm/rejected_reward": r_r.detach().mean()}
+
+    return loss_fn
+
+
+def sequence_logps(logp_BR: torch.Tensor, mask_BR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob, token count) of each row's response [B]."""
+    mask = mask_BR.to(logp_BR.dtype)
+    return (logp_BR * mask).sum(-1), mask.sum(-1)
+
+
+def pair_logps(logp_BR: torch.Tensor, mask_BR: torch.Tensor, pair_chosen_B: torch.Tensor,
+               ref_logp_BR: torch.Tensor | None) -> PairLogps:
+    """Interleaved pair rows → `PairLogps` (policy, reference when given, lengths)."""
+    seq_B, len_B = sequence_logps(logp_BR, mask_BR)
+    c, r = pair_halves(seq_B, pair_chosen_B)
+    c_len, r_len = pair_halves(len_B, pair_chosen_B)
+    ref_c = ref_r = None
+    if ref_logp_BR is not None:
+        ref_c, ref_r = pair_halves(sequence_logps(ref_logp_BR.to(logp_BR.dtype), mask_BR)[0], pair_chosen_B)
+    return PairLogps(c, r, ref_c, ref_r, c_len, r_len)
+
+
+def preference_metrics(x: PairLogps, out: PreferenceLoss) -> dict[str, torch.Tensor]:
+    """TRL's names: implicit rewards, their margin and accuracy (chosen reward > rejected), summed log-probs."""
+    margin = out.chosen_reward_P - out.rejected_reward_P
+    return {"rewards/chosen": out.chosen_reward_P.mean(), "rewards/rejected": out.rejected_reward_P.mean(),
+            "rewards/margins": margin.mean(), "rewards/accuracies": (margin > 0).float().mean(),
+            "logps/chosen": x.chosen_P.detach().mean(), "logps/rejected": x.rejected_P.detach().mean()}
+
+
+@SUPERVISED_LOSSES.register("preference")
+def make_preference_loss(loss_type: str = "dpo", beta: float = 0.1, label_smoothing: float = 0.0,
+                         gamma: float = 0.0, **_: Any) -> LossFn:
+    """DPO / IPO / SimPO (`algorithms.preference`) on interleaved (chosen, rejected) rows: each row's response
+    log-probs are summed over `response_mask`; the reference's come with the batch as `ref_log_prob` (absent for
+    the reference-free SimPO). Pair-mean over the whole mini-batch."""
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto,
+                global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        ref = mb.batch["ref_log_prob"] if loss_type not in REFERENCE_FREE else None
+        x = pair_logps(outputs["log_probs"], mb.batch["response_mask"], mb.batch["pair_chosen"], ref)
+        out = preference_loss(x, loss_type, beta, label_smoothing, gamma)
+        num_pairs = (global_norm["seq-mean-token-mean"] / 2).clamp(min=1)  # every row has response tokens
+        return out.loss_P.sum() / num_pairs, preference_metrics(x, out)
 
     return loss_fn
 

@@ -103,6 +103,22 @@ def rm_spec(cfg: Config, total_steps: int | None, model_path: str | None) -> Eng
                       optimizer=OptimizerSpec(s.optim, s.grad_clip, total_steps), lora=cfg.model.lora)
 
 
+def dpo_spec(cfg: Config, total_steps: int | None, model_path: str | None) -> EngineSpec:
+    """DPO: the policy, a causal LM; micro-batches of 2 × `dpo.micro_batch_size_per_gpu` rows, fixed (pairs stay
+    whole, chosen and rejected in one forward); `dpo.optim`/`grad_clip`; the actor's FSDP settings."""
+    s = cfg.dpo
+    batching = MicroBatching(2 * s.micro_batch_size_per_gpu)
+    return EngineSpec(model=cfg.model, head="lm", fsdp=cfg.actor.fsdp, packed=cfg.data.use_packed_dataset,
+                      train_batching=batching, infer_batching=batching, model_path=model_path,
+                      optimizer=OptimizerSpec(s.optim, s.grad_clip, total_steps), lora=cfg.model.lora)
+
+
+def dpo_ref_spec(cfg: Config, model_path: str | None) -> EngineSpec:
+    """DPO's frozen reference: the starting model (same path, or the same preset seed), the ref's FSDP settings."""
+    return EngineSpec(model=cfg.model, head="lm", fsdp=cfg.ref.fsdp, packed=cfg.data.use_packed_dataset,
+                      infer_batching=MicroBatching(2 * cfg.dpo.micro_batch_size_per_gpu), model_path=model_path)
+
+
 def supervised_plan(rows_on_rank: int) -> UpdatePlan:
     """One optimizer step on the whole batch, rows in order (pairs stay whole)."""
     return UpdatePlan(rows_on_rank)

@@ -1,10 +1,11 @@
-"""`SupervisedWorker`: one TrainEngine trained on a fixed objective (SFT, reward model; DPO later), driven like
+"""`SupervisedWorker`: one TrainEngine trained on a fixed objective (SFT, reward model, DPO), driven like
 every other role through a `WorkerGroup` — so local, multi-process and Ray runs behave the same as in PPO.
 
 The engine is built from the `EngineSpec` the trainer derives from its `sft`/`rm` section
 (`workers/engine_specs.py`); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses
 to Ray. Checkpointing is the trained roles' (`CheckpointingWorker`, component `engine`). The driver holds a
-`SupervisedGroup`.
+`SupervisedGroup`. DPO adds a frozen reference engine (`ref_spec`), or with LoRA reads the trained engine with its
+adapters disabled.
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ logger = logging.getLogger(__name__)
 
 class SupervisedWorker(CheckpointingWorker, Worker):
     """`spec` is the trained engine (`head`: "lm" for SFT, "value" for a reward model); `train_head` is what the
-    loss reads (log-probs or values)."""
+    loss reads (log-probs or values). `ref_spec`: a frozen reference engine (DPO without LoRA)."""
 
     def __init__(self, cfg: Config, spec: EngineSpec, train_head: HeadRequest, loss: str,
-                 loss_kwargs: dict[str, Any] | None = None) -> None:
+                 loss_kwargs: dict[str, Any] | None = None, ref_spec: EngineSpec | None = None) -> None:
         super().__init__()
         if spec.optimizer is None:
             raise ValueError("a supervised engine is trained: its EngineSpec needs an optimizer")
-        self.cfg, self.spec, self.train_head = cfg, spec, train_head
+        self.cfg, self.spec, self.train_head, self.ref_spec = cfg, spec, train_head, ref_spec
         self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
         self.engine: TrainEngine  # built by init_model
+        self.ref: TrainEngine | None = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -52,6 +54,8 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         # on every rank so runs repeat and FSDP2 shards one model.
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine = TrainEngine(self.spec, device=self.device)
+        if self.ref_spec is not None:
+            self.ref = TrainEngine(self.ref_spec, device=self.device)
 
     # ------------------------------------------------------------------------------------------------ train
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
@@ -93,6 +97,23 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         return torch.cat(out)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def eval_log_probs(self, data: DataProto) -> DataProto:
+        """The trained model's response log-probs [B, R] (`log_probs`)."""
+        return DataProto.from_dict({"log_probs": self.engine.infer(data, self.train_head)["log_probs"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """The reference's response log-probs [B, R] (`ref_log_prob`): the frozen reference engine, or with LoRA
+        the trained engine with its adapters disabled (the base model)."""
+        if self.ref is not None:
+            out = self.ref.infer(data, self.train_head)
+        elif self.spec.uses_lora:
+            out = self.engine.infer(data, self.train_head, disable_adapters=True)
+        else:
+            raise ValueError("this supervised worker has no reference: build it with ref_spec (or LoRA adapters)")
+        return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_scores(self, data: DataProto) -> DataProto:
         """Reward-model score of each pair row [B]: the value at its score slot (= the `score` head on the row
         without the slot, as in PPO)."""
@@ -117,5 +138,7 @@ class SupervisedGroup(CheckpointingGroup):
     init_model = per_rank(SupervisedWorker.init_model)
     train_batch = per_rank(SupervisedWorker.train_batch)
     eval_lm = gathered(SupervisedWorker.eval_lm)
+    eval_log_probs = gathered(SupervisedWorker.eval_log_probs)
+    compute_ref_log_prob = gathered(SupervisedWorker.compute_ref_log_prob)
     eval_scores = gathered(SupervisedWorker.eval_scores)
     export_hf = per_rank(SupervisedWorker.export_hf)
