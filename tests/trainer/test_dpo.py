@@ -1,0 +1,96 @@
+"""DPO on the one loop: at step 0 the reference (frozen engine, or the LoRA actor with adapters disabled) equals the
+policy, so rewards are exactly 0 and the loss is ln 2; SimPO builds no reference; training moves the implicit
+rewards; 4 straight steps equal 2 + resume + 2 bit for bit; bad config names the key; the CLI runs and exports."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from hybridflow.cli import main
+from hybridflow.config import ConfigError, load_config
+from hybridflow.trainer.dpo import DPOTrainer
+
+NONDETERMINISTIC = ("timing/", "tokens_per_s", "step_time_s", "mfu")
+
+
+def _args(tmp_path, *extra: str) -> list[str]:
+    return ["trainer.device=cpu", "trainer.backend=local", "trainer.logger=[]", f"trainer.run_dir={tmp_path}/run",
+            f"trainer.default_local_dir={tmp_path}/ckpt", "trainer.val_before_train=false",
+            "trainer.resume_mode=disable", "trainer.checkpoint.save_freq=0", "trainer.test_freq=-1",
+            "data.task=arithmetic", "data.train_size=64", "data.val_size=16", "dpo.batch_size=8",
+            "dpo.micro_batch_size_per_gpu=2", "dpo.optim.lr=1e-3", "dpo.optim.lr_warmup_steps_ratio=0", *extra]
+
+
+def _worker(trainer: DPOTrainer):
+    return trainer.algorithm.group.worker_group._handles[0].worker  # the local backend's in-process worker
+
+
+def _fit(tmp_path, *extra: str) -> tuple[list[dict[str, float]], Any]:
+    """(per-step metrics, the worker — kept past `close`)."""
+    trainer = DPOTrainer(load_config([], _args(tmp_path, *extra)))
+    try:
+        trainer.fit()
+        worker = _worker(trainer)
+    finally:
+        trainer.close()
+    return trainer.history, worker
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_first_step_rewards_are_zero_then_training_moves_them(tmp_path, lora: bool) -> None:
+    extra = ("model.lora.rank=4", "model.lora.alpha=8", "dpo.optim.lr=1e-2") if lora else ()
+    history, worker = _fit(tmp_path, "dpo.total_steps=3", *extra)
+    assert (worker.ref is None) == lora  # LoRA: no second model
+    first, last = history[0], history[-1]
+    assert first["rewards/chosen"] == 0.0 and first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0
+    assert first["dpo/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert last["rewards/margins"] != 0.0 and last["dpo/loss"] != first["dpo/loss"]
+    assert "val/logp_accuracy" in last and "val/accuracy" in last
+
+
+def test_simpo_is_reference_free(tmp_path) -> None:
+    history, worker = _fit(tmp_path, "dpo.total_steps=2", "dpo.loss_type=simpo", "dpo.beta=2.0")
+    assert worker.ref is None
+    assert "timing/ref" in history[0] and history[0]["rewards/chosen"] != 0.0  # β · mean log π, no reference
+    assert math.isfinite(history[-1]["dpo/loss"])
+
+
+def test_resume_is_bit_exact(tmp_path) -> None:
+    ckpt = ("trainer.checkpoint.save_freq=2", "trainer.checkpoint.async_save=false", "trainer.resume_mode=auto",
+            "dpo.total_steps=4")
+    straight, a = _fit(tmp_path / "a", *ckpt)
+    # the interrupted run: stops after step 2 (saved there; the LR schedule is still sized for 4), then a fresh
+    # trainer resumes to 4
+    part = DPOTrainer(load_config([], _args(tmp_path / "c", *ckpt)))
+    part.total_steps = 2
+    try:
+        part.fit()
+    finally:
+        part.close()
+    resumed, c = _fit(tmp_path / "c", *ckpt)
+    assert [m["training/global_step"] for m in resumed] == [3, 4]
+    def deterministic(m: dict[str, float]) -> dict[str, float]:  # the interrupted run also validated at its end
+        return {k: v for k, v in m.items() if not any(s in k for s in (*NONDETERMINISTIC, "val/"))}
+
+    assert [deterministic(m) for m in straight] == [deterministic(m) for m in part.history + resumed]
+    assert straight[-1]["val/loss"] == resumed[-1]["val/loss"]
+    wa, wc = a.engine.module.state_dict(), c.engine.module.state_dict()
+    assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)
+
+
+@pytest.mark.parametrize("override,key", [("dpo.loss_type=kto", "dpo.loss_type"), ("dpo.beta=0", "dpo.beta"),
+                                          ("dpo.label_smoothing=0.5", "dpo.label_smoothing")])
+def test_bad_config_names_the_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_config([], [override])
+
+
+def test_cli_trains_and_exports(tmp_path, capsys) -> None:
+    rc = main(["dpo", *_args(tmp_path, "dpo.total_steps=2", "dpo.loss_type=ipo", f"dpo.export_dir={tmp_path}/hf")])
+    assert rc == 0, capsys.readouterr()
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    assert "ipo done" in capsys.readouterr().out
