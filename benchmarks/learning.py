@@ -44,8 +44,9 @@ RECIPES: dict[str, list[str]] = {
     "quickstart": [],
     # The recommended recipe for a weak start (docs/tuning.md): the robust preset's lr warm-up, 2x the quickstart's lr,
     # and 4 optimizer steps per generation batch (mini-batches of 8 of the 32 prompts), at the same sample budget.
-    "robust": ["algorithm.preset=robust", "actor.optim.lr=2e-4", "actor.ppo_mini_batch_size=8"],
+    "robust": ["algorithm.preset=robust", "actor.optim.lr=2e-4"],
 }
+MINI_BATCHES = {"robust": 4}  # optimizer steps per generation batch (default 1): ppo_mini_batch_size = prompts / this
 SMOKE = ["--prompts", "4", "--n", "4", "--steps", "2", "--eval-size", "16", "--sft-steps", "4"]
 
 
@@ -138,7 +139,7 @@ def run_ours(run_dir: Path, weak: Path, seed: int, args: argparse.Namespace, ove
         f"model.path={weak}", f"trainer.run_dir={run_dir}", f"trainer.default_local_dir={run_dir}/ckpt",
         "trainer.logger=[jsonl]", "trainer.checkpoint.save_freq=-1", "trainer.val_before_train=false",
         "trainer.test_freq=-1", f"trainer.total_training_steps={args.steps}", f"data.train_batch_size={args.prompts}",
-        f"actor.ppo_mini_batch_size={args.prompts}", f"rollout.n={args.n}", f"rollout.seed={seed}",
+        f"actor.ppo_mini_batch_size={max(1, args.prompts // MINI_BATCHES.get(args.recipe, 1))}", f"rollout.n={args.n}", f"rollout.seed={seed}",
         f"trainer.seed={seed + 1}", *RECIPES[args.recipe], *overrides])
     history = run_ppo(cfg)
     hf = export_hf(run_dir / "ckpt", run_dir / "hf")

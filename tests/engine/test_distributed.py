@@ -36,6 +36,9 @@ def _worker(rank: int, world: int, out: str, overrides: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store{world}", rank=rank, world_size=world)
     _train_and_dump(rank, world, out, overrides)
+    # Both ranks past their last collective before the group goes: a rank that tore gloo down while its peer was
+    # still in one aborted once ("terminate called without an active exception", fresh-clone run at b8bbe7d).
+    dist.barrier()
     dist.destroy_process_group()
 
 
