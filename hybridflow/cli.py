@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
-from hybridflow import __version__
-from hybridflow.commands.common import fail
-from hybridflow.config import ConfigError
+# Before anything loads torch (and its OpenMP runtime, which reads this once): threads waiting for work sleep
+# instead of spinning, so a CPU run beside a busy process does not fight it for cores (hybridflow/utils/threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from hybridflow import __version__  # noqa: E402
+from hybridflow.commands.common import fail  # noqa: E402
+from hybridflow.config import ConfigError  # noqa: E402
 
 # name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
 # so `hybridflow --help` stays fast and a missing optional dependency breaks only its own command.

@@ -20,15 +20,22 @@ def split_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def load_from_args(items: list[str], validate: bool = True, *, preflight: bool = False, data: bool = True,
-                   reward: bool = True) -> Config:
+                   reward: bool = True, runs: bool = False) -> Config:
     """The config of the command line; `preflight` also checks what it points at (model, data files when `data`,
-    reward functions when `reward`) before anything loads — see `hybridflow.config.preflight`."""
+    reward functions when `reward`) before anything loads — see `hybridflow.config.preflight`. `runs`: the command
+    runs a model, so a CPU run gets its thread count (`trainer.cpu_threads`, printed on stderr)."""
     files, overrides = split_args(items)
     cfg = load_config(files, overrides, validate=validate)
     if preflight:
         from hybridflow.config.preflight import check_before_run
 
         check_before_run(cfg, data=data, reward=reward)
+    if runs:
+        from hybridflow.utils.threads import apply_cpu_threads
+
+        line = apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device)
+        if line:
+            print(line, file=sys.stderr)
     return cfg
 
 

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.trainer.supervised import run_supervised
 
     try:
-        cfg = load_from_args(args.args)
+        cfg = load_from_args(args.args, runs=True)
         path, history = run_supervised(DPOTrainer, cfg)
     except (ValueError, KeyError) as err:
         return fail(err)

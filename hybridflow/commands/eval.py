@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridflow.trainer.ppo import PPOTrainer
 
-    cfg = load_from_args(args.args, preflight=True)
+    cfg = load_from_args(args.args, preflight=True, runs=True)
     trainer = PPOTrainer(cfg)
     try:
         if trainer.validator is None:

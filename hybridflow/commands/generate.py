@@ -41,7 +41,7 @@ def _prompt_ids(tokenizer: Any, value: Any, key: str, row: int, chat_template: s
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_from_args(args.args, preflight=True, data=False, reward=False)
+    cfg = load_from_args(args.args, preflight=True, data=False, reward=False, runs=True)
     if args.batch_size < 1:
         return fail(ValueError(f"--batch-size={args.batch_size} must be >= 1"))
     try:

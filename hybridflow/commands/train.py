@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.trainer.run import run_ppo, versions_line
 
     console = Console()
-    cfg = load_from_args(args.args, preflight=True)
+    cfg = load_from_args(args.args, preflight=True, runs=True)
     console.print(versions_line(), style="dim")
     if not args.quiet_config:
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)

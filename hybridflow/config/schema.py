@@ -486,6 +486,7 @@ class TrainerConfig:
     total_training_steps: int | None  # null = epochs × batches per epoch
     seed: int
     device: str  # auto | cpu | cuda
+    cpu_threads: int  # CPU runs: intra-op threads, 0 = auto (hybridflow.utils.threads)
     backend: str  # auto | local | ray
     nnodes: int
     n_gpus_per_node: int  # processes per node (GPUs, or CPU ranks when device=cpu)
@@ -509,6 +510,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _one_of("trainer.backend", self.backend, ("auto", "local", "ray"))
         _one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, "must be 0 (auto) or a thread count")
         _one_of("trainer.resume_mode", self.resume_mode, ("auto", "disable", "path"))
         _check(self.nnodes >= 1, "trainer.nnodes", self.nnodes, "must be >= 1")
         _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", self.n_gpus_per_node, "must be >= 1")
