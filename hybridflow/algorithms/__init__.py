@@ -40,6 +40,12 @@ from hybridflow.algorithms.masked import (
     masked_whiten,
 )
 from hybridflow.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, gspo_policy_loss, vanilla_policy_loss
+from hybridflow.algorithms.rollout_is import (
+    ROLLOUT_IS_MODES,
+    rollout_is_metrics,
+    rollout_is_ratio,
+    rollout_is_weights,
+)
 from hybridflow.algorithms.value_loss import compute_value_loss
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_MODES",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
@@ -78,5 +85,8 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantage",
     "remax_advantage",
     "rloo_advantage",
+    "rollout_is_metrics",
+    "rollout_is_ratio",
+    "rollout_is_weights",
     "vanilla_policy_loss",
 ]

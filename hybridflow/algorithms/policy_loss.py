@@ -1,9 +1,11 @@
 """Policy-gradient losses, registered by name in `POLICY_LOSSES`.
 
 Every loss has one signature: `fn(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low,
-clip_ratio_high, clip_ratio_c, loss_agg_mode, global_normalizer, max_len, **_) -> (loss, metrics)`; metrics are
-detached 0-d tensors (no host sync) `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl`, computed over this
-micro-batch's valid tokens. The aggregation and its global normaliser are `agg_loss`'s (see aggregation.py).
+clip_ratio_high, clip_ratio_c, loss_agg_mode, global_normalizer, max_len, rollout_is_weights, **_) -> (loss,
+metrics)`; metrics are detached 0-d tensors (no host sync) `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl`, computed
+over this micro-batch's valid tokens. `rollout_is_weights` (B, T, detached; None = off) scales each token's loss
+before aggregation: the rollout/training mismatch correction of rollout_is.py (a registered loss without that
+parameter is refused when `algorithm.rollout_is.mode` is set). The aggregation and its global normaliser are `agg_loss`'s (see aggregation.py).
 Legend: B batch, T response length.
 """
 
@@ -58,6 +60,7 @@ def vanilla_policy_loss(
     loss_agg_mode: str = "token-mean",
     global_normalizer: Tensor | float | None = None,
     max_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip with asymmetric bounds [1 - low, 1 + high] (clip-higher, DAPO) and dual-clip.
@@ -84,6 +87,8 @@ def vanilla_policy_loss(
     else:
         pg_losses = loss_ppo
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
+    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
+        pg_losses = pg_losses * rollout_is_weights
     loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
     return loss, metrics
 
@@ -101,6 +106,7 @@ def gspo_policy_loss(
     loss_agg_mode: str = "seq-mean-token-mean",
     global_normalizer: Tensor | float | None = None,
     max_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025): one importance ratio per sequence, s = exp(mean_t(log π - log π_old)).
@@ -128,6 +134,8 @@ def gspo_policy_loss(
         "pg_clipfrac_lower": torch.zeros((), device=ratio.device),
         "ppo_kl": masked_mean(-log_ratio, m).detach(),
     }
+    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
+        pg_losses = pg_losses * rollout_is_weights
     loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
     return loss, metrics
 
