@@ -5,8 +5,8 @@ clip_ratio_high, clip_ratio_c, loss_agg_mode, global_normalizer, max_len, rollou
 metrics)`; metrics are detached 0-d tensors (no host sync) `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl`, computed
 over this micro-batch's valid tokens. `rollout_is_weights` (B, T, detached; None = off) scales each token's loss
 before aggregation: the rollout/training mismatch correction of rollout_is.py (a registered loss without that
-parameter is refused when `algorithm.rollout_is.mode` is set). The aggregation and its global normaliser are `agg_loss`'s (see aggregation.py).
-Legend: B batch, T response length.
+parameter is refused when `algorithm.rollout_is.mode` is set). The aggregation and its global normaliser are
+`agg_loss`'s (see aggregation.py). Legend: B batch, T response length.
 """
 
 from __future__ import annotations

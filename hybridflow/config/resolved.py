@@ -37,6 +37,7 @@ class Resolved:
     use_reward_model: bool
     # False when strictly on-policy (one epoch, one mini-batch) and no KL is measured: with a reference policy the
     # actor's log-probs come from the same engine path as the reference's, so KL(actor‖ref) is exactly 0 at step 1.
+    # Also True with algorithm.rollout_is (its ratio is old_log_probs / rollout_log_probs).
     recompute_old_log_prob: bool
 
     @property
@@ -86,5 +87,6 @@ def resolve(cfg: Config) -> Resolved:
         use_critic=use_critic,
         use_reference=use_reference,
         use_reward_model=cfg.reward.reward_model.enable or any(s.name == "model" for s in cfg.reward.sources),
-        recompute_old_log_prob=use_reference or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),
+        recompute_old_log_prob=use_reference or cfg.algorithm.rollout_is.mode is not None
+        or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),
     )

@@ -101,7 +101,7 @@ ADV = Stage("adv", (TOKEN_LEVEL_SCORES, RESPONSE_MASK, UID), (TOKEN_LEVEL_REWARD
             optional=(OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, REF_LOG_PROB, VALUES, BASELINE_REWARDS))
 UPDATE_CRITIC = Stage("update_critic", (*MODEL_INPUTS, RESPONSE_MASK, VALUES, RETURNS), ())
 UPDATE_ACTOR = Stage("update_actor", (*MODEL_INPUTS, RESPONSE_MASK, ADVANTAGES), (),
-                     optional=(OLD_LOG_PROBS, REF_LOG_PROB))
+                     optional=(OLD_LOG_PROBS, REF_LOG_PROB, ROLLOUT_LOG_PROBS))
 
 
 # ------------------------------------------------------------------------------------------ shared batch readers

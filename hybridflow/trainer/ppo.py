@@ -21,6 +21,7 @@ from hybridflow.algorithms import (
     filter_uninformative_groups,
     kl_penalty,
     masked_mean,
+    rollout_is_metrics,
 )
 from hybridflow.config import Config, resolve
 from hybridflow.protocol import DataProto, keys
@@ -123,6 +124,9 @@ class PPOAlgorithm(Algorithm):
         if self.res.recompute_old_log_prob:
             with timer("old_log_prob"):  # 3. log-probs of the sampling policy
                 batch = batch.union(self.actor.compute_log_prob(batch))
+            if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:  # the actor loss applies the weights
+                metrics |= rollout_is_metrics(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                              batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
         if self.res.use_reference:
             with timer("ref"):  # 4. reference log-probs (only when KL is used)
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))

@@ -51,7 +51,8 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
             pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
         )
-        self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss)
+        self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
+                                       rollout_is=cfg.algorithm.rollout_is)
 
     # ------------------------------------------------------------------------------------------- generate
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

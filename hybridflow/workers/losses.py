@@ -7,13 +7,21 @@ normaliser (so gradient accumulation and data parallelism give the whole-batch g
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hybridflow.algorithms import POLICY_LOSSES, agg_loss, compute_value_loss, kl_penalty, loss_normalizer
-from hybridflow.config.schema import ActorConfig, CriticConfig
+from hybridflow.algorithms import (
+    POLICY_LOSSES,
+    agg_loss,
+    compute_value_loss,
+    kl_penalty,
+    loss_normalizer,
+    rollout_is_weights,
+)
+from hybridflow.config.schema import ActorConfig, CriticConfig, RolloutISConfig
 from hybridflow.protocol import DataProto
 
 LossFn = Callable[[dict[str, torch.Tensor], DataProto, Any], tuple[torch.Tensor, dict[str, Any]]]
@@ -35,8 +43,17 @@ def _local_mean(share: torch.Tensor, mask: torch.Tensor, mode: str, global_norm:
     return (share.detach() * g / local).to(share.dtype)
 
 
-def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: bool) -> LossFn:
+def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: bool,
+                    rollout_is: RolloutISConfig | None = None) -> LossFn:
+    """`rollout_is` (mode set): the off-policy correction between the rollout engine and the trainer — each
+    token's policy-gradient loss is weighted by `rollout_is_weights(old_log_probs, rollout_log_probs)` (TIS or mask,
+    algorithms/rollout_is.py); its metrics are computed once per step on the driver over the whole batch."""
     policy_loss = POLICY_LOSSES[cfg.policy_loss]
+    is_mode = rollout_is.mode if rollout_is is not None else None
+    if is_mode is not None and "rollout_is_weights" not in inspect.signature(policy_loss).parameters:
+        raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} takes no rollout_is_weights parameter, so "
+                         f"algorithm.rollout_is.mode={is_mode!r} cannot apply: add the parameter to the loss or set "
+                         "algorithm.rollout_is.mode=null")
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
 
@@ -47,10 +64,14 @@ def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: boo
         # and its gradient is the policy gradient; recomputing old log-probs would only cost a forward pass.
         old = mb.batch["old_log_probs"] if "old_log_probs" in mb.batch else log_prob.detach()
         agg = dict(global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=max_response_length)
+        is_kw: dict[str, torch.Tensor] = {}
+        if is_mode is not None:  # the old_log_prob stage always runs then (Resolved.recompute_old_log_prob)
+            is_kw["rollout_is_weights"] = rollout_is_weights(
+                mb.batch["old_log_probs"], mb.batch["rollout_log_probs"], mask, mode=is_mode, cap=rollout_is.cap)
         pg_loss, pg_metrics = policy_loss(
             old, log_prob, mb.batch["advantages"], mask,
             clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-            **agg,
+            **agg, **is_kw,
         )
         loss = pg_loss
         mode = cfg.loss_agg_mode
