@@ -70,8 +70,30 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                        scale: float | None, softcap: float | None, window: int | None) -> torch.Tensor:
+    """q [B, Hq, Q, D], k/v [B, Hkv, K, D] → [B, Hq, Q, D] with the scores in the open, for what SDPA cannot do:
+    Gemma-2's tanh soft-capping of the scores (HF's eager math). `allowed` is a bool mask broadcastable to
+    [B, Hq, Q, K] or an additive float one; None = causal, limited to `window` keys back when given."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if allowed is None:
+        qi = torch.arange(q.shape[2], device=q.device)[:, None] + (k.shape[2] - q.shape[2])
+        ki = torch.arange(k.shape[2], device=q.device)[None]
+        allowed = (ki <= qi) & ((qi - ki < window) if window else True)
+    if allowed.dtype == torch.bool:
+        s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
+    else:
+        s = s + allowed[..., : k.shape[2]]
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D]: the packed sequences scattered into one padded
     [N, H, L, D] batch, one causal SDPA call, gathered back (CPU / fp32 path).
 
@@ -89,8 +111,12 @@ def _padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
         out = out.index_put((seq_id, pos), x[0].transpose(0, 1))
         return out.transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    window = window if window and window < max_len else None
+    if softcap or window:  # Gemma-2: soft-capped scores; sliding-window layers shorter than a sequence
+        out = _explicit_attention(pad(q), pad(k), pad(v), None, scale, softcap, window)
+    else:
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[seq_id, pos].unsqueeze(0).contiguous()
 
 
@@ -100,6 +126,12 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """HF attention-interface function: varlen when `hf_cu_seqlens` is given, else HF SDPA."""
     cu = kwargs.pop(CU_SEQLENS, None)
     max_len = kwargs.pop(MAX_SEQLEN, None)
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    if cu is None and softcap:  # SDPA refuses soft-capping; HF's mask already holds causality/window/padding
+        if dropout:
+            raise ValueError("soft-capped attention here does not support attention dropout; set attention_dropout=0")
+        out = _explicit_attention(query, key, value, attention_mask, scaling, softcap, window)
+        return out.transpose(1, 2).contiguous(), None
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -107,7 +139,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
     if dropout:
         raise ValueError("packed attention does not support attention dropout; set attention_dropout=0")
-    if varlen_supported(query):
+    if varlen_supported(query) and not softcap and not (window and window < int(max_len)):
         try:
             out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
                           int(max_len), scaling)
@@ -117,7 +149,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             _varlen_error = f"{type(e).__name__}: {e}"
             logger.warning("varlen flash attention failed (%s); packed attention falls back to padded SDPA",
                            _varlen_error)
-    return _padded_sdpa(query, key, value, cu, scaling), None
+    return _padded_sdpa(query, key, value, cu, scaling, softcap, window), None
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

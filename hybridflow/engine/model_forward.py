@@ -36,6 +36,8 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
                           position_ids=inputs.position_ids, use_cache=False, **kwargs)
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+    if req.kind == "lm" and getattr(self.config, "final_logit_softcapping", None):
+        return _softcapped_logprobs(self, hidden_NH.index_select(0, inputs.src_K), inputs.labels_K, req)
     if req.kind == "lm":
         logp, ent = chunked_logprobs(hidden_NH.index_select(0, inputs.src_K), self.get_output_embeddings(),
                                      inputs.labels_K, temperature=req.temperature, chunk_size=req.chunk_size,
@@ -44,6 +46,19 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
     idx = inputs.src_K if req.kind == "value" else inputs.last_K
     # sum over the single output column: a fresh tensor, not a view (FSDP2 output hooks dislike views).
     return {"values": self.score(hidden_NH.index_select(0, idx)).float().sum(-1)}
+
+
+def _softcapped_logprobs(self: torch.nn.Module, hidden_KH: torch.Tensor, labels_K: torch.Tensor,
+                         req: HeadRequest) -> dict[str, torch.Tensor]:
+    """Gemma-2-style final logit soft-capping (c·tanh(logits / c), as HF's forward applies it): plain [K, V] logits
+    and autograd instead of the chunked kernel, which knows no soft-cap."""
+    cap = float(self.config.final_logit_softcapping)
+    logits_KV = self.get_output_embeddings()(hidden_KH).float()
+    logp_KV = torch.log_softmax(torch.tanh(logits_KV / cap) * cap / req.temperature, dim=-1)
+    out = {"log_probs": logp_KV.gather(-1, labels_K[:, None]).squeeze(-1)}
+    if req.with_entropy:
+        out["entropy"] = -(logp_KV.exp() * logp_KV).sum(-1)
+    return out
 
 
 def install_engine_forward(model: torch.nn.Module) -> None:
