@@ -53,9 +53,11 @@ def _reference(data):
     ("data.use_packed_dataset=false", "actor.ppo_micro_batch_size_per_gpu=2"),
     ("model.enable_gradient_checkpointing=true", "actor.ppo_micro_batch_size_per_gpu=4"),
     pytest.param(("model.use_torch_compile=true", "actor.ppo_micro_batch_size_per_gpu=4"), marks=pytest.mark.xfail(
-        torch.backends.cpu.get_cpu_capability() != "AVX512", raises=RuntimeError, strict=True,
-        reason="known issue: Inductor's CPU code for the compiled decoder layer fails its own index check ('index out "
-               "of bounds: 0 <= tmp16 < 10') with ATEN_CPU_CAPABILITY=avx2 (torch 2.13); CPU compile is off by default")),
+        torch.backends.cpu.get_cpu_capability() != "AVX512", raises=RuntimeError, strict=False,
+        reason="known issue: Inductor's CPU code for the compiled decoder layer failed its own index check ('index out "
+               "of bounds: 0 <= tmp16 < 10') with ATEN_CPU_CAPABILITY=avx2 (torch 2.13) at d60c160; since the engine "
+               "refactor it passed (fresh clone of 05e6f54 under the AVX2 emulation), so not strict: either outcome "
+               "under AVX2 is accepted, a wrong gradient is not (the asserts below); CPU compile is off by default")),
 ])
 def test_gradients_match_reference_for_any_micro_batching(overrides):
     data = make_batch(seed=0)
