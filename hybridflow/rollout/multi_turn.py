@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.rollout.model_runner import ModelRunner
-from hybridflow.rollout.scheduler import GenerateResult
+from hybridflow.rollout.scheduler import GenerateResult, admit_next
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,8 @@ class MultiTurnScheduler:
         tool_wait = 0.0
         while waiting or live or paused:
             while waiting and len(free) >= n:
-                k = min(len(waiting), len(free) // n, prompts_per_prefill)
-                prompts = [waiting.popleft() for _ in range(k)]
-                slots = [heapq.heappop(free) for _ in range(k * n)]
-                rows = [p * n + j for p in prompts for j in range(n)]
-                idx = torch.tensor(prompts, device=ids_BP.device)
-                r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new)
+                slots, rows = admit_next(r, waiting, free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP, seeds,
+                                         max_new)
                 prefills += 1
                 live.update(zip(slots, rows))
                 for s in slots:

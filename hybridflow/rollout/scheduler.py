@@ -55,12 +55,8 @@ class Scheduler:
         decode_steps = prefills = 0
         while waiting or live:
             while waiting and len(free) >= n:
-                k = min(len(waiting), len(free) // n, prompts_per_prefill)
-                prompts = [waiting.popleft() for _ in range(k)]
-                slots = [heapq.heappop(free) for _ in range(k * n)]
-                rows = [p * n + j for p in prompts for j in range(n)]
-                idx = torch.tensor(prompts, device=ids_BP.device)
-                r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new)
+                slots, rows = admit_next(r, waiting, free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP, seeds,
+                                         max_new)
                 prefills += 1
                 live.update(zip(slots, rows))
                 host_steps.update((s, 1) for s in slots)
@@ -87,3 +83,18 @@ class Scheduler:
                     heapq.heappush(free, s)
                     del host_steps[s]
         return GenerateResult(tokens, logps, lengths, decode_steps, prefills)
+
+
+def admit_next(r: ModelRunner, waiting: deque[int], free: list[int], n: int, prompts_per_prefill: int,
+               ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, seeds: list[int],
+               max_new: int) -> tuple[list[int], list[int]]:
+    """Prefill the next waiting prompts (n samples each) into free KV slots, in one forward; returns the slots
+    taken and the output row of each (prompt p's j-th sample is row p * n + j). Shared by the single- and
+    multi-turn schedulers."""
+    k = min(len(waiting), len(free) // n, prompts_per_prefill)
+    prompts = [waiting.popleft() for _ in range(k)]
+    slots = [heapq.heappop(free) for _ in range(k * n)]
+    rows = [p * n + j for p in prompts for j in range(n)]
+    idx = torch.tensor(prompts, device=ids_BP.device)
+    r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new)
+    return slots, rows
