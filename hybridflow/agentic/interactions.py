@@ -129,6 +129,7 @@ def load_interactions(path: str | Path) -> dict[str, InteractionSpec]:
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: name, class_name, config")
         class_name = str(entry["class_name"])
+        cls = _import_class(class_name, where)
         name = str(entry.get("name") or (class_name if class_name in BUILTIN_INTERACTIONS else ""))
         if not name:
             raise ValueError(f"{where}: give a `name` (rows select it with extra_info.interaction_kwargs.name)")
@@ -137,7 +138,7 @@ def load_interactions(path: str | Path) -> dict[str, InteractionSpec]:
         config = entry.get("config") or {}
         if not isinstance(config, dict):
             raise ValueError(f"{where}: `config` must be a mapping, got {type(config).__name__}")
-        specs[name] = InteractionSpec(name, _import_class(class_name, where), config)
+        specs[name] = InteractionSpec(name, cls, config)
     return specs
 
 
