@@ -10,7 +10,12 @@ import pytest
 
 from hybridflow.agentic.chat_delta import ChatDelta
 from hybridflow.agentic.formats import HermesPlainFormat, HermesTemplateFormat
-from hybridflow.agentic.interactions import GuessNumberInteraction, Interaction, InteractionStep, load_interactions
+from hybridflow.agentic.interactions import (
+    GuessNumberInteraction,
+    Interaction,
+    InteractionStep,
+    load_interactions,
+)
 from hybridflow.agentic.session import ToolSession
 from hybridflow.agentic.tools import CalculatorTool
 from hybridflow.models.tokenizer import EOS, builtin_tokenizer
