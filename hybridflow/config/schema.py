@@ -217,7 +217,10 @@ class MultiTurnConfig:
     max_assistant_turns: int  # the trajectory ends after this many model turns
     max_tool_response_length: int  # tokens of one tool's response text (longer ones are cut)
     tool_timeout_s: float  # per turn's calls (they run concurrently); a late call answers an error
-    tool_workers: int  # threads running tool calls
+    tool_workers: int  # threads running tool calls (and interaction steps)
+    interaction_config_path: str | None  # YAML: interaction: [{name, class_name, config}] (simulated user / game)
+    max_user_turns: int  # interaction messages appended per trajectory (the first one, from reset, not counted)
+    offer_tools_in_prompt: bool  # tool schemas go to apply_chat_template(tools=...) when the template reads them
 
     def __post_init__(self) -> None:
         _check(self.max_assistant_turns >= 1, "rollout.multi_turn.max_assistant_turns", self.max_assistant_turns,
@@ -226,6 +229,8 @@ class MultiTurnConfig:
                self.max_tool_response_length, "must be >= 1 (tokens)")
         _check(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", self.tool_timeout_s, "must be > 0")
         _check(self.tool_workers >= 1, "rollout.multi_turn.tool_workers", self.tool_workers, "must be >= 1")
+        _check(self.max_user_turns >= 0, "rollout.multi_turn.max_user_turns", self.max_user_turns,
+               "must be >= 0 (0 = the interaction only scores the first turn)")
 
 
 @dataclass(frozen=True)

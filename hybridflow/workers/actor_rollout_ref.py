@@ -50,6 +50,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
             self.actor.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
+            chat_template=cfg.data.chat_template,
         )
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
                                        rollout_is=cfg.algorithm.rollout_is)
