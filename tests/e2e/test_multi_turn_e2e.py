@@ -41,9 +41,6 @@ def test_multi_turn_trains_through_the_stages(estimator: str, tmp_path: Path, al
         "data.max_response_length=96", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
         f"rollout.multi_turn.format={always_format}", "rollout.multi_turn.max_assistant_turns=3",
         f"rollout.stop_token_ids={list(range(3, 99, 3))}",  # short turns from a random model
-        # fp32 on GPU too: the test checks the bookkeeping (which tokens carry log-probs), not bf16 rounding, which
-        # alone moved the engine-vs-trainer log-probs by 4e-3 on an H200 (2026-12-01)
-        "model.dtype=float32",
     ])
     trainer = PPOTrainer(cfg)
     seen = []
@@ -72,6 +69,13 @@ def test_multi_turn_trains_through_the_stages(estimator: str, tmp_path: Path, al
     mask = b["response_mask"].bool()
     resp_len = b["attention_mask"][:, -b["responses"].shape[1]:].sum(1)
     assert (mask.sum(1) < resp_len).any(), "some trajectory must hold tool tokens"
-    diff = (out.batch["old_log_probs"] - b["rollout_log_probs"])[mask].abs().max()
-    assert diff < 1e-3, diff
+    trained, rolled = out.batch["old_log_probs"], b["rollout_log_probs"]
+    diff = (trained - rolled)[mask].abs().max()
+    # On GPU the rollout engine runs in bf16 whatever the trainer's dtype: its log-probs differ from the trainer's
+    # by 4e-3-6e-3 (max, H200, 2026-12-01), on CPU both are fp32.
+    assert diff < (5e-2 if torch.cuda.is_available() else 1e-3), diff
+    # Alignment: the same comparison one token off is far worse, so the bound above checks which tokens match.
+    both = mask[:, 1:] & mask[:, :-1]
+    shifted = (trained[:, 1:] - rolled[:, :-1])[both].abs().mean()
+    assert shifted > 10 * (trained - rolled)[mask].abs().mean(), shifted
     assert torch.all(b["rollout_log_probs"][~mask] == 0)
