@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,27 +177,31 @@ def environment() -> dict[str, str]:
     return run_env()
 
 
-def launch(part: Part, spec: dict[str, Any], limit_s: float, log: Any) -> dict[str, Any]:
-    """Run one part in a child process under `limit_s`; its row for lora_gpu.jsonl."""
+def launch(part: Part, spec: dict[str, Any], limit_s: float, log_path: Path) -> dict[str, Any]:
+    """Run one part in a child process (its own process group: a timeout kills its compile workers too) under
+    `limit_s`, its output streamed into `log_path`; its row for lora_gpu.jsonl."""
     row: dict[str, Any] = {"part": part.name, "runner": part.runner, "preset": spec["preset"],
                            "lora_rank": spec["lora_rank"] if part.lora else 0, "limit_s": round(limit_s)}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, open(log_path, "a") as log:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "benchmarks.lora_gpu", "--child", json.dumps(spec), "--result", str(result)]
-        log.write(f"\n===== {part.name}: {' '.join(cmd[:3])} (limit {limit_s:.0f}s)\n")
+        log.write(f"\n===== {part.name} (limit {limit_s:.0f}s): {json.dumps(spec)}\n")
         log.flush()
+        offset = log.tell()
         t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit_s)
-            output, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as err:
-            output = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+            rc: int | None = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = None
         row["wall_s"] = round(time.perf_counter() - t0, 1)
-        log.write(output)
-        log.flush()
         if result.exists():
             row["result"] = json.loads(result.read_text())
+    with open(log_path, errors="replace") as fh:
+        fh.seek(offset)
+        output = fh.read()
     oom = re.search(r"(OutOfMemoryError|CUDA out of memory)[^\n]*", output)
     if rc == 0:
         row["status"] = "ok"
@@ -241,7 +246,8 @@ def markdown(env: dict[str, str], rows: list[dict[str, Any]], args: argparse.Nam
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "–" if v is None else fmt.format(v)
 
-    lines = [f"LoRA on one GPU — {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}",
+    smoke = " [smoke: tiny shapes on CPU, part names as on the GPU]" if args.smoke else ""
+    lines = [f"LoRA on one GPU{smoke} — {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}",
              f"workload {args.prompts} prompts × {args.n}, {args.prompt_len} + {args.response_len} tokens; LoRA rank "
              f"{args.lora_rank}, alpha {args.lora_alpha:g}, all-linear; TRL: GRPOTrainer, HF generate (no vLLM)",
              "", "| part | status | steps | step s | gen s | update_actor s | switch ms (median / max) | peak GB "
@@ -310,7 +316,7 @@ def main() -> None:
     env = environment()
     deadline = time.perf_counter() + args.budget_s
     rows = []
-    with open(out / "lora_gpu.log", "a") as log, open(out / "lora_gpu.jsonl", "a") as jsonl:
+    with open(out / "lora_gpu.jsonl", "a") as jsonl:
         for name in names:
             part = known[name]
             spec = part_spec(part, args)
@@ -319,10 +325,10 @@ def main() -> None:
             if part.runner == "trl" and importlib.util.find_spec("trl") is None:
                 row = {"part": name, "runner": "trl", "status": "skipped: trl not importable (carry its wheels, "
                        "see benchmarks/lora_gpu_round.sh)"}
-            elif limit < 20:
+            elif left < 20:
                 row = {"part": name, "runner": part.runner, "status": f"skipped: {left:.0f}s of --budget-s left"}
             else:
-                row = launch(part, spec, limit, log)
+                row = launch(part, spec, limit, out / "lora_gpu.log")
             row["env"] = env
             rows.append(row)
             jsonl.write(json.dumps(row, default=str) + "\n")

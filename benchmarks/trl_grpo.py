@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer = GRPOTrainer(model=model, reward_funcs=length_mod5, args=conf, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepClock()], peft_config=peft_config)
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total_params = sum(p.numel() for p in trainer.model.parameters())
     start = time.perf_counter()
     trainer.train()
     step_s = [b - a for a, b in zip(ends, ends[1:])]
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "first_step_s": ends[0] - start if ends else None, "step_s": step_s, "gen_s": gen_s,
            "median_step_s": float(np.median(step_s)) if step_s else None,
            "median_gen_s": float(np.median(gen_s)) if gen_s else None, "peak_memory_gb": peaks,
-           "trainable_params": trained,
+           "trainable_params": trained, "total_params": total_params,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     return res
 
