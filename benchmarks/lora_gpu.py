@@ -67,10 +67,10 @@ def parts(lora_overrides: tuple[str, ...]) -> dict[str, Part]:
     return {p.name: p for p in [
         Part("lora_7b", "hybridflow", "qwen2.5-7b", True, lora_run, timeout_s=210),
         Part("trl_7b", "trl", "qwen2.5-7b", True, timeout_s=180, steps_key="trl_steps"),
-        Part("lora_1.5b", "hybridflow", "qwen2.5-1.5b", True, lora_run, timeout_s=75, steps_key="mem_steps"),
-        Part("full_1.5b", "hybridflow", "qwen2.5-1.5b", False, full_run, timeout_s=75, steps_key="mem_steps"),
+        Part("lora_1.5b", "hybridflow", "qwen2.5-1.5b", True, lora_run, timeout_s=90, steps_key="mem_steps"),
+        Part("full_1.5b", "hybridflow", "qwen2.5-1.5b", False, full_run, timeout_s=90, steps_key="mem_steps"),
         Part("full_7b_offload", "hybridflow", "qwen2.5-7b", False,
-             (*SEVEN_B, *tuned, "actor.fsdp.optimizer_offload=true"), timeout_s=120, steps_key="mem_steps"),
+             (*SEVEN_B, *tuned, "actor.fsdp.optimizer_offload=true"), timeout_s=150, steps_key="mem_steps"),
         Part("switch_0.5b", "hybridflow", "qwen2.5-0.5b", True, (*tuned, *KEEP_RESIDENT, *lora_overrides),
              small=True, steps_key="switch_steps"),
         Part("switch_0.5b_full", "hybridflow", "qwen2.5-0.5b", False, (*tuned, *KEEP_RESIDENT), small=True,
@@ -80,7 +80,7 @@ def parts(lora_overrides: tuple[str, ...]) -> dict[str, Part]:
 
 DEFAULT_PARTS = "lora_7b,trl_7b,lora_1.5b,full_1.5b,full_7b_offload"
 SMOKE = dict(device="cpu", prompts=4, n=2, prompt_len=16, response_len=8, lora_rank=4, lora_alpha=8.0, warmup=0,
-             steps=1, trl_steps=1, mem_steps=1, switch_steps=2, budget_s=3600.0)
+             steps=1, trl_steps=1, mem_steps=1, mem_warmup=0, switch_steps=2, budget_s=3600.0)
 
 
 # ------------------------------------------------------------------------------------------------ child side
@@ -172,9 +172,23 @@ def child(spec_json: str, result_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- parent side
 def environment() -> dict[str, str]:
-    from benchmarks.run import environment as run_env
+    """Date, commit, GPU, torch — without creating a CUDA context in this process (the parts need the memory)."""
+    import platform
 
-    return run_env()
+    commit = os.environ.get("BENCH_COMMIT", "")  # the device copy's git metadata can lag the tree
+    if not commit:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+        commit = git.stdout.strip() or "unknown"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=False, timeout=30)
+        gpu = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else "cpu"
+    except (OSError, subprocess.TimeoutExpired):
+        gpu = "cpu"
+    import torch  # no CUDA context: only torch.cuda calls would create one
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "gpu": gpu,
+            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def launch(part: Part, spec: dict[str, Any], limit_s: float, log_path: Path) -> dict[str, Any]:
@@ -217,7 +231,8 @@ def launch(part: Part, spec: dict[str, Any], limit_s: float, log_path: Path) -> 
 def part_spec(part: Part, args: argparse.Namespace) -> dict[str, Any]:
     preset = "tiny" if args.smoke else part.preset
     steps = getattr(args, part.steps_key)
-    warmup = max(args.warmup, 2) if part.small and not args.smoke else args.warmup  # graphs, compile, allocator
+    warmup = {"steps": args.warmup, "trl_steps": 1, "mem_steps": args.mem_warmup,
+              "switch_steps": args.warmup if args.smoke else max(args.warmup, 2)}[part.steps_key]
     return {"name": part.name, "runner": part.runner, "preset": preset, "lora": part.lora,
             "overrides": [*part.overrides, *args.override], "device": args.device, "prompts": args.prompts,
             "n": args.n, "prompt_len": args.prompt_len, "response_len": args.response_len, "small": part.small,
@@ -283,7 +298,9 @@ def main() -> None:
     ap.add_argument("--lora-alpha", type=float, default=64.0)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile, CUDA graphs)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps of lora_7b")
-    ap.add_argument("--mem-steps", type=int, default=1, help="timed steps of the 1.5B parts and full_7b_offload")
+    ap.add_argument("--mem-steps", type=int, default=1, help="steps of the 1.5B parts and full_7b_offload")
+    ap.add_argument("--mem-warmup", type=int, default=0,
+                    help="untimed steps before those (0: the peak of step 1 counts; its time includes compilation)")
     ap.add_argument("--trl-steps", type=int, default=1, help="timed TRL steps (after one warm-up step)")
     ap.add_argument("--switch-steps", type=int, default=8, help="timed steps of the switch parts")
     ap.add_argument("--trl-ga", type=int, default=8, help="TRL gradient accumulation steps per optimizer step")
