@@ -139,6 +139,11 @@ def test_exports_reproduce_the_trained_policy(dist_group, tmp_path) -> None:
 
     peft_model = PeftModel.from_pretrained(load_module(cfg.model, "lm"), str(adapter_dir)).eval()
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    params = {n: _local(p) for n, p in engine.module.named_parameters()}
+    exported = merged.state_dict()
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):  # W + (alpha/r)·B·A, naively
+        w, a, b = (params[f"{layer}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
+        torch.testing.assert_close(exported[f"{layer}.weight"], w + (8 / 4) * b @ a, atol=1e-6, rtol=0)
     for name, model in (("PeftModel.from_pretrained", peft_model), ("merged export", merged)):
         torch.testing.assert_close(_hf_response_logprobs(model, data), policy, atol=2e-5, rtol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")
