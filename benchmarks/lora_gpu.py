@@ -43,7 +43,9 @@ from typing import Any
 # The example's 7B set-up (examples/grpo_lora_7b.yaml) for the training passes.
 SEVEN_B = ("model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=true",
            "actor.ppo_max_token_len_per_gpu=16384", "actor.log_prob_max_token_len_per_gpu=32768")
-# Keeping bf16 unsharded copies and the KV cache between steps costs ~15 GB at 7B: not for full fine-tuning.
+# The GPU round's tuned settings (benchmarks/run.py, TUNED_COMMON), in two halves: keeping the bf16 unsharded copies
+# and the KV cache between steps costs ~20 GB at 7B, so not for the full-parameter 7B part, which needs every GB.
+TUNED = ("actor.logprob_chunk_size=4096", "actor.fsdp.defer_grad_sync=true")
 KEEP_RESIDENT = ("rollout.free_cache_engine=false", "actor.fsdp.reshard_after_forward=false")
 
 
@@ -59,23 +61,21 @@ class Part:
     steps_key: str = "steps"  # which --*steps flag counts its timed steps
 
 
-def parts(lora_overrides: tuple[str, ...]) -> dict[str, Part]:
-    """Every part, in the order they run."""
-    tuned = ("actor.logprob_chunk_size=4096", "actor.fsdp.defer_grad_sync=true")
-    lora_run = (*SEVEN_B, *tuned, *KEEP_RESIDENT, *lora_overrides)
-    full_run = (*SEVEN_B, *tuned, *KEEP_RESIDENT)
-    return {p.name: p for p in [
-        Part("lora_7b", "hybridflow", "qwen2.5-7b", True, lora_run, timeout_s=210),
-        Part("trl_7b", "trl", "qwen2.5-7b", True, timeout_s=180, steps_key="trl_steps"),
-        Part("lora_1.5b", "hybridflow", "qwen2.5-1.5b", True, lora_run, timeout_s=90, steps_key="mem_steps"),
-        Part("full_1.5b", "hybridflow", "qwen2.5-1.5b", False, full_run, timeout_s=90, steps_key="mem_steps"),
-        Part("full_7b_offload", "hybridflow", "qwen2.5-7b", False,
-             (*SEVEN_B, *tuned, "actor.fsdp.optimizer_offload=true"), timeout_s=150, steps_key="mem_steps"),
-        Part("switch_0.5b", "hybridflow", "qwen2.5-0.5b", True, (*tuned, *KEEP_RESIDENT, *lora_overrides),
-             small=True, steps_key="switch_steps"),
-        Part("switch_0.5b_full", "hybridflow", "qwen2.5-0.5b", False, (*tuned, *KEEP_RESIDENT), small=True,
-             steps_key="switch_steps"),
-    ]}
+# Every part, in the order they run (the LoRA parts get model.lora.* from --lora-rank / --lora-alpha).
+PARTS = {p.name: p for p in [
+    Part("lora_7b", "hybridflow", "qwen2.5-7b", True, (*SEVEN_B, *TUNED, *KEEP_RESIDENT), timeout_s=210),
+    Part("trl_7b", "trl", "qwen2.5-7b", True, timeout_s=180, steps_key="trl_steps"),
+    Part("lora_1.5b", "hybridflow", "qwen2.5-1.5b", True, (*SEVEN_B, *TUNED, *KEEP_RESIDENT), timeout_s=90,
+         steps_key="mem_steps"),
+    Part("full_1.5b", "hybridflow", "qwen2.5-1.5b", False, (*SEVEN_B, *TUNED, *KEEP_RESIDENT), timeout_s=90,
+         steps_key="mem_steps"),
+    Part("full_7b_offload", "hybridflow", "qwen2.5-7b", False, (*SEVEN_B, *TUNED, "actor.fsdp.optimizer_offload=true"),
+         timeout_s=150, steps_key="mem_steps"),
+    Part("switch_0.5b", "hybridflow", "qwen2.5-0.5b", True, (*TUNED, *KEEP_RESIDENT), small=True,
+         steps_key="switch_steps"),
+    Part("switch_0.5b_full", "hybridflow", "qwen2.5-0.5b", False, (*TUNED, *KEEP_RESIDENT), small=True,
+         steps_key="switch_steps"),
+]}
 
 
 DEFAULT_PARTS = "lora_7b,trl_7b,lora_1.5b,full_1.5b,full_7b_offload"
@@ -128,7 +128,7 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
                 m["perf/step_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 m["perf/step_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
                 m["perf/after_step_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
-            res["steps"].append({k: v for k, v in m.items() if k.startswith(("timing/", "perf/"))})
+            res["steps"].append({k: v for k, v in m.items() if k.startswith(("timing/", "perf/", "actor/mfu"))})
             print(f"{spec['name']} step {i}: {m['timing/step']:.3f}s switch {m.get('timing/switch', 0) * 1e3:.1f}ms "
                   f"peak {m.get('perf/step_peak_memory_gb', 0):.1f}GB", flush=True)
             save(res)
@@ -145,6 +145,7 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
 
 
 def run_trl(spec: dict[str, Any], save: Any) -> dict[str, Any]:
+    """TRL's GRPOTrainer through `benchmarks/trl_grpo.py` with the same LoRA as a `peft_config` (bf16 base on GPU)."""
     from benchmarks import trl_grpo
 
     w = workload(spec)
@@ -155,7 +156,6 @@ def run_trl(spec: dict[str, Any], save: Any) -> dict[str, Any]:
         "--lora-alpha", str(spec["lora_alpha"]), "--dtype", "float32" if spec["smoke"] else "bfloat16"])
     res = trl_grpo.run(args)
     res["peak_gb"] = max(res["peak_memory_gb"], default=None)
-    save(res)
     return res
 
 
@@ -253,7 +253,7 @@ def summary_row(row: dict[str, Any]) -> dict[str, Any]:
             "update_s": med.get("timing/update_actor"), "switch_ms": (r.get("switch_ms") or {}).get("median"),
             "switch_max_ms": (r.get("switch_ms") or {}).get("max"),
             "peak_gb": r.get("peak_gb") or med.get("perf/step_peak_memory_gb"),
-            "gen_peak_gb": med.get("perf/gen_peak_memory_gb"), "resting_gb": r.get("resting_gb"),
+            "gen_peak_gb": med.get("perf/gen_peak_memory_gb"), "resident_gb": med.get("perf/after_step_allocated_gb"),
             "startup_s": r.get("startup_s"), "steps_done": len(r.get("steps") or [])}
 
 
@@ -266,7 +266,7 @@ def markdown(env: dict[str, str], rows: list[dict[str, Any]], args: argparse.Nam
              f"workload {args.prompts} prompts × {args.n}, {args.prompt_len} + {args.response_len} tokens; LoRA rank "
              f"{args.lora_rank}, alpha {args.lora_alpha:g}, all-linear; TRL: GRPOTrainer, HF generate (no vLLM)",
              "", "| part | status | steps | step s | gen s | update_actor s | switch ms (median / max) | peak GB "
-             "| gen peak GB | resting GB | startup s | wall s |", "|" + "---|" * 12]
+             "| gen peak GB | resident GB after a step | startup s | wall s |", "|" + "---|" * 12]
     by = {r["part"]: summary_row(r) for r in rows}
     for r in rows:
         s = by[r["part"]]
@@ -274,7 +274,7 @@ def markdown(env: dict[str, str], rows: list[dict[str, Any]], args: argparse.Nam
             if s.get("switch_ms") is not None else "–"
         lines.append(f"| {r['part']} | {r['status']} | {s.get('steps_done', 0)} | {f(s.get('step_s'))} "
                      f"| {f(s.get('gen_s'))} | {f(s.get('update_s'))} | {switch} | {f(s.get('peak_gb'), '{:.1f}')} "
-                     f"| {f(s.get('gen_peak_gb'), '{:.1f}')} | {f(s.get('resting_gb'), '{:.1f}')} "
+                     f"| {f(s.get('gen_peak_gb'), '{:.1f}')} | {f(s.get('resident_gb'), '{:.1f}')} "
                      f"| {f(s.get('startup_s'), '{:.0f}')} | {f(r.get('wall_s'), '{:.0f}')} |")
     ours, trl = (by.get("lora_7b") or {}).get("step_s"), (by.get("trl_7b") or {}).get("step_s")
     if ours and trl:
@@ -317,7 +317,7 @@ def main() -> None:
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
-    known = parts(())
+    known = PARTS
     names = [p for p in args.parts.split(",") if p]
     unknown = [p for p in names if p not in known]
     if unknown:
