@@ -102,6 +102,8 @@ class DataConfig:
     prefetch_factor: int | None
     persistent_workers: bool
     chat_template: str | None  # null = tokenizer's template (plain "User: ... Assistant:" if none) | raw | jinja
+    chosen_key: str = "chosen"  # preference data (rm, dpo): the preferred response's column (verl / OpenRLHF name)
+    rejected_key: str = "rejected"  # the other response's column
 
     def __post_init__(self) -> None:
         _one_of("data.truncation", self.truncation, ("error", "left", "right", "filter"))
