@@ -111,7 +111,8 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         elif self.spec.uses_lora:
             out = self.engine.infer(data, self.train_head, disable_adapters=True)
         else:
-            raise ValueError("this supervised worker has no reference: build it with ref_spec (or LoRA adapters)")
+            raise ValueError("this supervised worker has no reference: build it with ref_spec (or LoRA adapters); "
+                             "after dpo.precompute_ref the reference is freed and its log-probs come from the cache")
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

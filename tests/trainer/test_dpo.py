@@ -12,6 +12,7 @@ import torch
 
 from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config
+from hybridflow.controller.errors import WorkerError
 from hybridflow.trainer.dpo import DPOTrainer
 
 NONDETERMINISTIC = ("timing/", "tokens_per_s", "step_time_s", "mfu")
@@ -94,9 +95,10 @@ def test_precomputed_reference_equals_per_batch_and_frees_the_model(tmp_path) ->
         cached = alg.ref_cache["train"].lookup(batch)
         mask = batch.batch["response_mask"].bool()
         assert cached.shape == per_batch.shape and not cached[~mask].any()
-        # the same model on the same tokens; only the batch composition differs (packed widths, other kernels' sums)
+        # the same model on the same tokens in another batch (bit-equal at the default CPU numerics; other kernels,
+        # e.g. the AVX2 emulation, may round a packed batch of another width differently)
         torch.testing.assert_close(cached, per_batch * mask, rtol=0, atol=1e-5)
-        with pytest.raises(ValueError, match="no reference"):  # nothing can silently fall back to a freed model
+        with pytest.raises(WorkerError, match="no reference"):  # nothing can silently fall back to a freed model
             alg.group.compute_ref_log_prob(batch)
     finally:
         trainer.close()
@@ -106,10 +108,10 @@ def test_precompute_ref_trains_like_per_batch(tmp_path) -> None:
     per_batch, _ = _fit(tmp_path / "a", "dpo.total_steps=3", "trainer.test_freq=3")
     pre, worker = _fit(tmp_path / "b", "dpo.total_steps=3", "trainer.test_freq=3", "dpo.precompute_ref=true")
     assert worker.ref is None
-    for key in ("dpo/loss", "rewards/margins", "logps/chosen"):
-        assert [m[key] for m in pre] == pytest.approx([m[key] for m in per_batch], rel=1e-4, abs=1e-6), key
+    for key in ("dpo/loss", "rewards/margins", "logps/chosen", "dpo/grad_norm"):
+        assert [m[key] for m in pre] == pytest.approx([m[key] for m in per_batch], rel=1e-4, abs=1e-5), key
     assert pre[-1]["val/loss"] == pytest.approx(per_batch[-1]["val/loss"], rel=1e-4)
-    assert pre[0]["rewards/margins"] == 0.0  # step 1: the cached reference is the policy, exactly
+    assert pre[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # step 1: the cached reference is the policy
 
 
 @pytest.mark.parametrize("override,key", [("dpo.loss_type=kto", "dpo.loss_type"), ("dpo.beta=0", "dpo.beta"),
