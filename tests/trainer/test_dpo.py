@@ -60,9 +60,10 @@ def test_simpo_is_reference_free(tmp_path) -> None:
     assert math.isfinite(history[-1]["dpo/loss"])
 
 
-def test_resume_is_bit_exact(tmp_path) -> None:
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resume_is_bit_exact(tmp_path, precompute: bool) -> None:
     ckpt = ("trainer.checkpoint.save_freq=2", "trainer.checkpoint.async_save=false", "trainer.resume_mode=auto",
-            "dpo.total_steps=4")
+            "dpo.total_steps=4", f"dpo.precompute_ref={str(precompute).lower()}")
     straight, a = _fit(tmp_path / "a", *ckpt)
     # the interrupted run: stops after step 2 (saved there; the LR schedule is still sized for 4), then a fresh
     # trainer resumes to 4

@@ -116,3 +116,8 @@ def test_cli_online_flag(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "online dpo done: 1 logged steps" in out.out and "val/accuracy=" in out.out
+
+
+def test_train_command_refuses_online_dpo(capsys) -> None:
+    assert main(["train", "trainer.device=cpu", "dpo.online=true", "rollout.n=2"]) == 2
+    assert "run by `hybridflow dpo`" in capsys.readouterr().err
