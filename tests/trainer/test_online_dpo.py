@@ -38,7 +38,9 @@ def _fit(cfg, crash_at: int | None = None):
     trainer.step = crashing
     try:
         trainer.fit()
-        worker = trainer.algorithm.groups.actor.worker_group._handles[0].worker.roles["actor_rollout_ref"]
+        worker = None  # the local backend's in-process actor worker (Ray's live in other processes)
+        if cfg.trainer.backend == "local":
+            worker = trainer.algorithm.groups.actor.worker_group._handles[0].worker.roles["actor_rollout_ref"]
     except SimulatedCrash:
         assert crash_at is not None
         worker = None
@@ -121,3 +123,34 @@ def test_cli_online_flag(tmp_path: Path, capsys) -> None:
 def test_train_command_refuses_online_dpo(capsys) -> None:
     assert main(["train", "trainer.device=cpu", "dpo.online=true", "rollout.n=2"]) == 2
     assert "run by `hybridflow dpo`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", ["simpo", "ipo"])
+def test_other_losses_run_online(tmp_path: Path, loss: str) -> None:
+    extra = ("dpo.beta=2.0",) if loss == "simpo" else ()
+    history, worker = _fit(_cfg(tmp_path, "trainer.total_training_steps=2", f"dpo.loss_type={loss}", *extra))
+    assert (worker.ref is None) == (loss == "simpo")  # SimPO: reference-free, no second model
+    trained = [m for m in history if m["online_dpo/pairs"]]
+    assert trained and all(math.isfinite(m["actor/loss"]) for m in trained)
+
+
+@pytest.mark.ray
+def test_two_ranks_hold_whole_pairs(tmp_path: Path) -> None:
+    common = ("trainer.total_training_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+              "actor.ppo_micro_batch_size_per_gpu=4", "trainer.checkpoint.save_freq=0")
+    local, _ = _fit(tiny_ppo_config(tmp_path, tmp_path / "l", 8, "dpo.online=true", "dpo.beta=0.5", *common))
+    threads = torch.get_num_threads()
+    try:
+        ray, _ = _fit(tiny_ppo_config(tmp_path, tmp_path / "r", 8, "dpo.online=true", "dpo.beta=0.5", *common,
+                                      "trainer.backend=ray", "trainer.n_gpus_per_node=2"))
+    finally:
+        torch.set_num_threads(threads)
+    l1, r1 = local[0], ray[0]
+    # the same samples and pairs (seeds per prompt), trimmed to whole pairs on each of the 2 ranks
+    assert r1["reward/score/mean"] == pytest.approx(l1["reward/score/mean"], abs=1e-6)
+    assert r1["online_dpo/pairs"] == l1["online_dpo/pairs"] // 2 * 2 > 0
+    assert r1["online_dpo/dropped_pairs"] == l1["online_dpo/pairs"] % 2
+    assert r1["actor/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for m in ray:  # every step (local step 2 pairs 7 prompts: 6 trained on 2 ranks, 1 dropped)
+        assert m["online_dpo/pairs"] % 2 == 0 and math.isfinite(m["actor/loss"])
+        assert m["online_dpo/pairs"] + m["online_dpo/dropped_pairs"] + m["online_dpo/tied_groups"] == 8
