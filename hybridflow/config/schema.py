@@ -102,6 +102,8 @@ class DataConfig:
     prefetch_factor: int | None
     persistent_workers: bool
     chat_template: str | None  # null = tokenizer's template (plain "User: ... Assistant:" if none) | raw | jinja
+    chosen_key: str = "chosen"  # preference data (rm, dpo): the preferred response's column (verl / OpenRLHF name)
+    rejected_key: str = "rejected"  # the other response's column
 
     def __post_init__(self) -> None:
         _one_of("data.truncation", self.truncation, ("error", "left", "right", "filter"))
@@ -629,6 +631,10 @@ class DPOConfig:
     optim: OptimConfig
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
     synthetic_mix: dict[str, float]  # built-in task pairs: weights of the rejected kinds; {} = the task's default
+    precompute_ref: bool = False  # reference log-probs of every pair in a first pass, then the reference is freed
+    online: bool = False  # online DPO: pairs sampled by the rollout engine (rollout.n per prompt), ranked by reward.*;
+    # the run is then sized like `hybridflow train` (data.train_batch_size prompts, trainer.total_training_steps,
+    # actor.optim); dpo.* gives the loss (loss_type, beta, label_smoothing, gamma) and init_from
 
     def __post_init__(self) -> None:
         from hybridflow.algorithms.preference import PREFERENCE_LOSSES
