@@ -10,9 +10,10 @@ no tool calls, so a test format calls the `sleep` tool after every turn (it slee
 `--tool-tokens` tokens); a turn ends on any of V / `--turn-len` stop ids (geometric turn lengths, mean ≈ turn-len),
 the 3rd turn ends the trajectory. Three runs after one warm-up each:
 - single-turn: the same prompts, `ignore_eos`, max_new = the multi-turn run's mean model tokens per trajectory;
-- multi-turn, KV reuse (what the engine does): `ModelRunner.extend` prefills only the appended tool tokens;
-- multi-turn, re-prefill: `extend` replaced by a version that recomputes the whole history's K/V (prompt + every
-  earlier turn + the tool tokens) each turn — what an engine without KV reuse pays.
+- multi-turn, KV reuse (what the engine does): `ModelRunner.extend_many` prefills only the appended tool tokens, all
+  slots whose tools finished together in one batched forward;
+- multi-turn, re-prefill: `extend_many` replaced by a version that recomputes the whole history's K/V (prompt +
+  every earlier turn + the tool tokens) each turn, one slot at a time — what an engine without KV reuse pays.
 Tokens/s counts model-sampled tokens only (tool tokens are not generated).
 """
 
@@ -75,19 +76,22 @@ class SleepTool(Tool):
 
 
 def reprefill_extend(prompt_ids: torch.Tensor):
-    """A `ModelRunner.extend` that recomputes the history instead of reusing the cache (prompts are unpadded and
-    identical, so the history of any slot is `prompt_ids` + its response so far + the new ids)."""
+    """A `ModelRunner.extend_many` that recomputes each slot's history instead of reusing the cache (prompts are
+    unpadded and identical, so the history of any slot is `prompt_ids` + its response so far + the new ids); one
+    slot per forward, as re-prefilling engines without varlen batching do."""
 
-    def extend(self: ModelRunner, slot: int, new_ids: list[int], prompt_width: int, resp_pos0: int) -> int:
+    def one(self: ModelRunner, slot: int, new_ids: list[int]) -> int:
         dev = self.device
         step, k, P = int(self.step[slot]), len(new_ids), prompt_ids.numel()
         hist = torch.cat([prompt_ids.to(dev), self.out_tok[slot, :step],
                           torch.tensor(new_ids, dtype=torch.long, device=dev)])
         self.valid[slot, :] = False
-        logits = forward.extend(self.weights, self.spec, self.rope, hist, torch.arange(P + step + k, device=dev),
-                                self.cache, slot, 0, self.valid[slot])
-        counter = torch.tensor([step + k], dtype=torch.long, device=dev)
-        tok, logp = self.ops.sample(logits[None], self.mode, self.temperature, self.top_k, self.top_p,
+        t = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
+        logits = forward.extend_batch(self.weights, self.spec, self.rope, hist[None],
+                                      torch.arange(P + step + k, device=dev)[None], t(hist.numel()), self.cache,
+                                      t(slot), t(0), self.valid)
+        counter = t(step + k)
+        tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
                                     self.seed[slot: slot + 1], counter)
         self.out_tok[slot, step: step + k] = hist[P + step:]
         self.out_logp[slot, step: step + k] = 0.0
@@ -98,7 +102,10 @@ def reprefill_extend(prompt_ids: torch.Tensor):
         self.done[slot] = self.is_stop[tok[0]] | (new_len >= self.max_new[slot])
         return new_len
 
-    return extend
+    def extend_many(self: ModelRunner, items: list[tuple[int, list[int], int]], prompt_width: int) -> list[int]:
+        return [one(self, slot, new_ids) for slot, new_ids, _ in items]
+
+    return extend_many
 
 
 def timed_generate(engine: RolloutEngine, prompts: DataProto, params: SamplingParams) -> tuple[DataProto, float]:
@@ -154,12 +161,12 @@ def main() -> None:
     m = out.meta_info["metrics"]
     model_tokens = int(out.batch["response_mask"].sum())
     lengths = out.batch["attention_mask"][:, P:].sum(1).float()
-    original = ModelRunner.extend
-    ModelRunner.extend = reprefill_extend(prompt)
+    original = ModelRunner.extend_many
+    ModelRunner.extend_many = reprefill_extend(prompt)
     try:
         out_re, t_re = timed_generate(engine, prompts, multi)
     finally:
-        ModelRunner.extend = original
+        ModelRunner.extend_many = original
     same_seq = bool(torch.equal(out_re.batch["responses"], out.batch["responses"]))
     logp_diff = float((out_re.batch["rollout_log_probs"] - out.batch["rollout_log_probs"]).abs().max())
     re_tokens = int(out_re.batch["response_mask"].sum())

@@ -213,27 +213,36 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)
 
 
-def extend(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_K: torch.Tensor, pos_K: torch.Tensor,
-           cache: KVCache, slot: int, col0: int, valid_T: torch.Tensor) -> torch.Tensor:
-    """Append K tokens to one slot (multi-turn: the last sampled token, then tool/user tokens): write their K/V at
-    columns [col0, col0 + K), attend to the slot's valid columns before col0 and causally among themselves;
-    earlier turns are read from the cache, never recomputed. Marks the new columns valid; last logits [V]."""
-    K = ids_K.shape[0]
+def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch.Tensor, pos_SK: torch.Tensor,
+                 lens_S: torch.Tensor, cache: KVCache, slots_S: torch.Tensor, col0_S: torch.Tensor,
+                 valid_XT: torch.Tensor) -> torch.Tensor:
+    """`extend` for S slots in one forward: slot `slots_S[i]` appends the first `lens_S[i]` tokens of row i of
+    `ids_SK` (right-padded) at cache columns [col0_S[i], col0_S[i] + lens_S[i]); each token attends to its slot's
+    valid columns before col0 and causally to the new ones. Padding tokens write nothing and are not returned.
+    Marks the new columns valid in `valid_XT` (all slots' rows); the last real token's logits [S, V]."""
+    S, K = ids_SK.shape
+    dev = ids_SK.device
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     group = spec.num_heads // spec.num_kv_heads
-    end = col0 + K
-    valid_T[col0:end] = True
-    mask_KC = valid_T[:end][None].repeat(K, 1)
-    mask_KC[:, col0:] &= torch.ones(K, K, dtype=torch.bool, device=ids_K.device).tril()
-    x = F.embedding(ids_K, w.embed)[None]
-    cos, sin = rope.cos[pos_K][None], rope.sin[pos_K][None]
+    j = torch.arange(K, device=dev)
+    real_SK = j[None] < lens_S[:, None]
+    cols_SK = col0_S[:, None] + j[None]
+    s_idx, c_idx = slots_S[:, None].expand(S, K)[real_SK], cols_SK[real_SK]
+    valid_XT[s_idx, c_idx] = True
+    end = int((col0_S + lens_S).max())
+    c = torch.arange(end, device=dev)
+    mask_SKC = valid_XT[slots_S, :end][:, None, :] & (c[None, None, :] <= cols_SK[:, :, None])
+    x = F.embedding(ids_SK, w.embed)
+    cos, sin = rope.cos[pos_SK], rope.sin[pos_SK]
     for layer, lw in enumerate(w.layers):
-        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, K, D]
-        cache.k[layer][slot, :, col0:end] = k[0]
-        cache.v[layer][slot, :, col0:end] = v[0]
-        kc = cache.k[layer][slot: slot + 1, :, :end].repeat_interleave(group, dim=1)
-        vc = cache.v[layer][slot: slot + 1, :, :end].repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask_KC[None, None])
+        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
+        cache.k[layer][s_idx, :, c_idx] = k[real_SK]
+        cache.v[layer][s_idx, :, c_idx] = v[real_SK]
+        kc = cache.k[layer][slots_S, :, :end].repeat_interleave(group, dim=1)
+        vc = cache.v[layer][slots_S, :, :end].repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask_SKC[:, None])
         x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
-    return F.linear(rms_norm(x[0, -1], w.norm, spec.eps), w.lm_head)
+    last = x[torch.arange(S, device=dev), lens_S - 1]
+    return F.linear(rms_norm(last, w.norm, spec.eps), w.lm_head)
+
+

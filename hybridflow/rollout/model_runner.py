@@ -129,31 +129,57 @@ class ModelRunner:
         self.done[slot_t] = stop | (max_new <= 1)
 
     def extend(self, slot: int, new_ids: list[int], prompt_width: int, resp_pos0: int) -> int:
-        """Multi-turn: append `new_ids` (tool/user tokens) to a finished slot's response, prefill only them (and the
-        turn's last sampled token, whose K/V no step wrote yet), sample the next model token and make the slot live
-        again. Returns the slot's new response length. The slot's `tok`/`pos`/`cidx`/`valid` drifted while it
-        waited (finished rows keep stepping, masked), so they are rebuilt from `step`, which never drifts."""
+        """`extend_many` for one slot; returns its new response length."""
+        return self.extend_many([(slot, new_ids, resp_pos0)], prompt_width)[0]
+
+    def extend_many(self, items: list[tuple[int, list[int], int]], prompt_width: int) -> list[int]:
+        """Multi-turn: for each (slot, new_ids, resp_pos0), append `new_ids` (tool/user tokens) to that finished
+        slot's response, prefill only them (and the turn's last sampled token, whose K/V no step wrote yet) — all
+        slots in one batched forward — sample each slot's next model token and make the slots live again. Returns
+        the new response lengths. A waiting slot's `tok`/`pos`/`cidx`/`valid` drifted (finished rows keep stepping,
+        masked), so they are rebuilt from `step`, which never drifts."""
         dev = self.device
-        step = int(self.step[slot])
-        k = len(new_ids)
-        assert step + k < self.max_new[slot], (step, k, int(self.max_new[slot]))
-        col0 = prompt_width + step - 1  # the column of response token step - 1
-        ids = torch.cat([self.out_tok[slot, step - 1: step], torch.tensor(new_ids, dtype=torch.long, device=dev)])
-        pos = resp_pos0 + step - 1 + torch.arange(k + 1, device=dev)
-        self.valid[slot, col0:] = False
-        logits = forward.extend(self.weights, self.spec, self.rope, ids, pos, self.cache, slot, col0, self.valid[slot])
-        counter = torch.tensor([step + k], dtype=torch.long, device=dev)  # the sampler's step = the token's index
-        tok, logp = self.ops.sample(logits[None], self.mode, self.temperature, self.top_k, self.top_p,
-                                    self.seed[slot: slot + 1], counter)
-        self.out_tok[slot, step: step + k] = ids[1:]
-        self.out_logp[slot, step: step + k] = 0.0
-        self.out_tok[slot, step + k] = tok[0]
-        self.out_logp[slot, step + k] = logp[0]
-        new_len = step + k + 1
-        self.tok[slot], self.step[slot] = tok[0], new_len
-        self.cidx[slot], self.pos[slot] = col0 + k + 1, pos[-1] + 1
-        self.done[slot] = self.is_stop[tok[0]] | (new_len >= self.max_new[slot])
-        return new_len
+        slots = [s for s, _, _ in items]
+        slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        steps = self.step[slots_t].tolist()
+        max_new = self.max_new[slots_t].tolist()
+        lens = [len(ids) + 1 for _, ids, _ in items]
+        K = max(lens)
+        ids = torch.full((len(items), K), self.pad_id, dtype=torch.long)
+        pos = torch.zeros(len(items), K, dtype=torch.long)
+        for i, (_, new_ids, resp_pos0) in enumerate(items):
+            k, step = len(new_ids), steps[i]
+            assert step + k < max_new[i], (step, k, max_new[i])
+            ids[i, 1: k + 1] = torch.tensor(new_ids, dtype=torch.long)
+            first = resp_pos0 + step - 1
+            pos[i] = torch.arange(first, first + K).clamp(max=first + k)  # padding repeats the last position
+        steps_t = torch.tensor(steps, dtype=torch.long, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        ids = ids.to(dev)
+        ids[:, 0] = self.out_tok[slots_t, steps_t - 1]
+        col0 = prompt_width + steps_t - 1  # the column of response token step - 1
+        cols = torch.arange(self.valid.shape[1], device=dev)
+        self.valid[slots_t] &= cols[None] < col0[:, None]
+        logits = forward.extend_batch(self.weights, self.spec, self.rope, ids, pos.to(dev), lens_t, self.cache,
+                                      slots_t, col0, self.valid)
+        k_t = lens_t - 1
+        counter = steps_t + k_t  # the sampler's step = the token's index
+        tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
+                                    self.seed[slots_t], counter)
+        j = torch.arange(K - 1, device=dev)
+        new_SK = j[None] < k_t[:, None]
+        rows = slots_t[:, None].expand_as(new_SK)[new_SK]
+        out_cols = (steps_t[:, None] + j[None])[new_SK]
+        self.out_tok[rows, out_cols] = ids[:, 1:][new_SK]
+        self.out_logp[rows, out_cols] = 0.0
+        self.out_tok[slots_t, counter] = tok
+        self.out_logp[slots_t, counter] = logp
+        new_len = counter + 1
+        self.tok[slots_t], self.step[slots_t] = tok, new_len
+        self.cidx[slots_t] = col0 + k_t + 1
+        self.pos[slots_t] = pos.to(dev)[torch.arange(len(items), device=dev), k_t] + 1
+        self.done[slots_t] = self.is_stop[tok] | (new_len >= self.max_new[slots_t])
+        return new_len.tolist()
 
     # --------------------------------------------------------------------------------------------------- decode
     def _step(self, b: int, L: int, mode: str) -> None:

@@ -4,7 +4,8 @@ Same admission and decode loop as `Scheduler`; the difference is what happens wh
 The host decodes that turn's tokens and asks the `session` (`agentic/session.ToolSession`) for tool calls; if there
 are any, the slot *pauses* (keeps its KV cache, leaves the decode set) while the calls run in the session's thread
 pool, and the other slots keep decoding. When the results are ready their token ids are appended with
-`ModelRunner.extend` — only the new tokens are prefilled, earlier turns stay in the cache — and the slot decodes
+`ModelRunner.extend_many` — only the new tokens are prefilled, earlier turns stay in the cache, and every slot
+ready at that moment is extended in one batched forward — and the slot decodes
 its next turn. Token in, token out: the response row is the exact sequence of sampled and appended ids, and
 `model_mask` marks which were sampled (the only ones trained on). The whole trajectory shares the response budget
 R = data.max_response_length; a tool response that leaves no room for one more model token ends the trajectory.
@@ -74,20 +75,25 @@ class MultiTurnScheduler:
                 live.update(zip(slots, rows))
                 for s in slots:
                     host_steps[s], turn_start[s], appended[s] = 1, 0, []
-            for s in [s for s, (_, pending) in paused.items() if pending.ready()]:
+            ready = [s for s, (_, pending) in paused.items() if pending.ready()]
+            ready_steps = r.step[torch.tensor(ready, dtype=torch.long, device=r.device)].tolist() if ready else []
+            resume: list[tuple[int, list[int], int]] = []  # extended together: one batched forward
+            for s, step in zip(ready, ready_steps):
                 row, pending = paused.pop(s)
                 result = session.collect(row, pending)
-                step = int(r.step[s])
                 turn_rewards[row, step - 1] += result.reward  # the turn's last model token
                 new_ids = result.ids
                 if new_ids is None or step + len(new_ids) >= max_new:  # ended, or no room for a model token
                     self._finish(s, row, tokens, logps, lengths, model_mask, appended, free)
                     continue
-                host_steps[s] = r.extend(s, new_ids, P, resp_pos0[row // n])
+                resume.append((s, new_ids, resp_pos0[row // n]))
                 extend_tokens += len(new_ids) + 1
                 appended[s].append((step, step + len(new_ids)))
                 turn_start[s] = step + len(new_ids)
                 live[s] = row
+            if resume:
+                for (s, _, _), length in zip(resume, r.extend_many(resume, P)):
+                    host_steps[s] = length
             if live:
                 remaining = max(max_new - host_steps[s] for s in live)
                 todo = min(self.check_every, remaining)

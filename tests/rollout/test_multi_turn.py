@@ -103,3 +103,38 @@ def test_turn_limit_and_budget_bound_the_trajectory(model):
     out = _engine(model, R=24, turns=2).generate(make_prompts(4, 12, model.config.vocab_size))
     assert out.meta_info["metrics"]["num_turns/max"] <= 2
     assert int(out.batch["attention_mask"][:, 12:].sum(1).max()) <= 24
+
+
+class VarEcho(Tool):
+    """Answers of 1-4 words, so slots extended together append different numbers of tokens (padding in the batch)."""
+
+    name = "echo"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def execute(self, arguments, context):
+        self.calls += 1
+        return ToolResult(" ".join(["ok"] * (1 + self.calls % 4)))
+
+
+def test_batched_extensions_of_different_lengths_match_full_reprefill(model, monkeypatch):
+    from hybridflow.rollout.model_runner import ModelRunner
+
+    eng = _engine(model, R=48, temperature=1.0)
+    eng.session = ToolSession({"echo": VarEcho()}, AlwaysCall(), builtin_tokenizer(), max_assistant_turns=3,
+                              max_tool_response_length=16, tool_timeout_s=5.0, tool_workers=1)
+    batches = []
+    real = ModelRunner.extend_many
+
+    def spy(self, items, prompt_width):
+        batches.append(sorted({len(ids) for _, ids, _ in items}) if len(items) > 1 else None)
+        return real(self, items, prompt_width)
+
+    monkeypatch.setattr(ModelRunner, "extend_many", spy)
+    out = eng.generate(make_prompts(6, 12, model.config.vocab_size, meta={"n": 2}))
+    mixed = [b for b in batches if b is not None and len(b) > 1]
+    assert mixed, f"no batch of extensions with different lengths: {batches}"
+    ref = hf_logprobs(model, out, 1.0)
+    torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=2e-4, rtol=0)
