@@ -51,6 +51,8 @@ PROMPTS = _k("prompts", "B P", "int", "gen", "the prompt part of input_ids")
 RESPONSES = _k("responses", "B R", "int", "gen", "sampled tokens, right-padded")
 RESPONSE_MASK = _k("response_mask", "B R", "int", "gen", "1 on real response tokens (the loss mask)")
 ROLLOUT_LOG_PROBS = _k("rollout_log_probs", "B R", "float", "gen", "log-probs the sampler drew with (0 on pads)")
+POLICY_VERSION = _k("policy_version", "B", "int", "gen",
+                    "non-sync modes: the policy version (optimizer steps) of the weights that generated the row")
 BASELINE_REWARDS = _k("baseline_rewards", "B", "float", "gen", "ReMax: the greedy response's reward per row")
 RM_SCORES = _k("rm_scores", "B", "float", "reward", "reward-model score of each response")
 TOKEN_LEVEL_SCORES = _k("token_level_scores", "B R", "float", "reward", "mixed reward at the last response token")
@@ -68,7 +70,7 @@ EXTRA_INFO = _k("extra_info", "B", "object", "data", "free-form row info passed 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SEEDS, PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS,
-    BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, VALUES,
+    POLICY_VERSION, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, VALUES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
@@ -91,7 +93,7 @@ class Stage:
 
 
 GEN = Stage("gen", (INPUT_IDS, ATTENTION_MASK), (PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS, INPUT_IDS,
-                                                 ATTENTION_MASK, POSITION_IDS), optional=(POSITION_IDS, SEEDS))
+                                                 ATTENTION_MASK, POSITION_IDS), optional=(POSITION_IDS, SEEDS, POLICY_VERSION))
 REWARD = Stage("reward", (RESPONSES, RESPONSE_MASK), (TOKEN_LEVEL_SCORES,), optional=(RM_SCORES, DATA_SOURCE))
 REWARD_MODEL_SCORE = Stage("reward_model", MODEL_INPUTS, (RM_SCORES,))
 OLD_LOG_PROB = Stage("old_log_prob", MODEL_INPUTS, (OLD_LOG_PROBS, ENTROPY))
