@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from hybridflow.workers.rollout_worker import RolloutGroup
 
 
-class RolloutWorkerFailed(RuntimeError):
-    """A rollout worker of a non-sync mode raised or died; the message names the group, the rank and the step."""
+class RolloutWorkerFailed(WorkerError):
+    """A rollout worker of a non-sync mode raised, died or timed out; names the group, method, rank and step."""
 
 
 @dataclass
@@ -141,12 +141,17 @@ class RolloutDriver:
         waited = time.perf_counter() - t0
         return out, reduce_metrics(out.meta_info.pop("metrics", [])), waited
 
-    def _failed(self, what: str, step: int, err: Exception) -> RolloutWorkerFailed:
+    def _failed(self, what: str, step: int, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:
         wg = self.rollout.worker_group
+        if isinstance(err, WorkerError):
+            rank, detail, trace = err.rank, err.detail, err.remote_traceback
+        else:
+            rank, detail, trace = (err.pending_ranks or [-1])[0], str(err), ""
         return RolloutWorkerFailed(
-            f"rollout worker group {wg.name!r} ({wg.world_size} worker(s), trainer.mode={self.mode}) failed while "
-            f"{what} for step {step}: {err}. The trainer stops here; the last checkpoint is intact (resume with "
-            f"trainer.resume_mode=auto)")
+            wg.name, err.method, rank,
+            f"the rollout worker ({wg.world_size} in group {wg.name!r}, trainer.mode={self.mode}) failed while "
+            f"{what} for step {step}: {detail}. Training stops here; resume from the last checkpoint with "
+            f"trainer.resume_mode=auto", trace)
 
     def _pull_source(self, it: Iterator[DataProto], chunks: int) -> tuple[int, DataProto] | None:
         try:
