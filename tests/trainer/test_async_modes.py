@@ -120,8 +120,8 @@ def test_one_step_off_matches_sync_at_zero_effect_learning_rate(tmp_path: Path) 
 
 
 def _actor_weights_of_fresh(tmp_path: Path) -> dict[str, torch.Tensor]:
-    from hybridflow.trainer.roles import build_worker_groups
     from hybridflow.config import resolve
+    from hybridflow.trainer.roles import build_worker_groups
 
     cfg = _cfg(tmp_path / "fresh", "sync")
     groups = build_worker_groups(cfg, resolve(cfg), STEPS)
