@@ -161,6 +161,30 @@ def test_async_staleness_never_exceeds_its_bound(tmp_path: Path, max_staleness: 
     assert len(set(uids)) == len(uids) // 4  # every prompt trained once (4 samples each), none lost or repeated
 
 
+def test_async_aborts_and_resubmits_requests_that_would_break_the_bound(tmp_path: Path) -> None:
+    # The driver never queues more than (max_staleness + 1) batches, so no request is too old when consumed; here
+    # the queue is made one batch deeper than that, so the oldest requests would break the bound: they must be
+    # dropped and their prompts generated again with the newest weights (trainer.async.partial_rollout=abort).
+    rows: list[dict[str, Any]] = []
+    cfg = _cfg(tmp_path, "async", "trainer.total_training_steps=4", "data.train_batch_size=4",
+               "actor.ppo_mini_batch_size=4", "trainer.async.max_staleness=0", "trainer.async.chunk_prompts=1")
+    trainer = PPOTrainer(cfg)
+    trainer.algorithm.driver.capacity = 2 * 4
+    reward = trainer.algorithm._reward
+    trainer.algorithm._reward = lambda b, m: (rows.append({"version": b.batch["policy_version"].clone(),
+                                                           "uid": list(b.non_tensor_batch["uid"])}), reward(b, m))[1]
+    try:
+        history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
+    finally:
+        trainer.close()
+    assert [m["staleness/max"] for m in history] == [0.0] * 4
+    for step, r in enumerate(rows, start=1):
+        assert r["version"].tolist() == [step - 1] * 16, f"step {step}: trained rows of versions {r['version']}"
+    assert history[-1]["async/aborted_prompts"] > 0
+    uids = [u for r in rows for u in r["uid"]]
+    assert len(set(uids)) == len(uids) // 4  # an aborted prompt is trained once, after its resubmission
+
+
 # ------------------------------------------------------------------------------------------------------ resume
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_resume_continues_with_the_untrained_prompts(tmp_path: Path, mode: str) -> None:
