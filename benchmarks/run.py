@@ -194,6 +194,21 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.median([m[k] for m in steps if k in m])) for k in keys}
 
 
+def track_generate_peak(trainer: Any, dev: torch.device) -> None:
+    """Make each step's metrics carry `perf/gen_peak_memory_gb`, the peak allocated during generation (CUDA)."""
+    orig_generate = trainer.algorithm._generate
+
+    def generate_with_peak(batch: DataProto, metrics: dict[str, float], timer: Any) -> DataProto:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out = orig_generate(batch, metrics, timer)
+        if dev.type == "cuda":
+            metrics["perf/gen_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+    trainer.algorithm._generate = generate_with_peak
+
+
 def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]) -> dict[str, Any]:
     from hybridflow.trainer.ppo import PPOTrainer
 
@@ -207,17 +222,7 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
     model_cfg = preset_config(preset)
     vocab = model_cfg.vocab_size
     steps: list[dict[str, float]] = []
-    orig_generate = trainer.algorithm._generate
-
-    def generate_with_peak(batch: DataProto, metrics: dict[str, float], timer: Any) -> DataProto:
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        out = orig_generate(batch, metrics, timer)
-        if dev.type == "cuda":
-            metrics["perf/gen_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
-
-    trainer.algorithm._generate = generate_with_peak
+    track_generate_peak(trainer, dev)
     try:
         for i in range(args.warmup + args.steps):
             if dev.type == "cuda":

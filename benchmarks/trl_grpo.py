@@ -8,6 +8,9 @@ word per model token id, so every prompt is exactly that many tokens), `n` sampl
 tokens forced (min_new_tokens), KL off (beta=0), bf16 autocast over fp32 weights, one optimizer step per
 generation batch (per_device_train_batch_size=n*prompts/ga, gradient_accumulation_steps=ga). TRL is imported only
 here; hybridflow does not depend on it. Step time = time between consecutive optimizer-step ends.
+`--lora-rank R` (issue 24): TRL's own PEFT path (`GRPOTrainer(peft_config=LoraConfig(r=R, lora_alpha, all-linear))`,
+TRL's defaults otherwise: adapters upcast to fp32, gradient checkpointing on); with `--dtype bfloat16` the frozen
+base is held in bf16, as ours is. `benchmarks/lora_gpu.py` calls `run()`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def word_tokenizer(vocab_size: int) -> Any:
                                    padding_side="left")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--device", default="cuda")
@@ -51,8 +54,26 @@ def main() -> None:
     ap.add_argument("--ga", type=int, default=8, help="gradient accumulation steps per optimizer step")
     ap.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args()
+    ap.add_argument("--lora-rank", type=int, default=0, help="PEFT LoRA rank on every Linear (0 = full fine-tuning)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights as loaded (bf16 autocast on GPU either way)")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    res = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"trl_{args.preset}.json").write_text(json.dumps(res, indent=1))
+    print(f"TRL {res['trl']} GRPO {args.preset}: median step {res['median_step_s']} s "
+          f"(generate {res['median_gen_s']} s), peak {max(res['peak_memory_gb'], default='-')} GB")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the workload of `args` (see `parser()`); returns the timings and peak memory."""
     try:
         import datasets
         import trl
@@ -66,9 +87,14 @@ def main() -> None:
     on_cpu = args.device == "cpu"
     torch.manual_seed(0)
     cfg = preset_config(args.preset)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if not on_cpu:
-        model.to("cuda")
+    with torch.device("cpu" if on_cpu else "cuda"):  # a 7B random init on the host takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype))
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or args.lora_rank, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     tokenizer = word_tokenizer(cfg.vocab_size)
     rng = np.random.default_rng(0)
     total = args.steps + 1
@@ -115,7 +141,9 @@ def main() -> None:
             log.info("TRL step %d done at %.2fs (generate so far %.2fs)", len(ends), ends[-1] - start, gen_time[0])
 
     trainer = GRPOTrainer(model=model, reward_funcs=length_mod5, args=conf, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepClock()])
+                          processing_class=tokenizer, callbacks=[StepClock()], peft_config=peft_config)
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total_params = sum(p.numel() for p in trainer.model.parameters())
     start = time.perf_counter()
     trainer.train()
     step_s = [b - a for a, b in zip(ends, ends[1:])]
@@ -124,12 +152,9 @@ def main() -> None:
            "first_step_s": ends[0] - start if ends else None, "step_s": step_s, "gen_s": gen_s,
            "median_step_s": float(np.median(step_s)) if step_s else None,
            "median_gen_s": float(np.median(gen_s)) if gen_s else None, "peak_memory_gb": peaks,
+           "trainable_params": trained, "total_params": total_params,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"trl_{args.preset}.json").write_text(json.dumps(res, indent=1))
-    print(f"TRL {trl.__version__} GRPO {args.preset}: median step {res['median_step_s']} s "
-          f"(generate {res['median_gen_s']} s), peak {max(peaks) if peaks else '-'} GB")
+    return res
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 A format is a pair (parse a turn's text → calls, render the tool results → the text appended after the turn's end
 token), chosen by `rollout.multi_turn.format` from `TOOL_FORMATS`. `hermes` is Qwen2.5's chat template
 (`<tool_call>{json}</tool_call>` in the assistant turn; responses in a `user` turn of `<tool_response>` blocks);
-`hermes_plain` parses the same calls but writes the built-in tokenizer's plain "User: ... / Assistant:" turns.
+`hermes_plain` parses the same calls but writes the built-in tokenizer's plain "User: ... / Assistant:" turns;
+`hermes_template` parses the same calls and writes the responses as `tool` messages through the chat template in
+use (`ChatDelta`), so any template that knows the `tool` role lays them out itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ToolFormat:
     """Interface: `parse(turn_text) -> [ToolCall]` (empty = the trajectory ends) and `render(results) -> str`."""
 
     name = ""
+    via_template = False  # True: the session renders the responses as `tool` messages through the chat template
 
     def parse(self, text: str) -> list[ToolCall]:
         raise NotImplementedError
@@ -83,7 +86,18 @@ class HermesPlainFormat(HermesFormat):
         return self.prefix + "".join(f"<tool_response>{r}</tool_response>" for r in results) + self.suffix
 
 
-TOOL_FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "hermes_plain": HermesPlainFormat}
+class HermesTemplateFormat(HermesFormat):
+    """Hermes calls; responses are `{"role": "tool", "content": ...}` messages rendered by the chat template."""
+
+    name = "hermes_template"
+    via_template = True
+
+    def render(self, results: list[str]) -> str:
+        raise NotImplementedError("hermes_template responses are rendered by the chat template (ToolSession)")
+
+
+TOOL_FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "hermes_plain": HermesPlainFormat,
+                                             "hermes_template": HermesTemplateFormat}
 
 
 def get_format(name: str) -> ToolFormat:

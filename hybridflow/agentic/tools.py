@@ -27,17 +27,29 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ToolResult:
     text: str  # what the model sees as the tool's response
-    reward: float | None = None  # optional per-call reward (reported; not yet added to the training reward)
+    reward: float | None = None  # optional per-call reward: added at the end of the calling turn (turn_rewards)
     metrics: dict[str, float] = field(default_factory=dict)
     is_error: bool = False  # the call failed (bad arguments, runtime error): counted in `tool_errors`
 
 
 @dataclass(frozen=True)
 class ToolContext:
-    """What a call knows about its trajectory: a stable id and this row's `extra_info.tools_kwargs[tool name]`."""
+    """What a call knows about its trajectory: a stable id, this row's `extra_info.tools_kwargs[<tool name>]`
+    (verl's schema: `{"create_kwargs": {...}, "execute_kwargs": {...}}`) and a per-trajectory `state` dict that
+    `create`/`execute`/`release` of this tool share."""
 
     trajectory_id: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    # Keys whose value is None are dropped: a parquet file gives every row the keys any row has, as None.
+    @property
+    def create_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.kwargs.get("create_kwargs") or {}).items() if v is not None}
+
+    @property
+    def execute_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.kwargs.get("execute_kwargs") or {}).items() if v is not None}
 
 
 class Tool:

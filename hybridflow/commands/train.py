@@ -23,6 +23,9 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     cfg = load_from_args(args.args, preflight=True, runs=True)
+    if cfg.dpo.online:
+        return fail(ValueError("dpo.online=true is online DPO, run by `hybridflow dpo` (same config); `hybridflow "
+                               "train` runs PPO/GRPO: drop dpo.online or use hybridflow dpo"))
     console.print(versions_line(), style="dim")
     if not args.quiet_config:
         console.print(to_yaml(cfg), end="", markup=False, highlight=False)

@@ -33,7 +33,7 @@ class Resolved:
     actor: RoleBatch
     critic: RoleBatch | None
     use_critic: bool
-    use_reference: bool  # KL in reward or as a loss needs reference log-probs
+    use_reference: bool  # KL in reward or as a loss, or online DPO, needs reference log-probs
     use_reward_model: bool
     # False when strictly on-policy (one epoch, one mini-batch) and no KL is measured: with a reference policy the
     # actor's log-probs come from the same engine path as the reference's, so KL(actor‖ref) is exactly 0 at step 1.
@@ -65,6 +65,13 @@ def role_batch(mini_prompts: int, micro_per_gpu: int, train_prompts: int, n: int
     )
 
 
+def online_dpo_reference(cfg: Config) -> bool:
+    """Online DPO (`dpo.online`) needs the reference policy's log-probs, except for the reference-free SimPO."""
+    from hybridflow.algorithms.preference import REFERENCE_FREE
+
+    return cfg.dpo.online and cfg.dpo.loss_type not in REFERENCE_FREE
+
+
 def resolve(cfg: Config) -> Resolved:
     nodes = process_on_nodes(cfg)
     world = sum(nodes)
@@ -77,7 +84,7 @@ def resolve(cfg: Config) -> Resolved:
         if use_critic
         else None
     )
-    use_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    use_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg)
     return Resolved(
         world_size=world,
         process_on_nodes=nodes,

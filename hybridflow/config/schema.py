@@ -102,6 +102,8 @@ class DataConfig:
     prefetch_factor: int | None
     persistent_workers: bool
     chat_template: str | None  # null = tokenizer's template (plain "User: ... Assistant:" if none) | raw | jinja
+    chosen_key: str = "chosen"  # preference data (rm, dpo): the preferred response's column (verl / OpenRLHF name)
+    rejected_key: str = "rejected"  # the other response's column
 
     def __post_init__(self) -> None:
         _one_of("data.truncation", self.truncation, ("error", "left", "right", "filter"))
@@ -217,7 +219,10 @@ class MultiTurnConfig:
     max_assistant_turns: int  # the trajectory ends after this many model turns
     max_tool_response_length: int  # tokens of one tool's response text (longer ones are cut)
     tool_timeout_s: float  # per turn's calls (they run concurrently); a late call answers an error
-    tool_workers: int  # threads running tool calls
+    tool_workers: int  # threads running tool calls (and interaction steps)
+    interaction_config_path: str | None  # YAML: interaction: [{name, class_name, config}] (simulated user / game)
+    max_user_turns: int  # interaction messages appended per trajectory (the first one, from reset, not counted)
+    offer_tools_in_prompt: bool  # tool schemas go to apply_chat_template(tools=...) when the template reads them
 
     def __post_init__(self) -> None:
         _check(self.max_assistant_turns >= 1, "rollout.multi_turn.max_assistant_turns", self.max_assistant_turns,
@@ -226,6 +231,8 @@ class MultiTurnConfig:
                self.max_tool_response_length, "must be >= 1 (tokens)")
         _check(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", self.tool_timeout_s, "must be > 0")
         _check(self.tool_workers >= 1, "rollout.multi_turn.tool_workers", self.tool_workers, "must be >= 1")
+        _check(self.max_user_turns >= 0, "rollout.multi_turn.max_user_turns", self.max_user_turns,
+               "must be >= 0 (0 = the interaction only scores the first turn)")
 
 
 @dataclass(frozen=True)
@@ -666,6 +673,10 @@ class DPOConfig:
     optim: OptimConfig
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
     synthetic_mix: dict[str, float]  # built-in task pairs: weights of the rejected kinds; {} = the task's default
+    precompute_ref: bool = False  # reference log-probs of every pair in a first pass, then the reference is freed
+    online: bool = False  # online DPO: pairs sampled by the rollout engine (rollout.n per prompt), ranked by reward.*;
+    # the run is then sized like `hybridflow train` (data.train_batch_size prompts, trainer.total_training_steps,
+    # actor.optim); dpo.* gives the loss (loss_type, beta, label_smoothing, gamma) and init_from
 
     def __post_init__(self) -> None:
         from hybridflow.algorithms.preference import PREFERENCE_LOSSES

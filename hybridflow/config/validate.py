@@ -12,7 +12,7 @@ def validate_config(cfg: Config) -> None:
     errors = _resource_errors(cfg)
     if not errors:
         errors += _batch_errors(cfg)
-    errors += _name_errors(cfg) + _lora_errors(cfg) + _mode_errors(cfg)
+    errors += _name_errors(cfg) + _lora_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -131,6 +131,8 @@ def _mode_errors(cfg: Config) -> list[str]:
     if cfg.algorithm.filter_groups.enable:
         errs.append(f"algorithm.filter_groups.enable=true with {why}: dynamic sampling is not pipelined yet; use "
                     "trainer.mode=sync or algorithm.filter_groups.enable=false")
+    if cfg.dpo.online:
+        errs.append(f"dpo.online=true with {why}: online DPO generates in its own step; use trainer.mode=sync")
     if cfg.model.lora.enabled:
         errs.append(f"model.lora.rank={cfg.model.lora.rank} with {why}: the weight broadcast sends full "
                     "parameters, not merged adapters, yet; use trainer.mode=sync or model.lora.rank=0")
@@ -145,3 +147,24 @@ def _mode_errors(cfg: Config) -> list[str]:
 
 def _divisor(n: int) -> int:
     return next(d for d in range(max(1, n // 4), 0, -1) if n % d == 0)
+
+
+def _online_dpo_errors(cfg: Config) -> list[str]:
+    """Online DPO pairs each prompt's best and worst response and trains them side by side in the actor's
+    micro-batches, which must hold whole pairs."""
+    if not cfg.dpo.online:
+        return []
+    errs, a = [], cfg.actor
+    if cfg.rollout.n < 2:
+        errs.append(f"dpo.online=true ranks several responses per prompt but rollout.n={cfg.rollout.n}: set "
+                    "rollout.n >= 2 (e.g. 4; more responses make a tie of all rewards rarer)")
+    if a.use_dynamic_bsz:
+        errs.append("dpo.online=true trains (chosen, rejected) pairs in fixed micro-batches but actor.use_dynamic_bsz="
+                    "true splits by tokens; set actor.use_dynamic_bsz=false")
+    if a.ppo_micro_batch_size_per_gpu % 2:
+        errs.append(f"dpo.online=true: actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} rows "
+                    "would split a (chosen, rejected) pair; use an even number, e.g. "
+                    f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu + 1}")
+    if cfg.ref.ema.enable:
+        errs.append("dpo.online=true uses the starting policy as its frozen reference; set ref.ema.enable=false")
+    return errs

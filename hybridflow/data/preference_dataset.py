@@ -1,6 +1,7 @@
-"""`PreferenceDataset`: (prompt, chosen, rejected) rows for reward-model training.
+"""`PreferenceDataset`: (prompt, chosen, rejected) rows for reward-model and DPO training.
 
-`chosen` / `rejected` are response strings (or single assistant messages); each pair is rendered as
+Columns and row layouts (TRL / verl / OpenRLHF names, text or messages, prompt repeated inside chosen/rejected or
+implicit): `preference_columns.py`. Each pair is rendered as
 prompt-with-generation-prompt + response + EOS, so the reward model scores the EOS position (the last real token
 of each right-padded row: `attention_mask.sum(-1) - 1`). Over-long sequences keep their last `max_length` tokens
 so the scored end survives.
@@ -17,31 +18,31 @@ from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_preference
 from hybridflow.data.parquet_io import read_rows
-from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
+from hybridflow.data.preference_columns import resolve_columns, split_row
+from hybridflow.data.templates import encode, parse_rows, render
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
-
-
-def _response_text(value: Any, column: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and isinstance(value[-1], dict) and isinstance(value[-1].get("content"), str):
-        return value[-1]["content"]
-    raise MalformedRow(f"{column} must be a string or a list of messages, got {type(value).__name__}")
 
 
 class PreferenceDataset(Dataset):
     """`__getitem__` → {chosen_input_ids, rejected_input_ids} (unpadded; see `collate_preference`)."""
 
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_length: int,
-                 prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
-                 name: str = "preference") -> None:
+                 prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
+                 chat_template: str | None = None, strict: bool = False, name: str = "preference") -> None:
         self.tokenizer, self.max_length = tokenizer, max_length
-        self.texts: list[tuple[str, str, str]] = parse_rows(rows, lambda row: (
-            render(tokenizer, to_messages(row.get(prompt_key)), chat_template),
-            _response_text(row.get("chosen"), "chosen"), _response_text(row.get("rejected"), "rejected"),
-        ), name, strict)
+        if not rows:
+            raise ValueError(f"{name} dataset has no rows")
+        self.columns = resolve_columns(list(rows[0]), prompt_key, chosen_key, rejected_key, name)
+
+        def parse(row: dict[str, Any]) -> tuple[str, str, str]:
+            prompt, chosen, rejected = split_row(row, self.columns)
+            # implicit text prompt: the full texts; collation cuts their shared token prefix off as the prompt
+            text = "" if prompt is None else render(tokenizer, prompt, chat_template)
+            return text, chosen, rejected
+
+        self.texts: list[tuple[str, str, str]] = parse_rows(rows, parse, name, strict)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> PreferenceDataset:

@@ -88,13 +88,15 @@ class RLHFDataset(Dataset):
 
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
                  truncation: str = "error", prompt_key: str = "prompt", strict: bool = False,
-                 chat_template: str | None = None, name: str = "train", require_ground_truth: bool = True) -> None:
+                 chat_template: str | None = None, name: str = "train", require_ground_truth: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}: must be one of {', '.join(TRUNCATION_MODES)}")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.chat_template = chat_template
+        self.tools = tools  # multi-turn: tool schemas offered through apply_chat_template(tools=...)
         self.name = name
         self.skips = SkipReport(name, rows_read=len(rows))
         self.rows = validate_rows(rows, prompt_key, strict, self.skips)
@@ -131,7 +133,7 @@ class RLHFDataset(Dataset):
                        len(dropped) - len(over), len(self.rows))
 
     def _encode(self, row: dict[str, Any]) -> list[int]:
-        text = render(self.tokenizer, row["messages"], self.chat_template)
+        text = render(self.tokenizer, row["messages"], self.chat_template, tools=self.tools)
         return encode(self.tokenizer, text)
 
     def __len__(self) -> int:

@@ -102,11 +102,13 @@ def plain_template(messages: Messages, add_generation_prompt: bool) -> str:
 
 
 def render(tokenizer: Any, messages: Messages, chat_template: str | None = None,
-           add_generation_prompt: bool = True) -> str:
+           add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
     """Messages → prompt text with `template_for(tokenizer, chat_template)` (never token ids: transformers 5
-    `tokenize=True` returns a dict)."""
+    `tokenize=True` returns a dict). `tools`: OpenAI function schemas for templates that read `tools`
+    (multi-turn rollouts, `agentic/prompting.py`)."""
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(messages, chat_template=template_for(tokenizer, chat_template),
-                                         tokenize=False, add_generation_prompt=add_generation_prompt)
+                                         tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def prompt_ids(tokenizer: Any, prompt: Any, chat_template: str | None = None) -> list[int]:

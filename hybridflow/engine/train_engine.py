@@ -115,6 +115,7 @@ class TrainEngine:
             self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer.optim, spec.optimizer.total_steps)
         self._params_on_device = self._optim_on_device = True
         self._training = False  # inside `training()`
+        self._train_micro_override: int | None = None  # set once by an out-of-memory retry (forward_backward)
         self._pending_loss: torch.Tensor | None = None  # summed loss shares since the last `step`
         self.to_rest()  # start offloaded where configured
 
@@ -257,11 +258,40 @@ class TrainEngine:
                                "cleanup on failure)")
         self._check_head(head)
         global_norm = self._global_norms(batch.batch["response_mask"])
-        if self._pending_loss is None:  # a new accumulation (the last step's gradients stay readable until now)
+        fresh = self._pending_loss is None
+        if fresh:  # a new accumulation (the last step's gradients stay readable until now)
             self.optimizer.zero_grad(set_to_none=True)
+        batching = self._train_batching_now()
+        try:
+            return self._accumulate(batch, loss_fn, head, global_norm, batching)
+        except torch.cuda.OutOfMemoryError:
+            if not (fresh and self._may_retry_oom(batching)):
+                raise
+        # One retry at half the micro-batch: drop this mini-batch's partial gradients and run it again.
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending_loss = None
+        torch.cuda.empty_cache()
+        self._train_micro_override = max(1, batching.size // 2)
+        logger.warning("out of memory at %d samples per training micro-batch; retrying this and later mini-batches at "
+                       "%d (set actor/critic ppo_micro_batch_size_per_gpu to choose)", batching.size,
+                       self._train_micro_override)
+        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now())
+
+    def _train_batching_now(self) -> MicroBatching:
+        size = self._train_micro_override
+        b = self.spec.train_batching
+        return b if size is None else MicroBatching(size, b.dynamic, b.max_tokens)
+
+    def _may_retry_oom(self, batching: MicroBatching) -> bool:
+        """Halving is safe on one rank only (other ranks would wait in a collective) and once per engine."""
+        return (self.device.type == "cuda" and self.dp_size == 1 and not batching.dynamic and batching.size > 1
+                and self._train_micro_override is None)
+
+    def _accumulate(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest, global_norm: dict[str, torch.Tensor],
+                    batching: MicroBatching) -> BackwardStats:
         loss_total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
-        micro = self._micro_batches(batch, self.spec.train_batching)
+        micro = self._micro_batches(batch, batching)
         tokens, flops = 0, 0.0
         for i, idx in enumerate(micro):
             self._set_grad_sync(i == len(micro) - 1)

@@ -43,9 +43,10 @@ class RolloutEngine:
     def __init__(self, module: nn.Module, rollout_cfg: Any, *, eos_token_id: int | Sequence[int], pad_token_id: int,
                  max_prompt_length: int, max_response_length: int, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, compile_decode: bool | None = None,
-                 check_every: int | None = None, tokenizer: Any = None) -> None:
+                 check_every: int | None = None, tokenizer: Any = None, chat_template: str | None = None) -> None:
         self.cfg = rollout_cfg
-        self.session = _tool_session(rollout_cfg, tokenizer)  # None unless rollout.multi_turn.enable
+        # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
+        self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
         self.eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.pad_id, self.P, self.R = int(pad_token_id), int(max_prompt_length), int(max_response_length)
         self.device = torch.device(device) if device is not None else _module_device(module)
@@ -183,7 +184,8 @@ class RolloutEngine:
             sched = Scheduler(runner, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                               check_every=self.check_every)
             if self.session is not None:
-                sched = self._multi_turn_scheduler(runner, prompts, params.n)
+                sched, (ids_d, mask_d, pos_d) = self._multi_turn_scheduler(runner, prompts, params.n,
+                                                                            ids_d, mask_d, pos_d)
             runner.capture_s = 0.0
             res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
@@ -207,7 +209,7 @@ class RolloutEngine:
         resp_pos = pos_n[:, -1:] + torch.arange(1, R + 1, device=ids.device)[None]
         # multi-turn: appended tool/user tokens are context (attended to), not trained on
         loss_mask = res.model_mask.to(mask.dtype) if isinstance(res, MultiTurnResult) else resp_mask
-        return DataProto.from_single_dict({
+        out = {
             "prompts": ids_n,
             "responses": res.tokens,
             "response_mask": loss_mask,
@@ -215,18 +217,50 @@ class RolloutEngine:
             "input_ids": torch.cat([ids_n, res.tokens], dim=1),
             "attention_mask": torch.cat([mask_n, resp_mask], dim=1),
             "position_ids": torch.cat([pos_n, resp_pos], dim=1),
-        })
+        }
+        if isinstance(res, MultiTurnResult):
+            out["turn_rewards"] = res.turn_rewards
+        return DataProto.from_single_dict(out)
 
-
-    def _multi_turn_scheduler(self, runner: ModelRunner, prompts: DataProto, n: int) -> MultiTurnScheduler:
+    def _multi_turn_scheduler(self, runner: ModelRunner, prompts: DataProto, n: int, ids: torch.Tensor,
+                              mask: torch.Tensor, pos: torch.Tensor
+                              ) -> tuple[MultiTurnScheduler, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Start the session's rows; with interactions configured, the prompts get each interaction's first user
+        message and are left-padded to data.max_prompt_length (the same width on every rank)."""
         extra = prompts.non_tensor_batch.get("extra_info")
         rows = len(prompts) * n
-        self.session.begin([None] * rows if extra is None else list(np.repeat(extra, n, axis=0)))
-        return MultiTurnScheduler(runner, self.session, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
-                                  check_every=self.check_every)
+        first = self.session.begin([None] * rows if extra is None else list(np.repeat(extra, n, axis=0)))
+        if self.session.interactions:
+            ids, mask, pos = self._with_first_messages(first, n, ids, mask)
+        sched = MultiTurnScheduler(runner, self.session, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                                   check_every=self.check_every)
+        return sched, (ids, mask, pos)
+
+    def _with_first_messages(self, first: list[str | None], n: int, ids: torch.Tensor, mask: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = []
+        for i in range(ids.shape[0]):
+            group = set(first[i * n: (i + 1) * n])
+            if len(group) > 1:
+                raise ValueError(f"prompt {i}: Interaction.reset returned different first messages for its "
+                                 f"{n} samples ({sorted(map(repr, group))[:2]}); GRPO compares the samples of one "
+                                 "prompt, so derive the first message from interaction_kwargs only")
+            prompt = ids[i][mask[i].bool()].tolist()
+            msg = group.pop()
+            rows.append(prompt if msg is None else self.session.first_message_ids(msg, prompt))
+            if len(rows[-1]) > self.P:
+                raise ValueError(f"prompt {i} with its interaction's first message is {len(rows[-1])} tokens > "
+                                 f"data.max_prompt_length={self.P}; raise data.max_prompt_length (the first "
+                                 "message becomes part of the prompt)")
+        new_ids = torch.full((len(rows), self.P), self.pad_id, dtype=torch.long, device=ids.device)
+        new_mask = torch.zeros((len(rows), self.P), dtype=mask.dtype, device=ids.device)
+        for i, row in enumerate(rows):
+            new_ids[i, self.P - len(row):] = torch.tensor(row, dtype=torch.long, device=ids.device)
+            new_mask[i, self.P - len(row):] = 1
+        return new_ids, new_mask, (new_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _tool_session(rollout_cfg: Any, tokenizer: Any):
+def _tool_session(rollout_cfg: Any, tokenizer: Any, chat_template: str | None = None):
     mt = getattr(rollout_cfg, "multi_turn", None)
     if mt is None or not mt.enable:
         return None
@@ -235,7 +269,7 @@ def _tool_session(rollout_cfg: Any, tokenizer: Any):
                          "responses): pass tokenizer= to RolloutEngine/build_rollout")
     from hybridflow.agentic.session import ToolSession
 
-    return ToolSession.from_config(mt, tokenizer)
+    return ToolSession.from_config(mt, tokenizer, chat_template)
 
 
 def build_rollout(module: nn.Module, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:

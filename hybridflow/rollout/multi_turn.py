@@ -8,6 +8,9 @@ pool, and the other slots keep decoding. When the results are ready their token 
 its next turn. Token in, token out: the response row is the exact sequence of sampled and appended ids, and
 `model_mask` marks which were sampled (the only ones trained on). The whole trajectory shares the response budget
 R = data.max_response_length; a tool response that leaves no room for one more model token ends the trajectory.
+A turn's reward from its tools or the interaction (`TurnResult.reward`) lands in `turn_rewards` on the turn's last
+model token. A turn that goes to an interaction pauses the same way (the step runs in the session's pool), and its
+observation — a user message through the chat template — is appended like a tool response.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ POLL_S = 0.05  # longest wait for a tool when nothing else can run
 @dataclass
 class MultiTurnResult(GenerateResult):
     model_mask: torch.Tensor  # [B*n, R] 1 on sampled tokens, 0 on appended tool/user tokens and padding
+    turn_rewards: torch.Tensor  # [B*n, R] float: each turn's tool/interaction reward on its last model token
     extend_tokens: int  # tokens prefilled by extensions (appended ids + one re-fed token per extension)
     tool_wait_s: float  # host time spent with no slot to decode, waiting for tools
 
@@ -50,6 +54,7 @@ class MultiTurnScheduler:
         logps = torch.zeros(B * n, r.R, dtype=torch.float32, device=r.device)
         lengths = torch.zeros(B * n, dtype=torch.long, device=r.device)
         model_mask = torch.zeros(B * n, r.R, dtype=torch.long, device=r.device)
+        turn_rewards = torch.zeros(B * n, r.R, dtype=torch.float32, device=r.device)
         resp_pos0 = (pos_BP[:, -1] + 1).tolist()
         waiting, free = deque(range(B)), list(range(r.cache.slots))
         heapq.heapify(free)
@@ -71,9 +76,11 @@ class MultiTurnScheduler:
                     host_steps[s], turn_start[s], appended[s] = 1, 0, []
             for s in [s for s, (_, pending) in paused.items() if pending.ready()]:
                 row, pending = paused.pop(s)
-                new_ids = session.collect(row, pending)
+                result = session.collect(row, pending)
                 step = int(r.step[s])
-                if step + len(new_ids) >= max_new:  # no room for a model token after the tool response
+                turn_rewards[row, step - 1] += result.reward  # the turn's last model token
+                new_ids = result.ids
+                if new_ids is None or step + len(new_ids) >= max_new:  # ended, or no room for a model token
                     self._finish(s, row, tokens, logps, lengths, model_mask, appended, free)
                     continue
                 host_steps[s] = r.extend(s, new_ids, P, resp_pos0[row // n])
@@ -108,7 +115,8 @@ class MultiTurnScheduler:
                 futures = [f for _, p in paused.values() for f in p.futures()]
                 wait(futures, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 tool_wait += time.perf_counter() - t0
-        return MultiTurnResult(tokens, logps, lengths, decode_steps, prefills, model_mask, extend_tokens, tool_wait)
+        return MultiTurnResult(tokens, logps, lengths, decode_steps, prefills, model_mask, turn_rewards,
+                               extend_tokens, tool_wait)
 
     def _finish(self, s: int, row: int, tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor,
                 model_mask: torch.Tensor, appended: dict[int, list[tuple[int, int]]], free: list[int]) -> None:

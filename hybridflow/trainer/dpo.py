@@ -5,7 +5,9 @@ Pairs are the reward model's (`build_preference_datasets`: parquet `prompt`/`cho
 task's synthetic pairs), collated interleaved without a score slot, so chosen and rejected go through one forward.
 The reference is the starting model (`dpo.init_from`, else `model.path` / `model.preset`): a second, frozen engine
 built once in the worker, or — with `model.lora.rank > 0` — the trained engine with its adapters disabled. Its
-log-probs are computed per batch (stage 1), not precomputed. SimPO needs no reference and builds none.
+log-probs are computed per batch (stage 1), or with `dpo.precompute_ref=true` once for every training and
+validation pair before training (`ReferenceLogps`), after which the frozen engine is freed. SimPO needs no
+reference and builds none.
 Validation on held-out pairs: `val/loss`, `val/accuracy` (implicit reward of chosen > rejected, TRL's
 `rewards/accuracies`), `val/logp_accuracy` (the policy's own log π(chosen) > log π(rejected); length-normalised
 for SimPO), `val/reward_margin`, `val/logps_chosen`, `val/logps_rejected`.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,7 @@ from hybridflow.config.schema import DPOConfig
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.metrics import reduce_metrics
+from hybridflow.trainer.ref_cache import ReferenceLogps
 from hybridflow.trainer.rm import build_preference_datasets
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from hybridflow.tracking import Tracker
+
+logger = logging.getLogger(__name__)
 
 
 def dpo_model_config(cfg: Config) -> Config:
@@ -50,6 +56,30 @@ def dpo_model_config(cfg: Config) -> Config:
 class DPOAlgorithm(SupervisedAlgorithm):
     section, loss = "dpo", "preference"
     sec: DPOConfig
+
+    def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                 tracker: Tracker | None = None) -> None:
+        self.ref_cache: dict[str, ReferenceLogps] = {}  # "train"/"val" → precomputed reference log-probs
+        super().__init__(cfg, tokenizer=tokenizer, tracker=tracker)
+        if self.sec.precompute_ref and self.needs_reference:
+            self.precompute_reference()
+
+    def precompute_reference(self) -> None:
+        """Reference log-probs of every training and validation pair in one pass, then free the frozen reference
+        (with LoRA the reference is the trained model with adapters off: nothing to free)."""
+        start = time.perf_counter()
+        for name, ds in (("train", self.train_ds), ("val", self.val_ds)):
+            if ds is not None:
+                loader = self.make_loader(ds, shuffle=False, drop_last=False)
+                self.ref_cache[name] = ReferenceLogps.compute(loader, self.group.compute_ref_log_prob)
+        self.group.release_ref()
+        logger.info("dpo: precomputed reference log-probs of %d rows in %.1f s; the reference model is freed",
+                    sum(len(c) for c in self.ref_cache.values()), time.perf_counter() - start)
+
+    def _ref_log_prob(self, batch: DataProto, split: str) -> torch.Tensor:
+        if split in self.ref_cache:
+            return self.ref_cache[split].lookup(batch)
+        return self.group.compute_ref_log_prob(batch).batch["ref_log_prob"]
 
     @property
     def needs_reference(self) -> bool:
@@ -79,9 +109,9 @@ class DPOAlgorithm(SupervisedAlgorithm):
     # ------------------------------------------------------------------------------------------------- step
     def step(self, batch: DataProto, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        # 1. reference log-probs of both sides of every pair (frozen reference, or adapters disabled)
+        # 1. reference log-probs of both sides of every pair (frozen reference, adapters disabled, or precomputed)
         if self.needs_reference:
-            batch = batch.union(self.group.compute_ref_log_prob(batch))
+            batch.batch["ref_log_prob"] = self._ref_log_prob(batch, "train")
         t_ref = time.perf_counter()
         # 2. one optimizer step on the preference loss (chosen + rejected in one forward)
         metrics = reduce_metrics(self.group.train_batch(batch), self.section)
@@ -97,7 +127,7 @@ class DPOAlgorithm(SupervisedAlgorithm):
         for batch in loader:
             parts["log_probs"].append(self.group.eval_log_probs(batch).batch["log_probs"].double())
             if self.needs_reference:
-                parts["ref_log_prob"].append(self.group.compute_ref_log_prob(batch).batch["ref_log_prob"].double())
+                parts["ref_log_prob"].append(self._ref_log_prob(batch, "val").double())
             parts["mask"].append(batch.batch["response_mask"])
             parts["pair"].append(batch.batch["pair_chosen"])
         x = _pairs_of(parts)

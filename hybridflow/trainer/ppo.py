@@ -54,13 +54,15 @@ class PPOAlgorithm(Algorithm):
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None, groups: WorkerGroups | None = None) -> None:
+        from hybridflow.agentic.prompting import prompt_tools
         from hybridflow.data import build_rl_datasets, make_dataloader
         from hybridflow.models.loader import load_tokenizer
         from hybridflow.rewards import RewardManager
 
         self.cfg, self.res = cfg, resolve(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer, cfg.reward)
+        tools = prompt_tools(cfg.rollout.multi_turn, self.tokenizer, cfg.data.chat_template)
+        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer, cfg.reward, tools=tools)
         self.loader = make_dataloader(self.train_ds, cfg.data, cfg.data.train_batch_size,
                                       shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
         if len(self.loader) == 0:
@@ -193,6 +195,10 @@ class PPOAlgorithm(Algorithm):
         if self.res.use_reward_model:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
         scores, reward_metrics = self.reward_fn(batch)
+        if keys.TURN_REWARDS.name in batch.batch:  # multi-turn: tool/interaction rewards at each turn's end
+            turn = batch.batch[keys.TURN_REWARDS.name].to(scores.dtype)
+            scores = scores + turn
+            reward_metrics["reward/turn_rewards/mean"] = float(turn.sum(-1).mean())
         batch.batch["token_level_scores"] = scores
         metrics |= reward_metrics
         return batch

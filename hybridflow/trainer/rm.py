@@ -52,7 +52,7 @@ def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase,
 
     d = cfg.data
     kwargs = dict(max_length=d.max_prompt_length + d.max_response_length, prompt_key=d.prompt_key,
-                  chat_template=d.chat_template, strict=d.strict)
+                  chosen_key=d.chosen_key, rejected_key=d.rejected_key, chat_template=d.chat_template, strict=d.strict)
     if d.train_files:
         train = PreferenceDataset.from_files(d.train_files, tokenizer, name="rm-train", **kwargs)
         val = PreferenceDataset.from_files(d.val_files, tokenizer, name="rm-val", **kwargs) if d.val_files else None

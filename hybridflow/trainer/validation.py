@@ -5,6 +5,10 @@ before penalties) is >= `reward.success_threshold` (default 1.0: partial credit 
 reward function failed (raised, returned a non-number, timed out) are counted in `val/reward/errors` and
 `val/reward/timeouts`, left out of the `val/reward` means (their `error_score` is not a score) and count as not
 correct. A batch where every response failed is a warning and a `val_reward_failed` event.
+
+`trainer.log_val_generations` samples are logged and kept in `last_generations` (`prompt`, `response`, `score`,
+`turns`); a multi-turn trajectory is logged whole, one line per turn (`[assistant]` sampled tokens, `[context]`
+appended tool responses / user messages).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hybridflow.agentic.trajectory import decoded_turns, format_turns
 from hybridflow.config import Config
 from hybridflow.trainer.metrics import per_source_scores
 
@@ -94,7 +99,12 @@ class Validator:
         metrics["timing/val"] = time.perf_counter() - start
         self.last_generations = samples[: self.cfg.trainer.log_val_generations]
         for s in self.last_generations:
-            logger.info("val sample (step %d, score %.2f): %r -> %r", step, s["score"], s["prompt"], s["response"])
+            if len(s["turns"]) > 1:  # multi-turn: the whole trajectory, one line per turn
+                logger.info("val sample (step %d, score %.2f, %d turns): %r ->\n%s", step, s["score"],
+                            len(s["turns"]), s["prompt"], format_turns(s["turns"]))
+            else:
+                logger.info("val sample (step %d, score %.2f): %r -> %r", step, s["score"], s["prompt"],
+                            s["response"])
         return metrics
 
     def _warn_failed_batches(self, status: list[np.ndarray], step: int) -> None:
@@ -116,9 +126,14 @@ class Validator:
             return []
         tok = self.reward_fn.tokenizer
         res = []
+        width = out.batch["responses"].shape[1]
         for i in range(min(n, len(out))):
             prompt_ids = out.batch["prompts"][i]
-            resp_ids = out.batch["responses"][i][out.batch["response_mask"][i].bool()]
+            # the real response tokens: model turns and, in multi-turn rollouts, the tool/user tokens between them
+            real = out.batch["attention_mask"][i, -width:].bool()
+            resp_ids = out.batch["responses"][i][real].tolist()
+            model = out.batch["response_mask"][i][real].tolist()
             res.append({"prompt": tok.decode(prompt_ids[prompt_ids != tok.pad_token_id]),
-                        "response": tok.decode(resp_ids), "score": float(row_scores[i])})
+                        "response": tok.decode(resp_ids), "score": float(row_scores[i]),
+                        "turns": decoded_turns(tok, resp_ids, model)})
         return res

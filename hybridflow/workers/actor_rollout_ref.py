@@ -51,6 +51,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
             self.actor.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
+            chat_template=cfg.data.chat_template,
         )
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
                                        rollout_is=cfg.algorithm.rollout_is)
@@ -107,6 +108,20 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
             metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         return metrics
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor_preference(self, data: DataProto) -> dict[str, float]:
+        """Online DPO: one optimizer step of the `dpo.loss_type` loss on interleaved (chosen, rejected) rows and
+        their `ref_log_prob` (none for SimPO); log-probs at the sampling temperature, like the reference's."""
+        from hybridflow.engine import train_update
+        from hybridflow.engine.update import UpdatePlan
+        from hybridflow.trainer.supervised_losses import build_loss
+
+        d = self.cfg.dpo
+        loss_fn = build_loss("preference", loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
+                             gamma=d.gamma)
+        metrics = train_update(self.actor, data, loss_fn, actor_head(self.cfg, entropy=False), UpdatePlan(len(data)))
+        return {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_ref_ema(self) -> None:
         """ref ← decay·ref + (1 − decay)·actor, shard by shard (both engines are wrapped identically)."""
@@ -156,6 +171,7 @@ class ActorRolloutRefGroup(CheckpointingGroup):
     compute_log_prob = gathered(ActorRolloutRefWorker.compute_log_prob)
     compute_ref_log_prob = gathered(ActorRolloutRefWorker.compute_ref_log_prob)
     update_actor = per_rank(ActorRolloutRefWorker.update_actor)
+    update_actor_preference = per_rank(ActorRolloutRefWorker.update_actor_preference)
     update_ref_ema = per_rank(ActorRolloutRefWorker.update_ref_ema)
     weight_buckets = per_rank(ActorRolloutRefWorker.weight_buckets)
 

@@ -10,6 +10,7 @@ adapters disabled.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,8 +111,17 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         elif self.spec.uses_lora:
             out = self.engine.infer(data, self.train_head, disable_adapters=True)
         else:
-            raise ValueError("this supervised worker has no reference: build it with ref_spec (or LoRA adapters)")
+            raise ValueError("this supervised worker has no reference: build it with ref_spec (or LoRA adapters); "
+                             "after dpo.precompute_ref the reference is freed and its log-probs come from the cache")
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def release_ref(self) -> None:
+        """Free the frozen reference engine (DPO with precomputed reference log-probs)."""
+        self.ref = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_scores(self, data: DataProto) -> DataProto:
@@ -141,4 +151,5 @@ class SupervisedGroup(CheckpointingGroup):
     eval_log_probs = gathered(SupervisedWorker.eval_log_probs)
     compute_ref_log_prob = gathered(SupervisedWorker.compute_ref_log_prob)
     eval_scores = gathered(SupervisedWorker.eval_scores)
+    release_ref = per_rank(SupervisedWorker.release_ref)
     export_hf = per_rank(SupervisedWorker.export_hf)

@@ -134,7 +134,7 @@ def test_session_runs_calls_and_counts_errors_and_timeouts():
                                '{"name": "boom", "arguments": {}}', '{"name": "nope"}', "{bad",
                                '{"name": "slow", "arguments": {"s": 2}}'), turn_complete=True)
     _wait(p)
-    text = tok.decode(s.collect(0, p))
+    text = tok.decode(s.collect(0, p).ids)
     assert text.startswith("\nUser: <tool_response>144</tool_response>") and text.endswith("\nAssistant:")
     assert "RuntimeError: kaput" in text and "unknown tool 'nope'" in text and "timed out" in text
     m = s.metrics()
@@ -158,7 +158,7 @@ def test_tool_response_is_cut_to_max_tool_response_length():
     s.begin([None])
     p = s.on_turn_end(0, _turn(tok, '{"name": "calculator", "arguments": {"expression": "7**40"}}'), True)
     _wait(p)
-    assert tok.decode(s.collect(0, p)) == "\nUser: <tool_response>" + str(7**40)[:8] + "...</tool_response>\nAssistant:"
+    assert tok.decode(s.collect(0, p).ids) == "\nUser: <tool_response>" + str(7**40)[:8] + "...</tool_response>\nAssistant:"
 
 
 # ------------------------------------------------------------------------------------------- config keys
@@ -171,7 +171,7 @@ def test_multi_turn_config_is_off_by_default_and_validated():
     with pytest.raises(ValueError, match="rollout.multi_turn.enable.*rollout.name=hybrid"):
         load_config([], ["rollout.multi_turn.enable=true", "rollout.name=hf"])
     mt = load_config([], ["rollout.multi_turn.enable=true"]).rollout.multi_turn
-    with pytest.raises(ValueError, match="no tools.*rollout.multi_turn.tools"):
+    with pytest.raises(ValueError, match="no tools and no interaction.*rollout.multi_turn.tools"):
         ToolSession.from_config(mt, builtin_tokenizer())
     with pytest.raises(ValueError, match="unknown built-in tool 'calc'"):
         ToolSession.from_config(load_config([], ["rollout.multi_turn.tools=[calc]"]).rollout.multi_turn,

@@ -89,3 +89,22 @@ def test_weak_start_learning_benchmark_smoke(tmp_path):
     assert "error" not in row, row.get("error")
     assert 0.0 <= row["start"] <= 1.0 and 0.0 <= row["end"] <= 1.0 and row["samples"] == 2 * 4 * 4
     assert "| ours | robust | 1 |" in (tmp_path / "summary.md").read_text(), proc.stdout
+
+
+def test_lora_gpu_benchmark_smoke(tmp_path):
+    """Issue 24's device round on tiny shapes: hybridflow GRPO with LoRA (the 7B part's settings) and TRL's
+    GRPOTrainer with the same PEFT config, each in its own process; rows and table as the GPU round writes them."""
+    proc = _run("benchmarks.lora_gpu", "--smoke", "--parts", "lora_7b,trl_7b", "--out", str(tmp_path), timeout=600)
+    rows = {r["part"]: r for r in map(json.loads, (tmp_path / "lora_gpu.jsonl").read_text().splitlines())}
+    ours = rows["lora_7b"]
+    assert ours["status"] == "ok", ours.get("error")
+    assert "model.lora.rank=4" in ours["result"]["overrides"] and ours["result"]["switch_ms"]["n"] == 1
+    assert ours["result"]["median"]["timing/update_actor"] > 0
+    trl = rows["trl_7b"]
+    if importlib.util.find_spec("trl") is None:
+        assert trl["status"].startswith("skipped: trl not importable")
+    else:
+        assert trl["status"] == "ok", trl.get("error")
+        assert 0 < trl["result"]["trainable_params"] < trl["result"]["total_params"] / 10  # adapters only
+        assert trl["result"]["median_step_s"] > 0
+    assert "| lora_7b | ok |" in proc.stdout and (tmp_path / "lora_gpu.md").exists()

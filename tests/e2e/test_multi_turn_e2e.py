@@ -69,6 +69,13 @@ def test_multi_turn_trains_through_the_stages(estimator: str, tmp_path: Path, al
     mask = b["response_mask"].bool()
     resp_len = b["attention_mask"][:, -b["responses"].shape[1]:].sum(1)
     assert (mask.sum(1) < resp_len).any(), "some trajectory must hold tool tokens"
-    diff = (out.batch["old_log_probs"] - b["rollout_log_probs"])[mask].abs().max()
-    assert diff < 1e-3, diff
+    trained, rolled = out.batch["old_log_probs"], b["rollout_log_probs"]
+    diff = (trained - rolled)[mask].abs().max()
+    # On GPU the rollout engine runs in bf16 whatever the trainer's dtype: its log-probs differ from the trainer's
+    # by 4e-3-6e-3 (max, H200, 2026-12-01), on CPU both are fp32.
+    assert diff < (5e-2 if torch.cuda.is_available() else 1e-3), diff
+    # Alignment: the same comparison one token off is far worse, so the bound above checks which tokens match.
+    both = mask[:, 1:] & mask[:, :-1]
+    shifted = (trained[:, 1:] - rolled[:, :-1])[both].abs().mean()
+    assert shifted > 10 * (trained - rolled)[mask].abs().mean(), shifted
     assert torch.all(b["rollout_log_probs"][~mask] == 0)

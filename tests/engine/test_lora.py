@@ -111,3 +111,50 @@ def test_checkpoint_holds_trained_parameters_only_and_round_trips(dist_group, tm
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+def test_exports_reproduce_the_trained_policy(dist_group, tmp_path) -> None:
+    """What was trained is what ships: the engine's own log-probs (adapters on) equal those of the PEFT adapter
+    export loaded with `PeftModel.from_pretrained` onto a freshly built base, and of the merged (`--merge`) export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.checkpoint import CheckpointManager
+    from hybridflow.checkpoint.export import export_hf
+    from hybridflow.config import to_dict
+    from hybridflow.models.loader import load_module
+
+    cfg = make_config(*LORA)
+    engine = make_engine(*LORA)
+    data = make_batch(seed=7)
+    for _ in range(3):
+        train_step(engine, data, nll_loss)
+    policy = logprobs(engine, data)["log_probs"]
+    base = make_engine()
+    assert (policy - logprobs(base, data)["log_probs"]).abs().max() > 1e-3  # the adapters changed the policy
+    with CheckpointManager(tmp_path / "ckpt", async_save=False) as mgr:  # as the trainer saves it
+        mgr.save(3, {"actor": engine.state_dict()}, extra={"config": to_dict(cfg)})
+    adapter_dir = export_hf(tmp_path / "ckpt", tmp_path / "adapter")
+    merged_dir = export_hf(tmp_path / "ckpt", tmp_path / "merged", merge=True)
+
+    peft_model = PeftModel.from_pretrained(load_module(cfg.model, "lm"), str(adapter_dir)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    params = {n: _local(p) for n, p in engine.module.named_parameters()}
+    exported = merged.state_dict()
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):  # W + (alpha/r)·B·A, naively
+        w, a, b = (params[f"{layer}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
+        torch.testing.assert_close(exported[f"{layer}.weight"], w + (8 / 4) * b @ a, atol=1e-6, rtol=0)
+    for name, model in (("PeftModel.from_pretrained", peft_model), ("merged export", merged)):
+        torch.testing.assert_close(_hf_response_logprobs(model, data), policy, atol=2e-5, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _hf_response_logprobs(model: torch.nn.Module, data) -> torch.Tensor:
+    """Log-probs of `data`'s responses under an HF causal LM, laid out as the engine's (zero off the mask)."""
+    b = data.batch
+    response = b["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits.float()
+    logp = torch.log_softmax(logits[:, -response - 1:-1], -1).gather(-1, b["responses"][..., None]).squeeze(-1)
+    return logp * b["response_mask"]

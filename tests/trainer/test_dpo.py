@@ -12,6 +12,7 @@ import torch
 
 from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config
+from hybridflow.controller.errors import WorkerError
 from hybridflow.trainer.dpo import DPOTrainer
 
 NONDETERMINISTIC = ("timing/", "tokens_per_s", "step_time_s", "mfu")
@@ -59,9 +60,10 @@ def test_simpo_is_reference_free(tmp_path) -> None:
     assert math.isfinite(history[-1]["dpo/loss"])
 
 
-def test_resume_is_bit_exact(tmp_path) -> None:
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resume_is_bit_exact(tmp_path, precompute: bool) -> None:
     ckpt = ("trainer.checkpoint.save_freq=2", "trainer.checkpoint.async_save=false", "trainer.resume_mode=auto",
-            "dpo.total_steps=4")
+            "dpo.total_steps=4", f"dpo.precompute_ref={str(precompute).lower()}")
     straight, a = _fit(tmp_path / "a", *ckpt)
     # the interrupted run: stops after step 2 (saved there; the LR schedule is still sized for 4), then a fresh
     # trainer resumes to 4
@@ -80,6 +82,37 @@ def test_resume_is_bit_exact(tmp_path) -> None:
     assert straight[-1]["val/loss"] == resumed[-1]["val/loss"]
     wa, wc = a.engine.module.state_dict(), c.engine.module.state_dict()
     assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_precomputed_reference_equals_per_batch_and_frees_the_model(tmp_path) -> None:
+    trainer = DPOTrainer(load_config([], _args(tmp_path, "dpo.total_steps=2")))
+    try:
+        alg = trainer.algorithm
+        batch = next(iter(alg.loader))  # a shuffled training batch: other rows and widths than the first pass saw
+        per_batch = alg.group.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        alg.precompute_reference()
+        assert _worker(trainer).ref is None  # the frozen reference is freed
+        assert len(alg.ref_cache["train"]) == 2 * len(alg.train_ds) and len(alg.ref_cache["val"]) == 2 * len(alg.val_ds)
+        cached = alg.ref_cache["train"].lookup(batch)
+        mask = batch.batch["response_mask"].bool()
+        assert cached.shape == per_batch.shape and not cached[~mask].any()
+        # the same model on the same tokens in another batch (bit-equal at the default CPU numerics; other kernels,
+        # e.g. the AVX2 emulation, may round a packed batch of another width differently)
+        torch.testing.assert_close(cached, per_batch * mask, rtol=0, atol=1e-5)
+        with pytest.raises(WorkerError, match="no reference"):  # nothing can silently fall back to a freed model
+            alg.group.compute_ref_log_prob(batch)
+    finally:
+        trainer.close()
+
+
+def test_precompute_ref_trains_like_per_batch(tmp_path) -> None:
+    per_batch, _ = _fit(tmp_path / "a", "dpo.total_steps=3", "trainer.test_freq=3")
+    pre, worker = _fit(tmp_path / "b", "dpo.total_steps=3", "trainer.test_freq=3", "dpo.precompute_ref=true")
+    assert worker.ref is None
+    for key in ("dpo/loss", "rewards/margins", "logps/chosen", "dpo/grad_norm"):
+        assert [m[key] for m in pre] == pytest.approx([m[key] for m in per_batch], rel=1e-4, abs=1e-5), key
+    assert pre[-1]["val/loss"] == pytest.approx(per_batch[-1]["val/loss"], rel=1e-4)
+    assert pre[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # step 1: the cached reference is the policy
 
 
 @pytest.mark.parametrize("override,key", [("dpo.loss_type=kto", "dpo.loss_type"), ("dpo.beta=0", "dpo.beta"),

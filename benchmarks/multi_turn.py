@@ -1,0 +1,197 @@
+"""Multi-turn rollout throughput (issue 23 item 7): 256 trajectories x 3 assistant turns with a simulated 50 ms tool,
+against the single-turn engine on the same number of generated tokens, and KV reuse against re-prefilling history.
+
+Run on one GPU:  PYTHONPATH=. python3 benchmarks/multi_turn.py --out $OUT/multi_turn.json
+CPU smoke test:  python3 benchmarks/multi_turn.py --device cpu --preset tiny --prompts 2 --n 2 --prompt-len 8 \
+                     --response-len 48 --turn-len 8 --tool-tokens 4 --tool-latency 0.005 --out /tmp/mt.json
+
+Workload: random-init Qwen2.5 shape (no download), random prompts, sampling at temperature 1. A random model writes
+no tool calls, so a test format calls the `sleep` tool after every turn (it sleeps `--tool-latency` and answers
+`--tool-tokens` tokens); a turn ends on any of V / `--turn-len` stop ids (geometric turn lengths, mean ≈ turn-len),
+the 3rd turn ends the trajectory. Three runs after one warm-up each:
+- single-turn: the same prompts, `ignore_eos`, max_new = the multi-turn run's mean model tokens per trajectory;
+- multi-turn, KV reuse (what the engine does): `ModelRunner.extend` prefills only the appended tool tokens;
+- multi-turn, re-prefill: `extend` replaced by a version that recomputes the whole history's K/V (prompt + every
+  earlier turn + the tool tokens) each turn — what an engine without KV reuse pays.
+Tokens/s counts model-sampled tokens only (tool tokens are not generated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from typing import Any
+
+import torch
+
+# benchmarks/rollout.py builds the same random-init models
+from benchmarks.rollout import make_model, sync
+from hybridflow.agentic.formats import ToolCall, ToolFormat
+from hybridflow.agentic.session import ToolSession
+from hybridflow.agentic.tools import Tool, ToolContext, ToolResult
+from hybridflow.config import load_config
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutEngine, forward
+from hybridflow.rollout.model_runner import ModelRunner
+from hybridflow.rollout.sampling import SamplingParams
+
+
+class WordTokenizer:
+    """Enough of a tokenizer for the session: a turn decodes to '' (the format ignores it), a tool answer of k words
+    encodes to k ids."""
+
+    chat_template = None
+
+    def __init__(self, vocab: int) -> None:
+        self.span = min(1000, vocab // 2)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + (i % self.span) for i in range(len(text.split()))]
+
+
+class AlwaysSleep(ToolFormat):
+    name = "bench_always_sleep"
+
+    def parse(self, text: str) -> list[ToolCall]:
+        return [ToolCall("sleep", {})]
+
+    def render(self, results: list[str]) -> str:
+        return " ".join(results)
+
+
+class SleepTool(Tool):
+    name = "sleep"
+    description = "waits, then answers a fixed number of words"
+
+    def execute(self, arguments: dict[str, Any], context: ToolContext) -> ToolResult:
+        time.sleep(float(self.config["latency"]))
+        return ToolResult(" ".join(["w"] * int(self.config["tokens"])))
+
+
+def reprefill_extend(prompt_ids: torch.Tensor):
+    """A `ModelRunner.extend` that recomputes the history instead of reusing the cache (prompts are unpadded and
+    identical, so the history of any slot is `prompt_ids` + its response so far + the new ids)."""
+
+    def extend(self: ModelRunner, slot: int, new_ids: list[int], prompt_width: int, resp_pos0: int) -> int:
+        dev = self.device
+        step, k, P = int(self.step[slot]), len(new_ids), prompt_ids.numel()
+        hist = torch.cat([prompt_ids.to(dev), self.out_tok[slot, :step],
+                          torch.tensor(new_ids, dtype=torch.long, device=dev)])
+        self.valid[slot, :] = False
+        logits = forward.extend(self.weights, self.spec, self.rope, hist, torch.arange(P + step + k, device=dev),
+                                self.cache, slot, 0, self.valid[slot])
+        counter = torch.tensor([step + k], dtype=torch.long, device=dev)
+        tok, logp = self.ops.sample(logits[None], self.mode, self.temperature, self.top_k, self.top_p,
+                                    self.seed[slot: slot + 1], counter)
+        self.out_tok[slot, step: step + k] = hist[P + step:]
+        self.out_logp[slot, step: step + k] = 0.0
+        self.out_tok[slot, step + k], self.out_logp[slot, step + k] = tok[0], logp[0]
+        new_len = step + k + 1
+        self.tok[slot], self.step[slot] = tok[0], new_len
+        self.cidx[slot], self.pos[slot] = P + step + k, P + step + k
+        self.done[slot] = self.is_stop[tok[0]] | (new_len >= self.max_new[slot])
+        return new_len
+
+    return extend
+
+
+def timed_generate(engine: RolloutEngine, prompts: DataProto, params: SamplingParams) -> tuple[DataProto, float]:
+    engine.generate(prompts, params)  # warm-up: graphs, compiled kernels, cache
+    sync(engine.device)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    sync(engine.device)
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn-len", type=int, default=96, help="mean tokens per assistant turn (stop-id share)")
+    ap.add_argument("--tool-tokens", type=int, default=32)
+    ap.add_argument("--tool-latency", type=float, default=0.05)
+    ap.add_argument("--tool-workers", type=int, default=64)
+    args = ap.parse_args()
+
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = make_model(args.preset, dev, dtype)
+    vocab = model.config.vocab_size
+    B, n, P, R = args.prompts, args.n, args.prompt_len, args.response_len
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(min(1000, vocab // 2), vocab, (P,), generator=g)
+    ids = prompt.expand(B, P).clone().to(dev)
+    prompts = DataProto.from_single_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                          "position_ids": torch.arange(P, device=dev).expand(B, P).clone()})
+    prompts.meta_info["seeds"] = list(range(B))  # the same samples in every run (warm-up, reuse, re-prefill)
+    rcfg = dataclasses.replace(load_config([], ["trainer.device=" + dev.type]).rollout, n=n, max_num_seqs=B * n,
+                               free_cache_engine=False, gpu_memory_utilization=0.5)
+    cfg = model.config
+    engine = RolloutEngine(model, rcfg, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                           max_prompt_length=P, max_response_length=R, dtype=dtype)
+    n_stop = max(1, vocab // args.turn_len)
+    stops = tuple(range(vocab - n_stop, vocab))
+    multi = SamplingParams(n=n, stop_token_ids=stops, seed=1)
+    tool = SleepTool({"latency": args.tool_latency, "tokens": args.tool_tokens})
+    session = ToolSession({"sleep": tool}, AlwaysSleep(), WordTokenizer(vocab), max_assistant_turns=args.turns,
+                          max_tool_response_length=args.tool_tokens + 8, tool_timeout_s=30.0,
+                          tool_workers=args.tool_workers)
+    engine.session = session
+    out, t_reuse = timed_generate(engine, prompts, multi)
+    m = out.meta_info["metrics"]
+    model_tokens = int(out.batch["response_mask"].sum())
+    lengths = out.batch["attention_mask"][:, P:].sum(1).float()
+    original = ModelRunner.extend
+    ModelRunner.extend = reprefill_extend(prompt)
+    try:
+        out_re, t_re = timed_generate(engine, prompts, multi)
+    finally:
+        ModelRunner.extend = original
+    same_seq = bool(torch.equal(out_re.batch["responses"], out.batch["responses"]))
+    logp_diff = float((out_re.batch["rollout_log_probs"] - out.batch["rollout_log_probs"]).abs().max())
+    re_tokens = int(out_re.batch["response_mask"].sum())
+    engine.session = None
+    per_traj = max(1, round(model_tokens / (B * n)))
+    single = SamplingParams(n=n, ignore_eos=True, max_new_tokens=per_traj, seed=1)
+    out_st, t_single = timed_generate(engine, prompts, single)
+    single_tokens = int(out_st.batch["response_mask"].sum())
+    session.close()
+
+    res = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "args": vars(args),
+        "trajectories": B * n, "turns_mean": m.get("num_turns/mean"), "tool_calls_mean": m.get("tool_calls/mean"),
+        "model_tokens": model_tokens, "response_len_mean": float(lengths.mean()),
+        "response_len_max": float(lengths.max()), "extend_tokens": m.get("rollout/extend_tokens"),
+        "tool_wait_s": m.get("timing/tool_wait"),
+        "multi_turn_reuse_s": t_reuse, "multi_turn_reuse_tok_s": model_tokens / t_reuse,
+        "multi_turn_reprefill_s": t_re, "multi_turn_reprefill_tok_s": re_tokens / t_re,
+        "reprefill_same_tokens": same_seq, "reprefill_max_logp_diff": logp_diff,
+        "single_turn_s": t_single, "single_turn_tokens": single_tokens, "single_turn_tok_s": single_tokens / t_single,
+    }
+    res["multi_vs_single"] = res["multi_turn_reuse_tok_s"] / res["single_turn_tok_s"]
+    res["reuse_vs_reprefill"] = res["multi_turn_reuse_tok_s"] / res["multi_turn_reprefill_tok_s"]
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    for k in ("turns_mean", "model_tokens", "response_len_mean", "multi_turn_reuse_s", "multi_turn_reuse_tok_s",
+              "multi_turn_reprefill_tok_s", "reprefill_same_tokens", "reprefill_max_logp_diff", "single_turn_tok_s", "multi_vs_single",
+              "reuse_vs_reprefill", "tool_wait_s"):
+        print(f"{k:28s} {res[k]}")
+
+
+if __name__ == "__main__":
+    main()
