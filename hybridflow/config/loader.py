@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import keyword
 import logging
 import re
 import types
@@ -182,7 +183,7 @@ def build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {config_key(f.name): f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
             full = f"{path}.{key}" if path else str(key)
@@ -200,7 +201,7 @@ def build(cls: type, data: Any, path: str) -> Any:
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                 continue
             raise ConfigError(f"missing config key '{full}' (add it to defaults.yaml or your config file)")
-        kwargs[name] = _coerce(hints[name], data[name], full)
+        kwargs[f.name] = _coerce(hints[f.name], data[name], full)
     try:
         return cls(**kwargs)
     except ValueError as err:
@@ -264,8 +265,21 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def config_key(field_name: str) -> str:
+    """The YAML key of a dataclass field: a Python keyword is spelled with a trailing underscore in Python
+    (`trainer.async` is the field `async_`) and without it in the config."""
+    stem = field_name[:-1]
+    return stem if field_name.endswith("_") and keyword.iskeyword(stem) else field_name
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    return _config_keys(dataclasses.asdict(cfg))
+
+
+def _config_keys(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {config_key(k) if isinstance(k, str) else k: _config_keys(v) for k, v in node.items()}
+    return node
 
 
 def to_yaml(cfg: Any) -> str:

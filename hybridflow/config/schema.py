@@ -503,6 +503,40 @@ class HealthConfig:
     memory_warn_frac: float
 
 
+TRAINER_MODES = ("sync", "one_step_off", "async")
+PARTIAL_ROLLOUT_MODES = ("abort",)
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """`trainer.async` (the YAML key; `async` is a Python keyword, so the field is `async_`): the bounded-staleness
+    mode (`trainer.mode=async`, hybridflow/trainer/async_driver.py)."""
+
+    max_staleness: int  # policy versions a trained sample may lag the policy being trained (0 = on-policy)
+    partial_rollout: str  # abort: a request too stale when it is consumed is dropped and its prompts resubmitted
+    chunk_prompts: int | None  # prompts per generation request (the streaming unit); null = train_batch_size / 4
+
+    def __post_init__(self) -> None:
+        _check(self.max_staleness >= 0, "trainer.async.max_staleness", self.max_staleness,
+               "must be >= 0 policy versions (0 = every sample from the policy being trained)")
+        if self.partial_rollout == "continue":
+            raise ValueError("trainer.async.partial_rollout=continue (in-flight sequences continue under new weights "
+                             "with per-token versions) is not built yet; use trainer.async.partial_rollout=abort")
+        _one_of("trainer.async.partial_rollout", self.partial_rollout, PARTIAL_ROLLOUT_MODES)
+        _check(self.chunk_prompts is None or self.chunk_prompts >= 1, "trainer.async.chunk_prompts",
+               self.chunk_prompts, "must be >= 1 prompt, or null (train_batch_size / 4)")
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """Trainer → rollout weight broadcast in the non-sync modes."""
+
+    bucket_mb: float  # parameters are packed into flat buckets of at most this size (one tensor per bucket)
+
+    def __post_init__(self) -> None:
+        _check(self.bucket_mb > 0, "trainer.weight_sync.bucket_mb", self.bucket_mb, "must be > 0 MiB")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     project_name: str
@@ -531,8 +565,12 @@ class TrainerConfig:
     rollback: RollbackConfig
     max_consecutive_bad_steps: int
     health: HealthConfig
+    mode: str  # sync | one_step_off | async (trainer/async_driver.py)
+    async_: AsyncConfig  # YAML key `async`
+    weight_sync: WeightSyncConfig
 
     def __post_init__(self) -> None:
+        _one_of("trainer.mode", self.mode, TRAINER_MODES)
         _one_of("trainer.backend", self.backend, ("auto", "local", "ray"))
         _one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
         _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, "must be 0 (auto) or a thread count")
@@ -549,9 +587,13 @@ class TrainerConfig:
 class ResourcePoolConfig:
     process_on_nodes: list[int] | None  # processes per node; null = [n_gpus_per_node] * nnodes
     max_colocate_count: int  # worker processes that may share one GPU
+    rollout_process_on_nodes: list[int]  # non-sync modes: the rollout workers' own pool (processes per node)
 
     def __post_init__(self) -> None:
         _check(self.max_colocate_count >= 1, "resource_pool.max_colocate_count", self.max_colocate_count, "must be >= 1")
+        _check(bool(self.rollout_process_on_nodes) and all(n >= 1 for n in self.rollout_process_on_nodes),
+               "resource_pool.rollout_process_on_nodes", self.rollout_process_on_nodes,
+               "must be a non-empty list of positive process counts, e.g. [1]")
 
 
 # --------------------------------------------------------------------------------------------------- sft / rm

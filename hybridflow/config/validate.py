@@ -12,7 +12,7 @@ def validate_config(cfg: Config) -> None:
     errors = _resource_errors(cfg)
     if not errors:
         errors += _batch_errors(cfg)
-    errors += _name_errors(cfg) + _lora_errors(cfg) + _online_dpo_errors(cfg)
+    errors += _name_errors(cfg) + _lora_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -116,6 +116,37 @@ def _lora_errors(cfg: Config) -> list[str]:
                 "its adapters disabled (no second model), which cannot be an EMA; set ref.ema.enable=false or "
                 "model.lora.rank=0"]
     return []
+
+
+def _mode_errors(cfg: Config) -> list[str]:
+    """trainer.mode=one_step_off|async: what the separate rollout workers do not support yet."""
+    mode = cfg.trainer.mode
+    if mode == "sync":
+        return []
+    errs = []
+    why = f"trainer.mode={mode} generates on separate rollout workers"
+    if cfg.algorithm.adv_estimator == "remax":
+        errs.append(f"algorithm.adv_estimator=remax with {why}: the greedy baseline is not pipelined yet; use "
+                    "trainer.mode=sync or another estimator")
+    if cfg.algorithm.filter_groups.enable:
+        errs.append(f"algorithm.filter_groups.enable=true with {why}: dynamic sampling is not pipelined yet; use "
+                    "trainer.mode=sync or algorithm.filter_groups.enable=false")
+    if cfg.dpo.online:
+        errs.append(f"dpo.online=true with {why}: online DPO generates in its own step; use trainer.mode=sync")
+    if cfg.model.lora.enabled:
+        errs.append(f"model.lora.rank={cfg.model.lora.rank} with {why}: the weight broadcast sends full "
+                    "parameters, not merged adapters, yet; use trainer.mode=sync or model.lora.rank=0")
+    if mode == "async":
+        b, chunk = cfg.data.train_batch_size, cfg.trainer.async_.chunk_prompts
+        chunk = chunk if chunk is not None else max(1, b // 4)
+        if b % chunk:
+            errs.append(f"trainer.async.chunk_prompts={chunk} must divide data.train_batch_size={b} (a training "
+                        f"batch is whole generation requests); e.g. trainer.async.chunk_prompts={_divisor(b)}")
+    return errs
+
+
+def _divisor(n: int) -> int:
+    return next(d for d in range(max(1, n // 4), 0, -1) if n % d == 0)
 
 
 def _online_dpo_errors(cfg: Config) -> list[str]:

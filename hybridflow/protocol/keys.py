@@ -51,6 +51,8 @@ PROMPTS = _k("prompts", "B P", "int", "gen", "the prompt part of input_ids")
 RESPONSES = _k("responses", "B R", "int", "gen", "sampled tokens, right-padded")
 RESPONSE_MASK = _k("response_mask", "B R", "int", "gen", "1 on real response tokens (the loss mask)")
 ROLLOUT_LOG_PROBS = _k("rollout_log_probs", "B R", "float", "gen", "log-probs the sampler drew with (0 on pads)")
+POLICY_VERSION = _k("policy_version", "B", "int", "gen",
+                    "non-sync modes: the policy version (optimizer steps) of the weights that generated the row")
 TURN_REWARDS = _k("turn_rewards", "B R", "float", "gen", "multi-turn: each turn's tool/interaction reward on its "
                   "last model token (added to token_level_scores)")
 BASELINE_REWARDS = _k("baseline_rewards", "B", "float", "gen", "ReMax: the greedy response's reward per row")
@@ -70,7 +72,8 @@ EXTRA_INFO = _k("extra_info", "B", "object", "data", "free-form row info passed 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SEEDS, PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS,
-    TURN_REWARDS, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, VALUES,
+    POLICY_VERSION, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY,
+    REF_LOG_PROB, VALUES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
@@ -94,7 +97,7 @@ class Stage:
 
 GEN = Stage("gen", (INPUT_IDS, ATTENTION_MASK), (PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS, INPUT_IDS,
                                                  ATTENTION_MASK, POSITION_IDS),
-           optional=(POSITION_IDS, SEEDS, TURN_REWARDS))
+           optional=(POSITION_IDS, SEEDS, TURN_REWARDS, POLICY_VERSION))
 REWARD = Stage("reward", (RESPONSES, RESPONSE_MASK), (TOKEN_LEVEL_SCORES,),
                optional=(RM_SCORES, DATA_SOURCE, TURN_REWARDS))
 REWARD_MODEL_SCORE = Stage("reward_model", MODEL_INPUTS, (RM_SCORES,))

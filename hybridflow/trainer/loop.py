@@ -65,6 +65,11 @@ class Algorithm(ABC):
     def on_rollback(self, extra: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """The workers were rolled back to a checkpoint whose `extra` is given (data position moves on)."""
 
+    def batches(self, source: Iterator[DataProto], start_step: int) -> Iterator[DataProto]:
+        """What `step` receives, from the loader's batches; `start_step` is the last step already trained. The
+        default passes them through; PPO's non-sync modes yield batches generated ahead (trainer/async_driver.py)."""
+        return source
+
     def skip_reports(self) -> list[SkipReport]:
         """Rows the datasets left out at load (reported once, `data_skipped` + `data/skipped_rows`)."""
         return []
@@ -127,7 +132,7 @@ class Trainer:
                 logger.info(message)
             return
         test_freq = self.cfg.trainer.test_freq
-        for batch in self._batches():
+        for batch in self.algorithm.batches(self._batches(), self.global_step):
             self.global_step += 1
             self.steps_run += 1
             self.ckpt.poll()  # a failed background save surfaces here

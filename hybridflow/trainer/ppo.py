@@ -25,6 +25,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.config import Config, resolve
 from hybridflow.protocol import DataProto, keys
+from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import (
@@ -76,6 +77,7 @@ class PPOAlgorithm(Algorithm):
                                    tracker=tracker) if self.val_ds else None
         self.global_step = 0  # the step being trained (set by `step`)
         self._gen_calls = 0
+        self.driver = build_driver(self)  # trainer.mode=one_step_off|async: generation on the rollout workers
 
     @property
     def actor(self) -> ActorRolloutRefGroup:
@@ -87,6 +89,9 @@ class PPOAlgorithm(Algorithm):
             return {"": self.groups.actor}  # one checkpoint for every role of the process
         return {"actor": self.groups.actor, "critic": self.groups.critic}
 
+    def batches(self, source: Iterator[DataProto], start_step: int) -> Iterator[DataProto]:
+        return source if self.driver is None else self.driver.run(source, start_step)
+
     def skip_reports(self) -> list[SkipReport]:
         return [ds.skips for ds in (self.train_ds, self.val_ds) if ds is not None]
 
@@ -94,7 +99,8 @@ class PPOAlgorithm(Algorithm):
         ema = self.cfg.ref.ema
         return {"kl_ctrl": self.kl_ctrl.state_dict(),
                 "gen_calls": int(self._gen_calls),  # the driver's sampling seeds count generate calls
-                "ema": {"enable": ema.enable, "decay": ema.decay, "update_every": ema.update_every}}
+                "ema": {"enable": ema.enable, "decay": ema.decay, "update_every": ema.update_every},
+                **(self.driver.state_dict() if self.driver is not None else {})}
 
     def load_state_dict(self, extra: dict[str, Any]) -> None:
         ema_saved, ema_now = bool(extra.get("ema", {}).get("enable", False)), self.cfg.ref.ema.enable
@@ -106,6 +112,8 @@ class PPOAlgorithm(Algorithm):
 
     def on_rollback(self, extra: dict[str, Any]) -> None:
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        if self.driver is not None:  # the rollout workers must generate with the restored weights
+            self.driver.on_rollback(self.global_step)
 
     def cleanups(self) -> list[Callable[[], object]]:
         return [self.reward_fn.close, self.groups.close]
@@ -117,7 +125,8 @@ class PPOAlgorithm(Algorithm):
         timer, metrics = StageTimer(), {}
         start = time.perf_counter()
         with timer("gen"):  # 1. generate rollout.n responses per prompt (train→generate→train inside)
-            batch = self._generate(batch, metrics, timer)
+            batch = (self._generate(batch, metrics, timer) if self.driver is None  # non-sync: generated ahead
+                     else self.driver.take(batch, step, metrics))
         with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
             batch = self._reward(batch, metrics)
         if self.cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling
@@ -143,6 +152,8 @@ class PPOAlgorithm(Algorithm):
         if self.global_step > self.cfg.critic.warmup_steps or not self.res.use_critic:
             with timer("update_actor"):  # 8. actor PPO epochs
                 metrics |= reduce_metrics(self.actor.update_actor(batch))
+        if self.driver is not None:  # non-sync modes: the rollout workers get policy version `step`
+            metrics |= self.driver.after_update(step)
         ema = self.cfg.ref.ema
         if ema.enable and self.global_step % ema.update_every == 0:
             self.actor.update_ref_ema()

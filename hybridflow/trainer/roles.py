@@ -22,6 +22,7 @@ from hybridflow.controller import (
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup, ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticGroup, CriticWorker
 from hybridflow.workers.reward_model import RewardModelGroup, RewardModelWorker
+from hybridflow.workers.rollout_worker import RolloutGroup, RolloutWorker
 
 
 class Role(NamedTuple):
@@ -33,6 +34,7 @@ ROLES: dict[str, Role] = {
     "actor_rollout_ref": Role(ActorRolloutRefWorker, ActorRolloutRefGroup),
     "critic": Role(CriticWorker, CriticGroup),
     "reward_model": Role(RewardModelWorker, RewardModelGroup),
+    "rollout": Role(RolloutWorker, RolloutGroup),  # non-sync modes only, in its own pool
 }
 
 
@@ -43,12 +45,16 @@ class WorkerGroups:
     reward_model: RewardModelGroup | None = None
     pool: ResourcePool | None = None
     owners: tuple[WorkerGroup, ...] = ()  # the groups that own processes (one when colocated)
+    rollout: RolloutGroup | None = None  # trainer.mode=one_step_off|async: the separate generation workers
+    rollout_pool: ResourcePool | None = None
 
     def close(self) -> None:
-        for wg in self.owners:
+        groups = self.owners + ((self.rollout.worker_group,) if self.rollout is not None else ())
+        for wg in groups:
             wg.shutdown()
-        if self.pool is not None:
-            self.pool.release()
+        for pool in (self.pool, self.rollout_pool):
+            if pool is not None:
+                pool.release()
 
 
 def role_classes(res: Resolved) -> dict[str, type[Worker]]:
@@ -82,4 +88,21 @@ def build_worker_groups(cfg: Config, res: Resolved, total_training_steps: int | 
         critic.init_model(total_training_steps=total_training_steps)
     if reward_model is not None:
         reward_model.init_model()
-    return WorkerGroups(actor=actor, critic=critic, reward_model=reward_model, pool=pool, owners=owners)
+    groups = WorkerGroups(actor=actor, critic=critic, reward_model=reward_model, pool=pool, owners=owners)
+    if cfg.trainer.mode != "sync":
+        try:
+            groups.rollout, groups.rollout_pool = build_rollout_group(cfg)
+        except BaseException:
+            groups.close()  # the trainer's workers are up: release them before raising
+            raise
+    return groups
+
+
+def build_rollout_group(cfg: Config) -> tuple[RolloutGroup, ResourcePool]:
+    """The non-sync modes' generation workers: their own pool (`resource_pool.rollout_process_on_nodes`), so they
+    are separate processes on the Ray backend (on the local backend, a second in-process worker)."""
+    base = ResourcePool.from_config(cfg)
+    pool = ResourcePool(list(cfg.resource_pool.rollout_process_on_nodes), 1, base.use_gpu, "rollout_pool")
+    rollout = RolloutGroup(WorkerGroup(pool, RolloutWorker, cfg, backend=cfg.trainer.backend, name="rollout"))
+    rollout.init_model()
+    return rollout, pool

@@ -18,6 +18,7 @@ from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.losses import make_actor_loss
+from hybridflow.workers.weight_sync import WeightBucket, full_parameters, pack_buckets
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine
@@ -132,6 +133,17 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
                 p_ref = _local(ref_params[name])
                 p_ref.lerp_(_local(p_act).to(device=p_ref.device, dtype=p_ref.dtype), 1.0 - decay)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_buckets(self, bucket_bytes: int) -> list[WeightBucket]:
+        """The actor's full parameters packed for the rollout workers of the non-sync modes (every rank takes part
+        in the FSDP2 gather; rank 0 returns the buckets, the others an empty list)."""
+        named = full_parameters(self.actor.module)
+        if self.rank != 0:
+            for _ in named:  # the gather is collective: every rank walks the parameters
+                pass
+            return []
+        return pack_buckets(named, bucket_bytes)
+
     # ------------------------------------------------------------------------------------------ checkpoint
     def checkpoint_engines(self) -> dict[str, TrainEngine]:
         """The actor, and the reference only when it is an EMA (a frozen ref is rebuilt from the model)."""
@@ -161,6 +173,7 @@ class ActorRolloutRefGroup(CheckpointingGroup):
     update_actor = per_rank(ActorRolloutRefWorker.update_actor)
     update_actor_preference = per_rank(ActorRolloutRefWorker.update_actor_preference)
     update_ref_ema = per_rank(ActorRolloutRefWorker.update_ref_ema)
+    weight_buckets = per_rank(ActorRolloutRefWorker.weight_buckets)
 
 
 def _seeds_to_meta(prompts: DataProto) -> DataProto:

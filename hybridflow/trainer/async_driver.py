@@ -1,0 +1,295 @@
+"""The non-sync modes' driver side: generation on separate rollout workers, pipelined with training.
+
+`trainer.mode=one_step_off` (`OneStepOffDriver`): the batch of step k+1 is submitted to the rollout workers before
+step k trains, with the weights of version k-1; after step k's actor update the trainer's weights (version k) are
+sent, queued behind that request, so the batch of step k+2 uses them. Staleness is 1 from step 2 on (0 at step 1).
+
+`trainer.mode=async` (`AsyncDriver`): prompts go out in requests of `trainer.async.chunk_prompts`; at most
+(max_staleness + 1) × train_batch_size prompts are outstanding (submitted and not yet trained), which bounds how old
+a request can be when it is consumed; training takes finished requests in completion order until it has a batch.
+A request found older than `max_staleness` when consumed (possible after a rollback re-sync) is dropped and its
+prompts resubmitted with the newest weights (`trainer.async.partial_rollout=abort`): requests never span two weight
+versions, because weights change only between requests on the rollout worker.
+
+Both drivers are generators the loop iterates instead of the prompt batches (`Algorithm.batches`); each yielded
+batch is already generated, and `PPOAlgorithm.step` takes it (`take`) instead of generating. Policy version = the
+number of optimizer steps behind the weights; a sample trained at step t has staleness (t - 1) - its version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridflow.checkpoint import DataPosition
+from hybridflow.controller import GroupFuture, WorkerError, WorkerTimeoutError
+from hybridflow.protocol import DataProto, keys
+from hybridflow.trainer.metrics import reduce_metrics
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.ppo import PPOAlgorithm
+    from hybridflow.workers.rollout_worker import RolloutGroup
+
+
+class RolloutWorkerFailed(WorkerError):
+    """A rollout worker of a non-sync mode raised, died or timed out; names the group, method, rank and step."""
+
+
+@dataclass
+class Request:
+    """One generate call in flight: its prompts (to resubmit), the weights' version, the step it was planned for
+    and the data position after its source batch."""
+
+    future: GroupFuture
+    prompts: DataProto
+    version: int
+    planned_step: int
+    source: int  # index of the source (loader) batch the prompts came from
+
+
+@dataclass
+class _Source:
+    position: DataPosition  # loader position after this batch
+    chunks_left: int
+
+
+@dataclass
+class _StepInfo:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutDriver:
+    """What both non-sync drivers share: submitting, collecting, weight sync, versions, metrics, data position."""
+
+    def __init__(self, alg: PPOAlgorithm) -> None:
+        if alg.groups.rollout is None:
+            raise ValueError(f"trainer.mode={alg.cfg.trainer.mode} needs the rollout worker group; build the worker "
+                             "groups with trainer/roles.build_worker_groups (it adds one for the non-sync modes)")
+        self.alg, self.cfg = alg, alg.cfg
+        self.rollout: RolloutGroup = alg.groups.rollout
+        self.mode = self.cfg.trainer.mode
+        self.version = 0  # the version the rollout workers hold once every queued sync has run
+        self._syncs: list[GroupFuture] = []
+        self._step_metrics: dict[int, dict[str, float]] = {}
+        self._sources: dict[int, _Source] = {}
+        self._next_source = 0
+        self._trained_source = -1
+        self.trained_position: DataPosition | None = None  # where a resumed run continues (None: the loader's)
+        self._bucket_bytes = int(self.cfg.trainer.weight_sync.bucket_mb * 2**20)
+
+    # --------------------------------------------------------------------------------------- weight sync
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Send the actor's weights (policy `version`) to every rollout worker; they apply them after the requests
+        already queued. Returns the trainer-side time and the bytes."""
+        t0 = time.perf_counter()
+        buckets = self.alg.actor.weight_buckets(self._bucket_bytes)[0]
+        try:
+            self._syncs.append(self.rollout.receive_weights(buckets, version))
+        except (WorkerError, WorkerTimeoutError) as err:  # the local backend runs it at once
+            raise self._failed("receiving weights", version, err) from err
+        self.version = version
+        return {"timing/weight_sync": time.perf_counter() - t0,
+                "weight_sync/bytes": float(sum(b.nbytes for b in buckets)),
+                "weight_sync/buckets": float(len(buckets))}
+
+    def after_update(self, step: int) -> dict[str, float]:
+        """Called by the PPO step after the actor update of `step`: the rollout gets policy version `step`."""
+        return self.sync_weights(step)
+
+    def on_rollback(self, step: int) -> None:
+        """The trainer's weights were rolled back: re-send them (labelled with the current version)."""
+        self.sync_weights(step)
+
+    def _collect_syncs(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        done = [f for f in self._syncs if f.done()]
+        self._syncs = [f for f in self._syncs if not f.done()]
+        for fut in done:
+            try:
+                per_rank = fut.get()
+            except (WorkerError, WorkerTimeoutError) as err:
+                raise self._failed("receiving weights", self.version, err) from err
+            m = reduce_metrics(per_rank)
+            out["timing/wait_train"] = out.get("timing/wait_train", 0.0) + m.pop("timing/wait_train_sync", 0.0)
+            out["weight_sync/rollout_load_s"] = out.get("weight_sync/rollout_load_s", 0.0) + \
+                m.get("weight_sync/rollout_load_s", 0.0)
+        return out
+
+    # ----------------------------------------------------------------------------------------- requests
+    def _submit(self, prompts: DataProto, planned_step: int, source: int) -> Request:
+        alg = self.alg
+        alg.global_step = planned_step  # the sampling seeds of (rollout.seed, step, call): the same as sync mode's
+        seeded = alg._with_seeds(prompts)
+        try:
+            fut = self.rollout.generate_sequences(seeded)
+        except (WorkerError, WorkerTimeoutError) as err:
+            raise self._failed("generating", planned_step, err) from err
+        return Request(fut, prompts, self.version, planned_step, source)
+
+    def _collect(self, req: Request) -> tuple[DataProto, dict[str, float], float]:
+        """Wait for `req`; (generated rows, the rollout's metrics, seconds waited)."""
+        t0 = time.perf_counter()
+        try:
+            out = req.future.get()
+        except (WorkerError, WorkerTimeoutError) as err:
+            raise self._failed("generating", req.planned_step, err) from err
+        waited = time.perf_counter() - t0
+        return out, reduce_metrics(out.meta_info.pop("metrics", [])), waited
+
+    def _failed(self, what: str, step: int, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:
+        wg = self.rollout.worker_group
+        if isinstance(err, WorkerError):
+            rank, detail, trace = err.rank, err.detail, err.remote_traceback
+        else:
+            rank, detail, trace = (err.pending_ranks or [-1])[0], str(err), ""
+        return RolloutWorkerFailed(
+            wg.name, err.method, rank,
+            f"the rollout worker ({wg.world_size} in group {wg.name!r}, trainer.mode={self.mode}) failed while "
+            f"{what} for step {step}: {detail}. Training stops here; resume from the last checkpoint with "
+            f"trainer.resume_mode=auto", trace)
+
+    def _pull_source(self, it: Iterator[DataProto], chunks: int) -> tuple[int, DataProto] | None:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return None
+        index = self._next_source
+        self._next_source += 1
+        meta = batch.meta_info
+        pos = DataPosition(int(meta.get("epoch", 0)), int(meta.get("batch_in_epoch", index)) + 1)
+        self._sources[index] = _Source(pos, chunks)
+        return index, batch
+
+    def _mark_trained(self, source: int) -> None:
+        src = self._sources[source]
+        src.chunks_left -= 1
+        while (nxt := self._sources.get(self._trained_source + 1)) is not None and nxt.chunks_left == 0:
+            self._trained_source += 1
+            self.trained_position = nxt.position
+            del self._sources[self._trained_source]
+
+    # ------------------------------------------------------------------------------------------ batches
+    def _ready(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
+        versions = batch.batch[keys.POLICY_VERSION.name].to(torch.float64)
+        staleness = (step - 1) - versions
+        metrics |= {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max()),
+                    "staleness/min_version": float(versions.min())}
+        syncs = self._collect_syncs()
+        metrics["timing/wait_train"] = metrics.get("timing/wait_train", 0.0) + syncs.pop("timing/wait_train", 0.0)
+        metrics |= syncs
+        self._step_metrics[step] = metrics
+        return batch
+
+    def take(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
+        """The PPO step's `gen` stage in a non-sync mode: the batch is already generated; add its metrics."""
+        if keys.RESPONSES.name not in batch.batch:
+            raise RuntimeError(f"trainer.mode={self.mode}: step {step} got a batch of prompts, not generated rows; "
+                               "iterate PPOAlgorithm.batches(...) (the loop does) instead of the loader")
+        metrics |= self._step_metrics.pop(step, {})
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Overrides the loop's data position: prompts generated ahead but not trained are regenerated on resume."""
+        return {} if self.trained_position is None else {"data": self.trained_position.to_dict()}
+
+
+class OneStepOffDriver(RolloutDriver):
+    def run(self, source: Iterator[DataProto], start_step: int) -> Iterator[DataProto]:
+        self.sync_weights(start_step)  # fresh: the same weights; resumed: the checkpoint's
+        it, step, total = iter(source), start_step, self.alg.total_steps
+        pulled = self._pull_source(it, 1)
+        if pulled is None:
+            return
+        req: Request | None = self._submit(pulled[1], step + 1, pulled[0])
+        while req is not None:
+            step += 1
+            out, metrics, waited = self._collect(req)
+            self._mark_trained(req.source)
+            req = None
+            if step < total and (pulled := self._pull_source(it, 1)) is not None:
+                req = self._submit(pulled[1], step + 1, pulled[0])  # generates while this step trains
+            metrics["timing/wait_rollout"] = waited
+            yield self._ready(out, step, metrics)
+
+
+class AsyncDriver(RolloutDriver):
+    def __init__(self, alg: PPOAlgorithm) -> None:
+        super().__init__(alg)
+        a = self.cfg.trainer.async_
+        self.batch_prompts = self.cfg.data.train_batch_size
+        self.chunk = a.chunk_prompts or max(1, self.batch_prompts // 4)
+        self.max_staleness = a.max_staleness
+        self.capacity = (self.max_staleness + 1) * self.batch_prompts  # prompts submitted and not yet trained
+
+    def run(self, source: Iterator[DataProto], start_step: int) -> Iterator[DataProto]:
+        self.sync_weights(start_step)
+        it, step, total = iter(source), start_step, self.alg.total_steps
+        queue: deque[Request] = deque()
+        pending: deque[tuple[DataProto, int, int]] = deque()  # (prompts, planned step, source) not yet submitted
+        outstanding, planned, exhausted = 0, start_step, False
+        aborted = 0
+
+        def fill() -> None:
+            nonlocal outstanding, planned, exhausted
+            while outstanding < self.capacity:
+                if not pending:
+                    if exhausted or planned >= total:
+                        return
+                    pulled = self._pull_source(it, self.batch_prompts // self.chunk)
+                    if pulled is None:
+                        exhausted = True
+                        return
+                    planned += 1
+                    index, batch = pulled
+                    for lo in range(0, len(batch), self.chunk):
+                        pending.append((batch[lo:lo + self.chunk], planned, index))
+                prompts, plan, index = pending.popleft()
+                queue.append(self._submit(prompts, plan, index))
+                outstanding += len(prompts)
+
+        fill()
+        while queue:
+            step += 1
+            parts: list[DataProto] = []
+            metrics: dict[str, float] = {}
+            have, waited, wait_train = 0, 0.0, 0.0
+            while have < self.batch_prompts:
+                if not queue:
+                    fill()
+                    if not queue:
+                        return  # the data ran out mid-batch (drop_last=false): nothing more to train
+                req = queue.popleft()
+                out, gen_metrics, w = self._collect(req)
+                waited += w
+                wait_train += gen_metrics.pop("timing/wait_train", 0.0)
+                for k, v in gen_metrics.items():
+                    metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing/") else v
+                if (step - 1) - req.version > self.max_staleness:  # abort and resubmit with the newest weights
+                    aborted += len(req.prompts)
+                    outstanding -= len(req.prompts)
+                    pending.appendleft((req.prompts, step, req.source))
+                    fill()
+                    continue
+                parts.append(out)
+                have += len(req.prompts)
+                self._mark_trained(req.source)
+            outstanding -= have
+            batch = DataProto.concat(parts)
+            batch.meta_info.pop("metrics", None)
+            metrics |= {"timing/wait_rollout": waited, "timing/wait_train": wait_train,
+                        "async/aborted_prompts": float(aborted), "async/requests": float(len(parts))}
+            yield self._ready(batch, step, metrics)
+            fill()  # after the step's update: new requests get its weights
+
+
+def build_driver(alg: PPOAlgorithm) -> RolloutDriver | None:
+    """The driver of `trainer.mode` (None in sync mode: the PPO step generates on the hybrid actor itself)."""
+    mode = alg.cfg.trainer.mode
+    if mode == "sync":
+        return None
+    return OneStepOffDriver(alg) if mode == "one_step_off" else AsyncDriver(alg)
