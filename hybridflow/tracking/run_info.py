@@ -82,7 +82,9 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
+        from hybridflow.config.loader import to_dict  # YAML keys (`trainer.async`, not the field `async_`)
+
+        return to_dict(config)
     if isinstance(config, dict):
         return dict(config)
     raise TypeError(f"config must be a hybridflow Config dataclass or a dict, got {type(config).__name__}")
