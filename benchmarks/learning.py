@@ -68,6 +68,8 @@ def weak_start(work: Path, sft_steps: int = WEAK_SFT_STEPS) -> Path:
         return out
     run_dir = work / f"weak_sft_{sft_steps}_run"
     overrides = [*WEAK_SFT, f"sft.total_steps={sft_steps}"]
+    if sft_steps < WEAK_SFT_STEPS:  # smoke runs: a missed gate would add a 500-step extra schedule (~90 s)
+        overrides.append("sft.extra_schedules=0")
     cfg = quickstart_config([f"trainer.run_dir={run_dir}", "trainer.logger=[jsonl]", *overrides])
     with Tracker.from_config(cfg) as tracker:
         run_sft(cfg, out_dir=out, tracker=tracker)
