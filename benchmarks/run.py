@@ -300,7 +300,7 @@ def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict
               "adv", "update_actor", "step"]
     lines += ["", "| preset | " + " | ".join(f"timing/{s} (s)" for s in stages)
               + " | tokens/s | decode tok/s | decode % roofline | update MFU | GPU busy | peak GB | gen peak GB"
-              + " | TRL step (s) | speed-up vs TRL |",
+              + " | TRL step (s; HF generate, no vLLM) | speed-up vs TRL (HF generate, no vLLM) |",
               "|" + "---|" * (len(stages) + 10)]
     for r in results:
         med = r["median"]
