@@ -65,7 +65,7 @@ def _tool_demonstration(problem: Problem) -> list[dict[str, str]]:
 TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", "arithmetic", _arithmetic),  # 2-digit addition, 10,000 problems
     "sort": Task("sort", "sorting", _sort),  # sort 4 digits, 10,000 problems
-    # 3-digit x 2-digit multiplication through the calculator tool (multi-turn rollouts), 81,000 problems
+    # 3-digit x 2-digit multiplication (5-digit products) through the calculator tool (multi-turn rollouts), 66,471 problems
     "tool_calculator": Task("tool_calculator", "tool use", _tool_multiplication, _tool_demonstration,
                             tool_task.flawed),
 }

@@ -1,4 +1,4 @@
-"""`tool_calculator`: the built-in task that needs a tool — multiply a 3-digit by a 2-digit number.
+"""`tool_calculator`: the built-in task that needs a tool — multiply a 3-digit by a 2-digit number (5-digit products).
 
 A ~1M-parameter character model cannot multiply, but it can copy: call the `calculator` tool with the question's
 expression in the Hermes / Qwen format, read the tool response, copy the number after "####". Rows carry the
@@ -10,7 +10,7 @@ out as the `hermes_plain` format appends them to a trajectory, so the SFT tokens
 
 `sft.label_noise` replaces that share of the demonstrations by a flawed one, the three kinds in equal parts:
 `no_call` (answers a near-miss guess without calling), `malformed` (broken JSON or an unclosed tag, reads the
-error, then guesses) and `wrong_expression` (a well-formed call of the wrong expression, copies its wrong
+error, then guesses) and `wrong_expression` (a well-formed call with an operand digit wrong, copies its wrong
 result). RL with the exact-answer reward then has calls to add, to repair and to correct.
 """
 
@@ -36,10 +36,14 @@ def operands(question: str) -> tuple[int, int]:
 
 
 def space() -> Iterable[tuple[str, str]]:
-    """(question, answer) for every a in 100..999, b in 10..99: 81,000 problems."""
+    """(question, answer) for every a in 100..999, b in 10..99 whose product has five digits: 66,471 problems.
+    Decision: every copy (operands into the call, the result into the answer) is then at one fixed distance, which a
+    model this small learns in a few hundred SFT steps; with 4- and 5-digit results the result's copy was still ~60%
+    right per digit after 1,200 steps while the fixed-distance operand copy was learnt."""
     for a in range(100, 1000):
         for b in range(10, 100):
-            yield f"What is {a}*{b}?", str(a * b)
+            if a * b >= 10_000:
+                yield f"What is {a}*{b}?", str(a * b)
 
 
 def call_text(expression: str, name: str = TOOL) -> str:
@@ -73,13 +77,11 @@ def near_miss(answer: str, rng: random.Random) -> str:
 
 
 def _wrong_expression(a: int, b: int, rng: random.Random) -> str:
-    """A well-formed but wrong expression: the wrong operator, or an operand with a digit changed."""
-    kind = rng.randrange(3)
-    if kind == 0:
-        return f"{a}+{b}"
-    if kind == 1:
-        return f"{near_miss(str(a), rng)}*{b}"
-    return f"{a}*{near_miss(str(b), rng)}"
+    """A well-formed but wrong expression: one operand with a digit changed, its product still of five digits."""
+    while True:
+        x, y = (int(near_miss(str(a), rng)), b) if rng.random() < 0.5 else (a, int(near_miss(str(b), rng)))
+        if 10_000 <= x * y <= 99_999:
+            return f"{x}*{y}"
 
 
 def _malformed_call(a: int, b: int, rng: random.Random) -> str:

@@ -72,6 +72,7 @@ def test_rows_are_deterministic_disjoint_and_answer_the_product():
     for row in train[:50]:
         a, b = map(int, row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split("*"))
         assert 100 <= a <= 999 and 10 <= b <= 99 and row["reward_model"]["ground_truth"] == str(a * b)
+        assert len(str(a * b)) == 5  # every copy at one fixed distance (data/tool_task.space)
         assert row["messages"][2]["content"] == f"<tool_response>{a * b}</tool_response>"
         assert row["messages"][3]["content"] == f"#### {a * b}" and "response" not in row
 
@@ -138,3 +139,14 @@ def test_near_miss_changes_exactly_one_digit_and_keeps_the_width():
             guess = near_miss(value, rng)
             assert len(guess) == len(value) and guess[0] != "0"
             assert sum(a != b for a, b in zip(guess, value)) == 1
+
+
+def test_wrong_expressions_change_one_operand_digit_and_keep_five_digits():
+    rng = random.Random(0)
+    for _ in range(200):
+        messages = demonstration("What is 347*58?", "20126", "wrong_expression", rng)
+        expression = messages[1]["content"].split('"expression":"')[1].split('"')[0]
+        x, y = map(int, expression.split("*"))
+        assert (x, y) != (347, 58) and (x == 347 or y == 58) and 10_000 <= x * y <= 99_999
+        assert messages[2]["content"] == f"<tool_response>{x * y}</tool_response>"
+        assert messages[3]["content"] == f"#### {x * y}"
