@@ -32,8 +32,8 @@ NUMERICS: dict[str, dict[str, str]] = {
     "default": {},
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
-# The RL phase the tests and this sweep run (shorter than the example's 20 steps: the test budget is ~90 s).
-RL_OVERRIDES = ("trainer.total_training_steps=12", "trainer.test_freq=12", "data.train_size=2000")
+# The RL phase the tests and this sweep run: the example's 20 steps, validated before and after only.
+RL_OVERRIDES = ("trainer.total_training_steps=20", "trainer.test_freq=20", "data.train_size=2000")
 PPO_OVERRIDES = ("algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-3",
                  "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=128", "critic.warmup_steps=2")
 ALGOS = {"grpo": (), "ppo": PPO_OVERRIDES}
