@@ -45,7 +45,8 @@ def _rollout_ids(messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
                 break
             for future in pending.futures():
                 future.result(timeout=10)
-            appended = session.collect(0, pending)
+            appended = session.collect(0, pending).ids
+            assert appended is not None, "a tool turn continues the trajectory"
             ids, mask = ids + appended, mask + [0] * len(appended)
     finally:
         session.close()
