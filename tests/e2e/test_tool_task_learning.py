@@ -28,16 +28,20 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts, not an inst
 from benchmarks.tool_task_seeds import CHECKPOINT, EXAMPLE, PPO_OVERRIDES, rl_from_checkpoint  # noqa: E402
 
 # RL margins (points / 100), each below the minimum over 5 RL seeds x 2 numerics from the committed checkpoint
-# (docs/benchmarks.md, "Tool task learning").
-GRPO_MIN_SUCCESS_GAIN = 0.0
-GRPO_MIN_WELL_FORMED_GAIN = 0.0
-PPO_MIN_SUCCESS_GAIN = 0.0
-PPO_MIN_WELL_FORMED_GAIN = 0.0
-# Stage 1 bounds: the short SFT from scratch (SFT_STEPS) and the committed checkpoint's validation (sampled).
+# (docs/benchmarks.md, "Tool task learning"): success rate gain GRPO +24.6 / +28.1 / +34.8 (min / median / max), PPO
+# +13.3 / +20.7 / +26.6; well-formed share gain GRPO +13.2 / +14.3 / +19.9, PPO +8.7 / +12.9 / +16.0.
+GRPO_MIN_SUCCESS_GAIN = 0.15
+GRPO_MIN_WELL_FORMED_GAIN = 0.08
+PPO_MIN_SUCCESS_GAIN = 0.08
+PPO_MIN_WELL_FORMED_GAIN = 0.05
+# Stage 1. The committed checkpoint before RL, over the same 10 runs' step-0 validations: success 32.8-38.7%,
+# well-formed calls 74.0-77.8% (the demonstrations' mix: 40% clean, 20% each flawed kind -> 75% of calls well formed).
+CHECKPOINT_SUCCESS_RANGE = (0.25, 0.50)
+CHECKPOINT_MIN_WELL_FORMED, CHECKPOINT_MAX_WELL_FORMED = 0.65, 0.86
+# The short SFT from scratch (SFT_STEPS of the example's schedule; a model without SFT never writes a call). Measured
+# at the default seed: calls in 81.2% / 73.0% of trajectories, 47.6% / 46.5% of them well formed (default / AVX2).
 SFT_STEPS = 150
-SFT_MIN_CALLED, SFT_MIN_WELL_FORMED = 0.0, 0.0
-CHECKPOINT_SUCCESS_RANGE = (0.0, 1.0)
-CHECKPOINT_MIN_WELL_FORMED, CHECKPOINT_MAX_WELL_FORMED = 0.0, 1.0
+SFT_MIN_CALLED, SFT_MIN_WELL_FORMED = 0.5, 0.25
 
 
 def _validate(tmp: Path, model: Path, *overrides: str) -> dict[str, float]:
