@@ -23,7 +23,7 @@ from hybridflow.config import ConfigError  # noqa: E402
 # name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
 # so `hybridflow --help` stays fast and a missing optional dependency breaks only its own command.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("quickstart", "SFT warm start + GRPO on the built-in arithmetic task with a tiny model (CPU, minutes)"),
+    "quickstart": ("quickstart", "SFT warm start + GRPO with a tiny model (CPU, minutes): arithmetic, or --config FILE"),
     "train": ("train", "PPO/GRPO training: hybridflow train [CONFIG.yaml ...] [a.b=c ...]"),
     "sft": ("sft", "supervised fine-tuning: hybridflow sft [CONFIG.yaml ...] [a.b=c ...]"),
     "rm": ("rm", "reward-model training on prompt/chosen/rejected data"),

@@ -1,8 +1,9 @@
-"""`hybridflow quickstart [a.b=c ...]`: the embedded default main job, one process on CPU (or one GPU).
+"""`hybridflow quickstart [--config FILE.yaml] [a.b=c ...]`: the embedded default main job, one process on CPU (or one GPU).
 
 Builds the tiny model and the built-in arithmetic task, runs a short SFT warm start on demonstrations with a
 systematic error (`sft.label_noise`), then GRPO with the true reward, and prints validation accuracy before and
-after RL. Overrides apply on top of `hybridflow/config/quickstart.yaml`.
+after RL. Overrides apply on top of `hybridflow/config/quickstart.yaml`, or of `--config` (another SFT + GRPO
+recipe, e.g. `examples/tool_calculator.yaml`: the calculator tool task, whose table adds the well-formed calls).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import torch
 from hybridflow.config import Config, load_config
 
 QUICKSTART_YAML = Path(__file__).resolve().parent.parent / "config" / "quickstart.yaml"
+# What `sft.label_noise` does to each built-in task's demonstrations (the SFT phase's heading says it).
+FLAWS = {"arithmetic": "answer one too high",
+         "tool_calculator": "make no call, a malformed call or a call of the wrong expression"}
+WELL_FORMED = "val/rule/well_formed"  # the tool task's share of well-formed calls (rewards/tool_task.py)
 
 
 @dataclass
@@ -36,6 +41,8 @@ class QuickstartResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="a config to run instead of the quickstart's, e.g. examples/tool_calculator.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="overrides on top of the quickstart config, e.g. trainer.total_training_steps=20")
 
@@ -53,8 +60,9 @@ def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | N
         sft, stop = cfg.sft, ""
         if sft.target_val_loss is not None:
             stop = f", {'until' if sft.stop_at_target else 'then checks'} val loss ≤ {sft.target_val_loss}"
+        flaw = FLAWS.get(cfg.data.task or "", "are flawed")
         console.rule(f"1/2 SFT warm start ({'at most ' if sft.stop_at_target else ''}{sft.total_steps} steps{stop}; "
-                     f"{100 * cfg.sft.label_noise:.0f}% of the demonstrations answer one too high)")
+                     f"{100 * cfg.sft.label_noise:.0f}% of the demonstrations {flaw})")
     log_every = max(1, (cfg.sft.total_steps or 80) // 8)
     # `trainer.test_freq` is the GRPO phase's (every 5 steps): on the SFT steps that was a third of the SFT time.
     # Validate when the log prints, or every 50 steps to stop near sft.target_val_loss (one costs ~2 train steps).
@@ -85,19 +93,27 @@ def run(args: argparse.Namespace) -> int:
         # ran ~10x slower than 1 whenever anything else was running on our 2-core machine.
         torch.set_num_threads(1)
     console = Console()
-    cfg = load_config([QUICKSTART_YAML], args.overrides)
+    if args.config is not None and not Path(args.config).is_file():
+        console.print(f"error: --config {args.config}: no such file")
+        return 2
+    cfg = load_config([Path(args.config) if args.config else QUICKSTART_YAML], args.overrides)
     console.rule("[bold]hybridflow quickstart")
     console.print(versions_line(), style="dim")
     console.print(f"task: {cfg.data.task} · model: {cfg.model.preset} {cfg.model.override_config} · "
                   f"run dir: {cfg.trainer.run_dir}")
     result = run_quickstart(cfg, console)
     vals = result.val_accuracy()
-    table = Table(title="validation accuracy (greedy decoding, held-out problems)")
-    for col, justify in (("stage", "left"), ("step", "right"), ("accuracy", "right"), ("reward", "right")):
+    v = cfg.rollout.val_kwargs
+    decoding = f"sampled at temperature {v.temperature:g}" if v.do_sample else "greedy decoding"
+    well_formed = {int(m["training/global_step"]): m[WELL_FORMED] for m in result.history if WELL_FORMED in m}
+    table = Table(title=f"validation accuracy ({decoding}, held-out problems)")
+    columns = [("stage", "left"), ("step", "right"), ("accuracy", "right"), ("reward", "right")]
+    for col, justify in columns + ([("well-formed calls", "right")] if well_formed else []):
         table.add_column(col, justify=justify)
     for step, acc, reward in vals:
         stage = "after SFT (before RL)" if step == 0 else f"GRPO step {step}"
-        table.add_row(stage, str(step), f"{100 * acc:.1f}%", f"{reward:.3f}")
+        extra = [f"{100 * well_formed[step]:.1f}%" if step in well_formed else "-"] if well_formed else []
+        table.add_row(stage, str(step), f"{100 * acc:.1f}%", f"{reward:.3f}", *extra)
     console.print(table)
     if len(vals) >= 2:
         gain = 100 * (vals[-1][1] - vals[0][1])

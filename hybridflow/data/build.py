@@ -3,31 +3,34 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from hybridflow.data.contract import ground_truth_required
 from hybridflow.data.rl_dataset import RLHFDataset
 from hybridflow.data.sft_dataset import SFTDataset
-from hybridflow.data.tasks import task_splits
+from hybridflow.data.tasks import get_task, task_splits
 
 
-def noisy_sft_rows(rows: list[dict], share: float, seed: int) -> list[dict]:
-    """Copy of `rows` where a seeded `share` of the SFT answers become a systematic near miss ("#### <answer+1>").
+def off_by_one(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """The default flawed demonstration: the answer one too high ("#### <answer+1>"); non-numeric answers stay."""
+    truth = str(row["reward_model"]["ground_truth"])
+    return {**row, "response": f"#### {int(truth) + 1}"} if truth.isdigit() else row
+
+
+def noisy_sft_rows(rows: list[dict], share: float, seed: int,
+                   corrupt: Callable[[dict[str, Any], random.Random], dict[str, Any]] = off_by_one) -> list[dict]:
+    """Copy of `rows` where a seeded `share` become flawed demonstrations (`corrupt`; by default the systematic
+    near miss "#### <answer+1>").
 
     Used by the quickstart: supervised data with a systematic error teaches the model a wrong favourite answer
     next to the right one, which RL with the true reward can then correct — a small, fast picture of RL fixing
-    what imperfect demonstrations taught. Non-numeric answers are left alone.
+    what imperfect demonstrations taught. `tool_calculator` corrupts its tool calls instead (`data/tool_task.py`).
     """
     if not share:
         return rows
     rng = random.Random(seed * 7_919 + 17)
-    out = []
-    for row in rows:
-        truth = str(row["reward_model"]["ground_truth"])
-        if truth.isdigit() and rng.random() < share:
-            row = {**row, "response": f"#### {int(truth) + 1}"}
-        out.append(row)
-    return out
+    return [corrupt(row, rng) if rng.random() < share else row for row in rows]
 
 
 def _rows(data_cfg: Any) -> tuple[list[dict] | None, list[dict] | None]:
@@ -69,7 +72,8 @@ def build_sft_datasets(data_cfg: Any, tokenizer: Any, max_length: int | None = N
         raise ValueError(f"sft.label_noise={label_noise} applies to built-in tasks only (data.task); "
                          "set it to 0 for parquet data")
     if train_rows is not None:
-        train_rows = noisy_sft_rows(train_rows, label_noise, data_cfg.seed)
+        corrupt = get_task(data_cfg.task).corrupt or off_by_one
+        train_rows = noisy_sft_rows(train_rows, label_noise, data_cfg.seed, corrupt)
         val = SFTDataset(val_rows, tokenizer, name="sft-val", **kwargs) if val_rows else None
         return SFTDataset(train_rows, tokenizer, name="sft-train", **kwargs), val
     train = SFTDataset.from_files(data_cfg.train_files, tokenizer, name="sft-train", **kwargs)

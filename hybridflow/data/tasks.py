@@ -3,8 +3,10 @@
 Each task enumerates its whole problem space, shuffles it with `seed`, takes validation from the front and
 training from the rest (so the splits are disjoint; training repeats problems only when asked for more than
 remain). Problems are tiny on purpose — a ~1M-parameter character model must learn them in minutes on a CPU.
-Rows follow verl's schema and also carry `response` (the correct answer) for the SFT warm start. Answers come
-after `####`, as in GSM8K; the scorers are `hybridflow.rewards.synthetic`.
+Rows follow verl's schema and also carry the SFT warm start's demonstration: `response` (the correct answer), or
+`messages` for a task whose demonstration is a conversation (`tool_calculator`: a tool call, the tool's response,
+the answer; `data/tool_task.py`). Answers come after `####`, as in GSM8K; the scorers are
+`hybridflow.rewards.synthetic` and `hybridflow.rewards.tool_task`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from hybridflow.data import tool_task
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,10 @@ class Task:
     name: str
     ability: str
     space: Callable[[], Iterable[Problem]]  # every problem, in a fixed order
+    # The demonstration as a conversation (SFT `messages`); None = `response` "#### <answer>".
+    demonstrate: Callable[[Problem], list[dict[str, str]]] | None = None
+    # `sft.label_noise`: a training row → a flawed demonstration of it; None = the answer one too high.
+    corrupt: Callable[[dict[str, Any], random.Random], dict[str, Any]] | None = None
 
     @property
     def data_source(self) -> str:
@@ -46,9 +54,20 @@ def _sort() -> Iterable[Problem]:
         yield Problem(f"Sort {' '.join(map(str, digits))}.", " ".join(map(str, sorted(digits))))
 
 
+def _tool_multiplication() -> Iterable[Problem]:
+    return (Problem(question, answer) for question, answer in tool_task.space())
+
+
+def _tool_demonstration(problem: Problem) -> list[dict[str, str]]:
+    return tool_task.demonstration(problem.question, problem.answer, "clean", random.Random(0))
+
+
 TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", "arithmetic", _arithmetic),  # 2-digit addition, 10,000 problems
     "sort": Task("sort", "sorting", _sort),  # sort 4 digits, 10,000 problems
+    # 3-digit x 2-digit multiplication (5-digit products) through the calculator tool (multi-turn rollouts), 66,471 problems
+    "tool_calculator": Task("tool_calculator", "tool use", _tool_multiplication, _tool_demonstration,
+                            tool_task.flawed),
 }
 
 
@@ -60,14 +79,16 @@ def get_task(name: str) -> Task:
 
 
 def _row(task: Task, problem: Problem, split: str, index: int) -> dict[str, Any]:
-    return {
+    row = {
         "data_source": task.data_source,
         "prompt": [{"role": "user", "content": problem.question}],
         "ability": task.ability,
         "reward_model": {"style": "rule", "ground_truth": problem.answer},
         "extra_info": {"split": split, "index": index},
-        "response": f"#### {problem.answer}",
     }
+    if task.demonstrate is not None:
+        return row | {"messages": task.demonstrate(problem)}
+    return row | {"response": f"#### {problem.answer}"}
 
 
 def task_splits(name: str, train_size: int, val_size: int, seed: int) -> tuple[list[dict], list[dict]]:

@@ -8,12 +8,15 @@ it over-rates must not outweigh the other sources. Scorers run in a `ScoringPool
 scorer that raises, times out, or returns NaN or a non-number (a reward is an int/float, or a dict with a numeric
 `score`) gets `reward.error_score` and is counted in `reward/errors` / `reward/timeouts` — training never stops
 for it; each kind of failure is logged once per data_source.
-Length and DAPO overlong penalties are added after mixing.
+Length and DAPO overlong penalties are added after mixing. A scorer's numeric extras (dict keys besides `score`)
+are averaged into `reward/<source>/<key>` (validation: `val/<source>/<key>`); a None entry is left out of the mean.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +49,17 @@ class RewardOutput:
     row_status: np.ndarray  # "ok" | "error" | "timeout": a row whose reward function failed scored error_score
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # "<source>/<key>" from scorers returning dicts
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def extras_means(extras: dict[str, np.ndarray]) -> dict[str, float]:
+    """"<source>/<key>" → the mean of that extra over the rows where it is a finite number (a bool counts as 0/1;
+    None, strings and NaN are left out; a key with no number gets no entry)."""
+    out = {}
+    for key, column in sorted(extras.items()):
+        values = [float(v) for v in column if isinstance(v, numbers.Real) and math.isfinite(v)]
+        if values:
+            out[key] = float(np.mean(values))
+    return out
 
 
 class RunningMoments:
@@ -135,7 +149,7 @@ class RewardManager:
         final = raw + self._penalties(lengths, metrics)
         token_scores = torch.zeros(responses.shape, dtype=torch.float32)
         token_scores[torch.arange(n), last.cpu()] = torch.as_tensor(final, dtype=torch.float32)
-        metrics.update(self._summary(final, raw, source_scores, data_sources))
+        metrics.update(self._summary(final, raw, source_scores, data_sources, extras))
         return RewardOutput(token_scores.to(responses.device), final, raw, source_scores, data_sources, status,
                             extras, metrics)
 
@@ -257,11 +271,11 @@ class RewardManager:
         return total
 
     def _summary(self, final: np.ndarray, raw: np.ndarray, source_scores: dict[str, np.ndarray],
-                 data_sources: np.ndarray) -> dict[str, float]:
+                 data_sources: np.ndarray, extras: dict[str, np.ndarray]) -> dict[str, float]:
         out = {"reward/mean": float(final.mean()), "reward/max": float(final.max()),
                "reward/min": float(final.min())}
         for name, values in source_scores.items():
             out[f"reward/{name}/mean"] = float(values.mean())
         for ds in sorted(set(data_sources)):
             out[f"reward/{ds}/score"] = float(raw[data_sources == ds].mean())
-        return out
+        return out | {f"reward/{key}": value for key, value in extras_means(extras).items()}

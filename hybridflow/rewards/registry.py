@@ -17,7 +17,7 @@ from hybridflow.utils.registry import Registry
 RewardFn = Callable[[str, str, Any, dict[str, Any] | None], "float | dict[str, Any]"]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
 
-BUILTIN_MODULES = ("gsm8k", "math", "countdown", "synthetic", "code")
+BUILTIN_MODULES = ("gsm8k", "math", "countdown", "synthetic", "code", "tool_task")
 
 # data_source (as written in verl-schema parquet) → REWARD_FUNCTIONS name.
 DATA_SOURCES: dict[str, str] = {
@@ -33,6 +33,7 @@ DATA_SOURCES: dict[str, str] = {
     "hybridflow/arithmetic": "arithmetic",
     "hybridflow/sort": "sort",
     "hybridflow/countdown": "countdown",
+    "hybridflow/tool_calculator": "tool_calculator",
 }
 
 

@@ -4,7 +4,8 @@ A response is correct when the scorer returns a dict with `acc` (that value), el
 before penalties) is >= `reward.success_threshold` (default 1.0: partial credit is not success). Responses whose
 reward function failed (raised, returned a non-number, timed out) are counted in `val/reward/errors` and
 `val/reward/timeouts`, left out of the `val/reward` means (their `error_score` is not a score) and count as not
-correct. A batch where every response failed is a warning and a `val_reward_failed` event.
+correct. A batch where every response failed is a warning and a `val_reward_failed` event. A scorer's numeric
+extras are averaged into `val/<source>/<key>` (e.g. `val/rule/well_formed` of the `tool_calculator` task).
 
 `trainer.log_val_generations` samples are logged and kept in `last_generations` (`prompt`, `response`, `score`,
 `turns`); a multi-turn trajectory is logged whole, one line per turn (`[assistant]` sampled tokens, `[context]`
@@ -22,6 +23,7 @@ import numpy as np
 
 from hybridflow.agentic.trajectory import decoded_turns, format_turns
 from hybridflow.config import Config
+from hybridflow.rewards.manager import extras_means
 from hybridflow.trainer.metrics import per_source_scores
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class Validator:
     def run(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         scores, accs, sources, status, samples = [], [], [], [], []
+        extras: dict[str, list[np.ndarray]] = {}
         for batch in self.loader:
             batch.meta_info = {**batch.meta_info, **self.sampling_meta()}
             out = self.actor.generate_sequences(batch)
@@ -91,10 +94,13 @@ class Validator:
             accs.append(success(scored, self.cfg.reward.success_threshold))
             sources.append(np.asarray(out.non_tensor_batch["data_source"]))
             status.append(np.asarray(scored.row_status))
+            for key, column in scored.extras.items():
+                extras.setdefault(key, []).append(column)
             samples.extend(self._samples(out, row_scores))
         score_arr, acc_arr, src_arr = np.concatenate(scores), np.concatenate(accs), np.concatenate(sources)
         metrics = reward_metrics(score_arr, np.concatenate(status), src_arr) | {"val/accuracy": float(acc_arr.mean())}
         metrics |= {k + "/accuracy": v for k, v in per_source_scores(acc_arr, src_arr, "val").items()}
+        metrics |= {f"val/{k}": v for k, v in extras_means({k: np.concatenate(c) for k, c in extras.items()}).items()}
         self._warn_failed_batches(status, step)
         metrics["timing/val"] = time.perf_counter() - start
         self.last_generations = samples[: self.cfg.trainer.log_val_generations]

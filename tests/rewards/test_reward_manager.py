@@ -253,3 +253,24 @@ def test_rewards_must_be_numbers_else_counted_errors_logged_once_per_kind(tmp_pa
     assert "data_source='my/task' failed (returned str)" in warnings[0] and "'0.75'" in warnings[0]
     assert any("returned NoneType" in w for w in warnings) and any("dict without score" in w for w in warnings)
     assert any("a dict whose 'score' is of type str" in w for w in warnings)
+
+
+def test_numeric_extras_are_averaged_into_metrics_leaving_out_none():
+    cfg = load_config([], ["reward.num_workers=0"]).reward
+    call = '<tool_call>{"name":"calculator","arguments":{"expression":"2*3"}}</tool_call>'
+    texts = [f"{call} #### 6", "<tool_call>{oops}</tool_call> #### 6", "#### 5"]  # good call, malformed, no call
+    with RewardManager(cfg, TOK, 96) as manager:
+        out = manager.score(_batch(texts, ["6"] * 3, ["hybridflow/tool_calculator"] * 3, width=96))
+    assert out.scores.tolist() == [1.0, 1.0, 0.0]
+    m = out.metrics
+    assert m["reward/rule/acc"] == pytest.approx(2 / 3) and m["reward/rule/called"] == pytest.approx(2 / 3)
+    assert m["reward/rule/well_formed"] == pytest.approx(0.5)  # the row without calls is left out (None)
+    assert m["reward/rule/tool_calls"] == pytest.approx(2 / 3)
+
+
+def test_extras_means_skips_what_is_not_a_finite_number():
+    from hybridflow.rewards.manager import extras_means
+
+    column = np.array([1, 0.5, None, "x", float("nan"), True], dtype=object)
+    assert extras_means({"rule/k": column, "rule/none": np.array([None, "y"], dtype=object)}) == {
+        "rule/k": pytest.approx((1 + 0.5 + 1) / 3)}
