@@ -1,8 +1,8 @@
 """Learning on the built-in tool task (`tool_calculator`, examples/tool_calculator.yaml), tested by stage so a failure
 names the stage (issue 23 item 6).
 
-1. SFT: a short warm start from scratch learns the Hermes tool-call format (its sampled trajectories call the
-   calculator, mostly with well-formed calls), and the committed warm start `tests/assets/sft_tool_calculator`
+0. The user path (`hybridflow quickstart --config examples/tool_calculator.yaml`, a few SFT steps) runs and reports.
+1. SFT: the committed warm start `tests/assets/sft_tool_calculator`
    (regenerate: `tests/assets/make_sft_checkpoint.py tool_calculator`) leaves RL something to fix: it calls, often
    but not always well, and succeeds sometimes.
 2. RL from that checkpoint with multi-turn rollouts and the exact-answer reward: GRPO and PPO with a critic raise the
@@ -38,10 +38,9 @@ PPO_MIN_WELL_FORMED_GAIN = 0.05
 # well-formed calls 74.0-77.8% (the demonstrations' mix: 40% clean, 20% each flawed kind -> 75% of calls well formed).
 CHECKPOINT_SUCCESS_RANGE = (0.25, 0.50)
 CHECKPOINT_MIN_WELL_FORMED, CHECKPOINT_MAX_WELL_FORMED = 0.65, 0.86
-# The short SFT from scratch (SFT_STEPS of the example's schedule; a model without SFT never writes a call). Measured
-# at the default seed: calls in 81.2% / 73.0% of trajectories, 47.6% / 46.5% of them well formed (default / AVX2).
-SFT_STEPS = 150
-SFT_MIN_CALLED, SFT_MIN_WELL_FORMED = 0.5, 0.25
+# The user path's SFT phase, cut to a few steps: a check that the command runs and reports, not a learning claim (a
+# learning bound from scratch would need 5 seeds x 2 numerics of the 150-step SFT, ~70 s each; not measured).
+SFT_STEPS = 10
 
 
 def _validate(tmp: Path, model: Path, *overrides: str) -> dict[str, float]:
@@ -58,23 +57,23 @@ def _validate(tmp: Path, model: Path, *overrides: str) -> dict[str, float]:
         trainer.close()
 
 
-def test_stage1_short_sft_learns_the_tool_call_format(tmp_path: Path) -> None:
+def test_user_path_quickstart_with_the_tool_example_runs_and_reports(tmp_path: Path) -> None:
     """As a user runs it (`hybridflow quickstart --config examples/tool_calculator.yaml`), shortened: SFT_STEPS of SFT
-    from scratch, then the GRPO phase's validation before RL (one RL step)."""
+    from scratch, then the GRPO phase's validation before RL and one RL step; the table and the tool metrics appear."""
     run = tmp_path / "run"
     overrides = [f"trainer.run_dir={run}", f"sft.total_steps={SFT_STEPS}", "data.train_size=5000",
-                 "trainer.total_training_steps=1", "trainer.test_freq=1"]
+                 "trainer.total_training_steps=1", "trainer.test_freq=1", "sft.extra_schedules=0"]
     proc = subprocess.run([sys.executable, "-m", "hybridflow.cli", "quickstart", "--config", str(EXAMPLE), *overrides],
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "make no call, a malformed call or a call of the wrong expression" in proc.stdout, proc.stdout
-    assert "sampled at temperature 1" in proc.stdout and "well-formed calls" in proc.stdout, proc.stdout
+    assert "sampled at temperature 1" in proc.stdout and "accuracy" in proc.stdout, proc.stdout
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = next(r for r in rows if "val/accuracy" in r and r["training/global_step"] == 0)
-    seen = {k: round(v, 3) for k, v in val.items() if k.startswith("val/")}
-    assert val["val/rule/called"] >= SFT_MIN_CALLED and val["val/rule/well_formed"] >= SFT_MIN_WELL_FORMED, (
-        f"SFT stage ({SFT_STEPS} steps from scratch): the tool-call format was not learnt: {seen}")
+    for key in ("val/rule/called", "val/accuracy"):  # well_formed exists once some call was made
+        assert 0.0 <= val[key] <= 1.0, (key, val)
+    assert any(r.get("training/global_step") == 1 and "num_turns/mean" in r for r in rows), rows[-1]
 
 
 def test_stage1_committed_checkpoint_leaves_rl_something_to_fix(tmp_path: Path) -> None:
