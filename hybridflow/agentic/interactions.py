@@ -14,13 +14,12 @@ Built-in: `guess_number` (`GuessNumberInteraction`), a higher/lower game with re
 
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hybridflow.agentic.plugins import import_class, yaml_entries
 
 KEY = "rollout.multi_turn.interaction_config_path"
 
@@ -91,45 +90,13 @@ class InteractionSpec:
         return self.cls(dict(self.config))
 
 
-def _import_class(path: str, where: str) -> type[Interaction]:
-    if path in BUILTIN_INTERACTIONS:
-        return BUILTIN_INTERACTIONS[path]
-    module_name, _, cls_name = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{where}: class_name={path!r} is neither a built-in interaction "
-                         f"({', '.join(BUILTIN_INTERACTIONS)}) nor a dotted path 'package.module.ClassName'")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{where}: cannot import class_name={path!r} ({err}); give an importable "
-                         "'package.module.ClassName' (is the package on PYTHONPATH?)") from None
-    if not (isinstance(cls, type) and issubclass(cls, Interaction)):
-        raise ValueError(f"{where}: class_name={path!r} is not a subclass of "
-                         "hybridflow.agentic.interactions.Interaction")
-    return cls
-
-
 def load_interactions(path: str | Path) -> dict[str, InteractionSpec]:
     """`interaction: [{name, class_name, config}]` from a YAML file; names must be unique (`name` defaults to
     `class_name` for a built-in)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{KEY}={str(path)!r}: no such file; point it at a YAML with an `interaction:` list")
-    doc = yaml.safe_load(p.read_text()) or {}
-    entries = doc.get("interaction") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{KEY}={str(path)!r}: expected a top-level `interaction:` list of "
-                         "{name, class_name, config} entries")
     specs: dict[str, InteractionSpec] = {}
-    for i, entry in enumerate(entries):
-        where = f"{path} interaction[{i}]"
-        if not isinstance(entry, dict) or "class_name" not in entry:
-            raise ValueError(f"{where}: each entry needs `class_name` (a built-in name or a dotted class path)")
-        unknown = set(entry) - {"name", "class_name", "config"}
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: name, class_name, config")
+    for where, entry in yaml_entries(path, KEY, "interaction", ("name", "class_name", "config")):
         class_name = str(entry["class_name"])
-        cls = _import_class(class_name, where)
+        cls = import_class(class_name, where, BUILTIN_INTERACTIONS, Interaction, "interaction")
         name = str(entry.get("name") or (class_name if class_name in BUILTIN_INTERACTIONS else ""))
         if not name:
             raise ValueError(f"{where}: give a `name` (rows select it with extra_info.interaction_kwargs.name)")

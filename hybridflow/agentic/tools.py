@@ -10,7 +10,6 @@ named by `rollout.multi_turn.tool_config_path` (verl's layout: `tools: [{class_n
 from __future__ import annotations
 
 import ast
-import importlib
 import logging
 import math
 import operator
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hybridflow.agentic.plugins import import_class, yaml_entries
 
 logger = logging.getLogger(__name__)
 
@@ -172,44 +171,13 @@ BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": CalculatorTool, "python": 
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def _import_class(path: str, where: str) -> type[Tool]:
-    if path in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[path]
-    module_name, _, cls_name = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{where}: class_name={path!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) "
-                         "nor a dotted path 'package.module.ClassName'")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{where}: cannot import class_name={path!r} ({err}); give an importable "
-                         "'package.module.ClassName' (is the package on PYTHONPATH?)") from None
-    if not (isinstance(cls, type) and issubclass(cls, Tool)):
-        raise ValueError(f"{where}: class_name={path!r} is not a subclass of hybridflow.agentic.tools.Tool")
-    return cls
-
-
 def load_tools(path: str | Path) -> dict[str, Tool]:
     """Tools from a YAML file: `tools: [{class_name: calculator | pkg.mod.Class, config: {...},
     tool_schema: {...optional OpenAI schema...}}]`. Names must be unique."""
-    key = "rollout.multi_turn.tool_config_path"
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{key}={str(path)!r}: no such file; point it at a YAML with a `tools:` list")
-    doc = yaml.safe_load(p.read_text()) or {}
-    entries = doc.get("tools") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{key}={str(path)!r}: expected a top-level `tools:` list of {{class_name, config}} "
-                         "entries")
     tools: dict[str, Tool] = {}
-    for i, entry in enumerate(entries):
-        where = f"{path} tools[{i}]"
-        if not isinstance(entry, dict) or "class_name" not in entry:
-            raise ValueError(f"{where}: each entry needs `class_name` (a built-in name or a dotted class path)")
-        unknown = set(entry) - {"class_name", "config", "tool_schema"}
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: class_name, config, tool_schema")
-        cls = _import_class(str(entry["class_name"]), where)
+    for where, entry in yaml_entries(path, "rollout.multi_turn.tool_config_path", "tools",
+                                     ("class_name", "config", "tool_schema")):
+        cls = import_class(str(entry["class_name"]), where, BUILTIN_TOOLS, Tool, "tool")
         tool = cls(config=entry.get("config") or {}, schema=entry.get("tool_schema"))
         if tool.name in tools:
             raise ValueError(f"{where}: a tool named {tool.name!r} is already defined; names must be unique")
