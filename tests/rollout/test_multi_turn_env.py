@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from rollout_helpers import EOS, PAD, make_engine, make_model
+from test_multi_turn import _spans
 from test_rollout_engine import hf_logprobs
 
 from hybridflow.agentic.chat_delta import ChatDelta
@@ -53,17 +54,6 @@ def _prompts(texts, n=1, do_sample=True):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos},
                                       meta_info={"n": n, "do_sample": do_sample, "temperature": 1.0})
-
-
-def _spans(mask_row, length):
-    out, start = [], None
-    for i in range(length):
-        if mask_row[i] == 0 and start is None:
-            start = i
-        if mask_row[i] == 1 and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def _engine(model, R, stops, max_user_turns=2):
