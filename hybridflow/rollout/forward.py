@@ -216,7 +216,7 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
 def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch.Tensor, pos_SK: torch.Tensor,
                  lens_S: torch.Tensor, cache: KVCache, slots_S: torch.Tensor, col0_S: torch.Tensor,
                  valid_XT: torch.Tensor) -> torch.Tensor:
-    """`extend` for S slots in one forward: slot `slots_S[i]` appends the first `lens_S[i]` tokens of row i of
+    """Multi-turn extension of S slots in one forward: slot `slots_S[i]` appends the first `lens_S[i]` tokens of row i of
     `ids_SK` (right-padded) at cache columns [col0_S[i], col0_S[i] + lens_S[i]); each token attends to its slot's
     valid columns before col0 and causally to the new ones. Padding tokens write nothing and are not returned.
     Marks the new columns valid in `valid_XT` (all slots' rows); the last real token's logits [S, V]."""

@@ -128,10 +128,6 @@ class ModelRunner:
         stop = self.is_stop[tok]
         self.done[slot_t] = stop | (max_new <= 1)
 
-    def extend(self, slot: int, new_ids: list[int], prompt_width: int, resp_pos0: int) -> int:
-        """`extend_many` for one slot; returns its new response length."""
-        return self.extend_many([(slot, new_ids, resp_pos0)], prompt_width)[0]
-
     def extend_many(self, items: list[tuple[int, list[int], int]], prompt_width: int) -> list[int]:
         """Multi-turn: for each (slot, new_ids, resp_pos0), append `new_ids` (tool/user tokens) to that finished
         slot's response, prefill only them (and the turn's last sampled token, whose K/V no step wrote yet) — all
