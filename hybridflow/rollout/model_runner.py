@@ -137,8 +137,7 @@ class ModelRunner:
         dev = self.device
         slots = [s for s, _, _ in items]
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        steps = self.step[slots_t].tolist()
-        max_new = self.max_new[slots_t].tolist()
+        steps, max_new = torch.stack([self.step[slots_t], self.max_new[slots_t]]).tolist()  # the one host sync
         lens = [len(ids) + 1 for _, ids, _ in items]
         K = max(lens)
         ids = torch.full((len(items), K), self.pad_id, dtype=torch.long)
@@ -149,15 +148,15 @@ class ModelRunner:
             ids[i, 1: k + 1] = torch.tensor(new_ids, dtype=torch.long)
             first = resp_pos0 + step - 1
             pos[i] = torch.arange(first, first + K).clamp(max=first + k)  # padding repeats the last position
-        steps_t = torch.tensor(steps, dtype=torch.long, device=dev)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        ids = ids.to(dev)
+        steps_t, lens_t = torch.tensor([steps, lens], dtype=torch.long).to(dev, non_blocking=True)
+        ids, pos_d = ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
         ids[:, 0] = self.out_tok[slots_t, steps_t - 1]
         col0 = prompt_width + steps_t - 1  # the column of response token step - 1
         cols = torch.arange(self.valid.shape[1], device=dev)
         self.valid[slots_t] &= cols[None] < col0[:, None]
-        logits = forward.extend_batch(self.weights, self.spec, self.rope, ids, pos.to(dev), lens_t, self.cache,
-                                      slots_t, col0, self.valid)
+        logits = forward.extend_batch(self.weights, self.spec, self.rope, ids, pos_d, lens,
+                                      self.cache, slots_t, [prompt_width + st - 1 for st in steps], self.valid,
+                                      self.ops)
         k_t = lens_t - 1
         counter = steps_t + k_t  # the sampler's step = the token's index
         tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
@@ -173,9 +172,9 @@ class ModelRunner:
         new_len = counter + 1
         self.tok[slots_t], self.step[slots_t] = tok, new_len
         self.cidx[slots_t] = col0 + k_t + 1
-        self.pos[slots_t] = pos.to(dev)[torch.arange(len(items), device=dev), k_t] + 1
+        self.pos[slots_t] = pos_d[torch.arange(len(items), device=dev), k_t] + 1
         self.done[slots_t] = self.is_stop[tok] | (new_len >= self.max_new[slots_t])
-        return new_len.tolist()
+        return [st + n for st, n in zip(steps, lens)]  # = new_len, known on the host
 
     # --------------------------------------------------------------------------------------------------- decode
     def _step(self, b: int, L: int, mode: str) -> None:
