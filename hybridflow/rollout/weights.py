@@ -204,10 +204,28 @@ class WeightView:
         if dst:
             torch._foreach_copy_(dst, src)
         self._pending = ([], [])
+        self._apply_deltas()
+
+    def _apply_deltas(self) -> None:
+        """W += scale·B·A for every pending LoRA delta, batched: deltas of one shape (the same projection in every
+        layer) go through one `baddbmm_` over their stacked copies — ~5 kernels per projection instead of ~3 per
+        matrix (a 0.5B model with all-linear rank-64 adapters has 168 of them). One rounding per element, as
+        `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue."""
+        groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for buf, layer in self._deltas:
             b, a, scale = _lora_factors(layer)
-            buf.addmm_(_source(b, self.dtype)[0].to(self.dtype), _source(a, self.dtype)[0].to(self.dtype), alpha=scale)
+            b, a = _source(b, self.dtype)[0], _source(a, self.dtype)[0]
+            groups.setdefault((tuple(buf.shape), tuple(b.shape), tuple(a.shape), scale), []).append((buf, b, a))
         self._deltas = []
+        for (*_, scale), items in groups.items():
+            bufs = [buf for buf, _, _ in items]
+            if len(items) == 1:
+                bufs[0].addmm_(items[0][1].to(self.dtype), items[0][2].to(self.dtype), alpha=scale)
+                continue
+            w = torch.stack(bufs)
+            w.baddbmm_(torch.stack([b for _, b, _ in items]).to(self.dtype),
+                       torch.stack([a for _, _, a in items]).to(self.dtype), alpha=scale)
+            torch._foreach_copy_(bufs, list(w.unbind(0)))
 
     def _buffer(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
