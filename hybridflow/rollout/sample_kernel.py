@@ -22,6 +22,8 @@ from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton, triton_
 
 BLOCK_V = 2048  # vocab entries per loop iteration of a program
 SPLIT_V = 8192  # vocab entries per program: ~19 programs per row at V = 151,936
+RACE = True  # `_chunk_race` (one max per program, one log per entry) rather than `_chunk` (per-lane max, two logs)
+WARPS = 8
 
 
 @jit
@@ -52,8 +54,32 @@ def _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL: tl.co
 
 
 @jit
+def _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL: tl.constexpr):
+    """`_chunk` with one running max per program (a scalar: one exp per chunk to rescale, not one per entry) and,
+    when sampling, the exponential race instead of Gumbel's two logs: token = argmax exp(x - m) / E with
+    E = -log(u) ~ Exp(1) — the same argmax as x - log(-log u) (log is monotone), one log per entry, and exp(x - m)
+    is the logsumexp's own term. `best` then holds exp(x - m) / E relative to the current `m` (rescaled with it)."""
+    idx = start + offs
+    mask = idx < V
+    x = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) / temp
+    m_new = tl.maximum(m, tl.max(x, 0))
+    alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+    p = tl.where(x > float("-inf"), tl.exp(x - m_new), 0.0)
+    s = s * alpha + p
+    if GUMBEL:
+        e = _mix32(h + idx.to(tl.uint32) * 0x85EBCA6B)
+        u = ((e >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        y = tl.where(x > float("-inf"), p / -tl.log(u), -1.0)  # -inf and out-of-range entries never win
+        best = best * alpha
+    else:
+        y = tl.where(mask, x, float("-inf"))
+    better = y > best  # strict: the earliest chunk wins ties, as torch.argmax's first index
+    return tl.where(better, y, best), tl.where(better, idx, best_idx), m_new, s
+
+
+@jit
 def _partial_kernel(Logits, stride_row, V, chunk, Temp, Seeds, Steps, Best, BestIdx, M, S, GUMBEL: tl.constexpr,
-                    BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                    BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr, RACE: tl.constexpr):
     """Program (row, split) over vocab [split * chunk, (split + 1) * chunk): its winner and logsumexp partial."""
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -69,25 +95,44 @@ def _partial_kernel(Logits, stride_row, V, chunk, Temp, Seeds, Steps, Best, Best
     lo = split * chunk
     hi = tl.minimum(lo + chunk, V)
     offs = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: best noisy score and its token id
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
-    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: online logsumexp state
     s = tl.zeros([BLOCK], dtype=tl.float32)
-    if WHILE_LOOP:  # the 3.6 interpreter cannot `range` over a runtime scalar with NumPy >= 2.4
-        start = lo
-        while start < hi:
-            best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
-            start += BLOCK
-    else:
-        for start in range(lo, hi, BLOCK):
-            best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
-    top = tl.max(best, 0)
     out = row * tl.num_programs(1) + split
-    tl.store(Best + out, top)
-    tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
-    m_part = tl.max(m, 0)
-    tl.store(M + out, m_part)
-    tl.store(S + out, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_part), 0.0), 0))  # 0, not NaN, if empty
+    if RACE:
+        best = tl.full([BLOCK], -1.0 if GUMBEL else float("-inf"), dtype=tl.float32)
+        m_s = tl.full([], float("-inf"), dtype=tl.float32)  # one running max for the program
+        if WHILE_LOOP:
+            start = lo
+            while start < hi:
+                best, best_idx, m_s, s = _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m_s, s, GUMBEL)
+                start += BLOCK
+        else:
+            for start in range(lo, hi, BLOCK):
+                best, best_idx, m_s, s = _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m_s, s, GUMBEL)
+        top = tl.max(best, 0)
+        tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
+        if GUMBEL:  # back to the log domain, comparable across splits: log(exp(x - m) / E) + m = x - log E
+            top = tl.where(top > 0.0, tl.log(top) + m_s, float("-inf"))
+        tl.store(Best + out, top)
+        tl.store(M + out, m_s)
+        tl.store(S + out, tl.sum(s, 0))
+    else:
+        best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: best noisy score and its token id
+        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: online logsumexp state
+        if WHILE_LOOP:  # the 3.6 interpreter cannot `range` over a runtime scalar with NumPy >= 2.4
+            start = lo
+            while start < hi:
+                best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
+                start += BLOCK
+        else:
+            for start in range(lo, hi, BLOCK):
+                best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
+        top = tl.max(best, 0)
+        tl.store(Best + out, top)
+        tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
+        m_part = tl.max(m, 0)
+        tl.store(M + out, m_part)
+        tl.store(S + out, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_part), 0.0), 0))  # 0, not NaN, if empty
 
 
 @jit
@@ -118,7 +163,8 @@ def auto_splits(V: int) -> int:
 
 def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor, *,
-                 num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_splits: int | None = None, race: bool | None = None, block: int | None = None,
+                 warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampling.sample` with `greedy` and `sample` in two kernels; `filtered` goes to the torch version.
     `num_splits` (programs per row) defaults to `auto_splits(V)`; splits beyond the vocab stay empty."""
     if mode == "filtered" or not triton_available(logits_NV.device):
@@ -128,7 +174,8 @@ def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, 
     logits = logits_NV if logits_NV.stride(-1) == 1 else logits_NV.contiguous()
     N, V = logits.shape
     splits = auto_splits(V) if num_splits is None else num_splits
-    chunk = -(-V // (splits * BLOCK_V)) * BLOCK_V  # whole BLOCK_V chunks, so no chunk straddles two splits
+    block = BLOCK_V if block is None else block
+    chunk = -(-V // (splits * block)) * block  # whole BLOCK_V chunks, so no chunk straddles two splits
     dev = logits.device
     tok = torch.empty(N, dtype=torch.long, device=dev)
     logp = torch.empty(N, dtype=torch.float32, device=dev)
@@ -136,8 +183,9 @@ def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, 
     part_idx = torch.empty(N, splits, dtype=torch.int32, device=dev)
     if N:
         _partial_kernel[(N, splits)](logits, logits.stride(0), V, chunk, temperature, seeds_N, steps_N, part[0],
-                                     part_idx, part[1], part[2], GUMBEL=mode == "sample", BLOCK=BLOCK_V,
-                                     WHILE_LOOP=INTERPRETED, num_warps=8)
+                                     part_idx, part[1], part[2], GUMBEL=mode == "sample", BLOCK=block,
+                                     WHILE_LOOP=INTERPRETED, RACE=RACE if race is None else race,
+                                     num_warps=WARPS if warps is None else warps)
         _combine_kernel[(N,)](logits, logits.stride(0), temperature, part[0], part_idx, part[1], part[2], tok,
                               logp, SPLITS=splits, BLOCK_S=max(32, triton.next_power_of_2(splits)), num_warps=1)
     return tok, logp
