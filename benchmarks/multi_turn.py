@@ -89,7 +89,7 @@ def reprefill_extend(prompt_ids: torch.Tensor):
         t = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
         logits = forward.extend_batch(self.weights, self.spec, self.rope, hist[None],
                                       torch.arange(P + step + k, device=dev)[None], [hist.numel()], self.cache,
-                                      t(slot), [0], self.valid, self.ops)
+                                      t(slot), [0], self.valid)
         counter = t(step + k)
         tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
                                     self.seed[slot: slot + 1], counter)

@@ -214,20 +214,19 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
 
 
 def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch.Tensor, pos_SK: torch.Tensor,
-                 lens: list[int], cache: KVCache, slots_S: torch.Tensor, col0: list[int], valid_XT: torch.Tensor,
-                 ops: DecodeOps | None = None) -> torch.Tensor:
+                 lens: list[int], cache: KVCache, slots_S: torch.Tensor, col0: list[int],
+                 valid_XT: torch.Tensor) -> torch.Tensor:
     """Multi-turn extension of S slots in one forward: slot `slots_S[i]` appends the first `lens[i]` tokens of row i of
     `ids_SK` (right-padded) at cache columns [col0[i], col0[i] + lens[i]); each token attends to its slot's
     valid columns before col0 and causally to the new ones. Padding tokens write nothing and are not returned.
     Marks the new columns valid in `valid_XT` (all slots' rows); the last real token's logits [S, V].
 
     `lens` and `col0` are host lists, so every index below is built on the host and copied once: no step of the
-    24-layer loop waits for the GPU (boolean-mask indexing would sync twice per layer). `ops` supplies the
-    (possibly compiled) qkv / MLP pieces of decode; the GQA group rides on SDPA's `enable_gqa` (no K/V copies)."""
+    24-layer loop waits for the GPU (boolean-mask indexing would sync twice per layer). The GQA group rides on SDPA's
+    `enable_gqa` (no K/V copies). Eager: every call has a new (S, K, end), which would recompile a compiled graph."""
     S, K = ids_SK.shape
     dev = ids_SK.device
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    qkv_fn, mlp_fn = (ops.qkv, ops.mlp_block) if ops is not None else (qkv, mlp_block)
     flat = [i * K + j for i, n in enumerate(lens) for j in range(n)]  # real tokens of ids_SK.flatten()
     host = torch.tensor([flat, [col0[i] + j for i, n in enumerate(lens) for j in range(n)],
                          [i for i, n in enumerate(lens) for _ in range(n)]], dtype=torch.long)
@@ -243,12 +242,12 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     cos, sin = rope.cos[pos_SK], rope.sin[pos_SK]
     gqa = spec.num_heads != spec.num_kv_heads
     for layer, lw in enumerate(w.layers):
-        q, k, v = qkv_fn(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
+        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
         cache.k[layer][s_idx, :, c_idx] = k.flatten(0, 1).index_select(0, flat_t)
         cache.v[layer][s_idx, :, c_idx] = v.flatten(0, 1).index_select(0, flat_t)
         kc = cache.k[layer][slots_S, :, :end]  # [S, Hkv, end, D]
         vc = cache.v[layer][slots_S, :, :end]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask_SKC[:, None], enable_gqa=gqa)
-        x = mlp_fn(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
+        x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
     last = x[torch.arange(S, device=dev), last_S]
     return F.linear(rms_norm(last, w.norm, spec.eps), w.lm_head)

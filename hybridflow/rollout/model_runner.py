@@ -155,8 +155,7 @@ class ModelRunner:
         cols = torch.arange(self.valid.shape[1], device=dev)
         self.valid[slots_t] &= cols[None] < col0[:, None]
         logits = forward.extend_batch(self.weights, self.spec, self.rope, ids, pos_d, lens,
-                                      self.cache, slots_t, [prompt_width + st - 1 for st in steps], self.valid,
-                                      self.ops)
+                                      self.cache, slots_t, [prompt_width + st - 1 for st in steps], self.valid)
         k_t = lens_t - 1
         counter = steps_t + k_t  # the sampler's step = the token's index
         tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
