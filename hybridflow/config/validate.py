@@ -136,6 +136,9 @@ def _mode_errors(cfg: Config) -> list[str]:
     if cfg.model.lora.enabled:
         errs.append(f"model.lora.rank={cfg.model.lora.rank} with {why}: the weight broadcast sends full "
                     "parameters, not merged adapters, yet; use trainer.mode=sync or model.lora.rank=0")
+    if mode == "one_step_off" and cfg.trainer.async_.partial_rollout == "continue":
+        errs.append("trainer.async.partial_rollout=continue applies to trainer.mode=async (one_step_off sends new "
+                    "weights between batches only); use trainer.mode=async or trainer.async.partial_rollout=abort")
     if mode == "async":
         b, chunk = cfg.data.train_batch_size, cfg.trainer.async_.chunk_prompts
         chunk = chunk if chunk is not None else max(1, b // 4)
