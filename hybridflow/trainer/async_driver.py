@@ -58,6 +58,7 @@ class Request:
     version: int
     planned_step: int
     source: int  # index of the source (loader) batch the prompts came from
+    baseline: GroupFuture | None = None  # ReMax: the greedy responses of the same prompts
 
 
 @dataclass
@@ -89,6 +90,7 @@ class RolloutDriver:
         self._trained_source = -1
         self.trained_position: DataPosition | None = None  # where a resumed run continues (None: the loader's)
         self._bucket_bytes = int(self.cfg.trainer.weight_sync.bucket_mb * 2**20)
+        self._remax = self.cfg.algorithm.adv_estimator == "remax"
         self._send = self.rollout.receive_weights_live if continues_partial_rollouts(self.cfg) else \
             self.rollout.receive_weights
 
@@ -138,18 +140,27 @@ class RolloutDriver:
         seeded = alg._with_seeds(prompts)
         try:
             fut = self.rollout.generate_sequences(seeded)
+            # ReMax: the greedy baseline response per prompt, queued right behind the samples (same weights under
+            # abort; under continue it may see newer ones — still independent of the samples, so still a baseline)
+            baseline = self.rollout.generate_sequences(alg._with_meta(seeded, do_sample=False, n=1)) \
+                if self._remax else None
         except (WorkerError, WorkerTimeoutError) as err:
             raise self._failed("generating", planned_step, err) from err
-        return Request(fut, prompts, self.version, planned_step, source)
+        return Request(fut, prompts, self.version, planned_step, source, baseline)
 
     def _collect(self, req: Request) -> tuple[DataProto, dict[str, float], float]:
         """Wait for `req`; (generated rows, the rollout's metrics, seconds waited)."""
         t0 = time.perf_counter()
         try:
             out = req.future.get()
+            greedy = req.baseline.get() if req.baseline is not None else None
         except (WorkerError, WorkerTimeoutError) as err:
             raise self._failed("generating", req.planned_step, err) from err
         waited = time.perf_counter() - t0
+        if greedy is not None:  # as the sync step does: the greedy response's reward, repeated over the n samples
+            greedy.meta_info.pop("metrics", None)
+            scores, _ = self.alg.reward_fn(greedy)
+            out.batch[keys.BASELINE_REWARDS.name] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
         return out, reduce_metrics(out.meta_info.pop("metrics", [])), waited
 
     def _failed(self, what: str, step: int, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:

@@ -65,14 +65,16 @@ class RolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine.fsdp import DTYPES
+        from hybridflow.engine.fsdp import DTYPES, resolve_dtype
         from hybridflow.models.loader import load_module, load_tokenizer
         from hybridflow.rollout import build_rollout
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
-        # the actor's master dtype: the rollout engine casts (bf16 on GPU) exactly as the hybrid engine does
-        dtype = DTYPES[cfg.actor.fsdp.param_dtype]
+        # the actor's master dtype: the rollout engine casts (bf16 on GPU) exactly as the hybrid engine does; with
+        # LoRA the dtype of the actor's frozen base (the compute dtype), which the merged weights it sends keep
+        dtype = resolve_dtype(cfg.model.dtype, self.device) if cfg.model.lora.enabled else \
+            DTYPES[cfg.actor.fsdp.param_dtype]
         module = load_module(cfg.model, "lm", dtype=dtype, init_device=self.device)
         self.module = module.to(self.device).eval().requires_grad_(False)
         check_every = cfg.trainer.async_.weight_check_steps if continues_partial_rollouts(cfg) else None
