@@ -115,3 +115,38 @@ def test_partial_rollout_continue_takes_weights_mid_generation_on_ray(tmp_path: 
     new_logp = out.batch["rollout_log_probs"][versions == 1]
     torch.testing.assert_close(new_logp, torch.full_like(new_logp, uniform))
     assert float((out.batch["rollout_log_probs"][versions == 0] - uniform).abs().max()) > 0.5
+
+
+def test_async_continue_trains_on_ray_with_consistent_versions(tmp_path: Path) -> None:
+    """The whole path on Ray: the driver sends weights through the rollout actor's `weights` thread group while it
+    generates; whatever the timing, every trained token's version is within the bound, versions never decrease
+    along a row, and a row's version is its oldest token's."""
+    import torch
+
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 4, "trainer.backend=ray", "trainer.mode=async",
+                          "trainer.async.partial_rollout=continue", "trainer.async.max_staleness=1",
+                          "trainer.async.chunk_prompts=1", "data.train_batch_size=4", "data.max_response_length=32",
+                          "trainer.total_training_steps=4", "trainer.logger=[]", f"trainer.run_dir={tmp_path}/run",
+                          "trainer.resume_mode=disable", "trainer.checkpoint.save_freq=0")
+    trainer = PPOTrainer(cfg)
+    rows: list[dict[str, Any]] = []
+    reward = trainer.algorithm._reward
+
+    def recording(batch: Any, metrics: dict[str, float]) -> Any:
+        rows.append({k: batch.batch[k].clone() for k in ("policy_version", "rollout_policy_version")})
+        return reward(batch, metrics)
+
+    trainer.algorithm._reward = recording
+    try:
+        history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
+    finally:
+        trainer.close()
+        ray.shutdown()
+    assert len(history) == 4 and len(rows) == 4
+    for step, (r, m) in enumerate(zip(rows, history), start=1):
+        per_token, version = r["rollout_policy_version"], r["policy_version"]
+        assert bool((per_token[:, 1:] >= per_token[:, :-1]).all()), f"step {step}: a version went back in a row"
+        assert torch.equal(version, per_token.min(1).values), f"step {step}"
+        assert int((step - 1) - version.min()) <= 1 and m["staleness/max"] <= 1, f"step {step}"
+        mixed = float((per_token.max(1).values != per_token.min(1).values).double().mean())
+        assert m["async/mixed_version_rows"] == mixed, f"step {step}"
