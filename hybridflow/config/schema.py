@@ -504,7 +504,7 @@ class HealthConfig:
 
 
 TRAINER_MODES = ("sync", "one_step_off", "async")
-PARTIAL_ROLLOUT_MODES = ("abort",)
+PARTIAL_ROLLOUT_MODES = ("abort", "continue")
 
 
 @dataclass(frozen=True)
@@ -513,18 +513,22 @@ class AsyncConfig:
     mode (`trainer.mode=async`, hybridflow/trainer/async_driver.py)."""
 
     max_staleness: int  # policy versions a trained sample may lag the policy being trained (0 = on-policy)
-    partial_rollout: str  # abort: a request too stale when it is consumed is dropped and its prompts resubmitted
+    # abort: weights change only between requests; continue: in-flight sequences take new weights between decode
+    # chunks (per-token versions). Either way a request whose oldest token is too stale when consumed is dropped
+    # and its prompts resubmitted.
+    partial_rollout: str
     chunk_prompts: int | None  # prompts per generation request (the streaming unit); null = train_batch_size / 4
+    weight_check_steps: int | None  # continue: decode steps between weight checks; null = the engine's host-check
+    #                                 interval (8 on GPU, 1 on CPU)
 
     def __post_init__(self) -> None:
         _check(self.max_staleness >= 0, "trainer.async.max_staleness", self.max_staleness,
                "must be >= 0 policy versions (0 = every sample from the policy being trained)")
-        if self.partial_rollout == "continue":
-            raise ValueError("trainer.async.partial_rollout=continue (in-flight sequences continue under new weights "
-                             "with per-token versions) is not built yet; use trainer.async.partial_rollout=abort")
         _one_of("trainer.async.partial_rollout", self.partial_rollout, PARTIAL_ROLLOUT_MODES)
         _check(self.chunk_prompts is None or self.chunk_prompts >= 1, "trainer.async.chunk_prompts",
                self.chunk_prompts, "must be >= 1 prompt, or null (train_batch_size / 4)")
+        _check(self.weight_check_steps is None or self.weight_check_steps >= 1, "trainer.async.weight_check_steps",
+               self.weight_check_steps, "must be >= 1 decode step, or null (the engine's host-check interval)")
 
 
 @dataclass(frozen=True)

@@ -125,17 +125,14 @@ def _mode_errors(cfg: Config) -> list[str]:
         return []
     errs = []
     why = f"trainer.mode={mode} generates on separate rollout workers"
-    if cfg.algorithm.adv_estimator == "remax":
-        errs.append(f"algorithm.adv_estimator=remax with {why}: the greedy baseline is not pipelined yet; use "
-                    "trainer.mode=sync or another estimator")
     if cfg.algorithm.filter_groups.enable:
         errs.append(f"algorithm.filter_groups.enable=true with {why}: dynamic sampling is not pipelined yet; use "
                     "trainer.mode=sync or algorithm.filter_groups.enable=false")
     if cfg.dpo.online:
         errs.append(f"dpo.online=true with {why}: online DPO generates in its own step; use trainer.mode=sync")
-    if cfg.model.lora.enabled:
-        errs.append(f"model.lora.rank={cfg.model.lora.rank} with {why}: the weight broadcast sends full "
-                    "parameters, not merged adapters, yet; use trainer.mode=sync or model.lora.rank=0")
+    if mode == "one_step_off" and cfg.trainer.async_.partial_rollout == "continue":
+        errs.append("trainer.async.partial_rollout=continue applies to trainer.mode=async (one_step_off sends new "
+                    "weights between batches only); use trainer.mode=async or trainer.async.partial_rollout=abort")
     if mode == "async":
         b, chunk = cfg.data.train_batch_size, cfg.trainer.async_.chunk_prompts
         chunk = chunk if chunk is not None else max(1, b // 4)

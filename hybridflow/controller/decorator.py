@@ -41,6 +41,7 @@ class RegisterSpec:
     execute_mode: Execute
     blocking: bool
     timeout_s: float | None
+    concurrency_group: str | None = None  # Ray: run in this named thread group of the actor (see Worker)
 
 
 @overload
@@ -49,21 +50,23 @@ def register(dispatch_mode: F) -> F: ...
 
 @overload
 def register(dispatch_mode: Dispatch | str = ..., execute_mode: Execute | str = ..., blocking: bool = ...,
-             timeout_s: float | None = ...) -> Callable[[F], F]: ...
+             timeout_s: float | None = ..., concurrency_group: str | None = ...) -> Callable[[F], F]: ...
 
 
 def register(dispatch_mode: Dispatch | str | Callable[..., Any] = Dispatch.DP_COMPUTE_PROTO,
              execute_mode: Execute | str = Execute.ALL, blocking: bool = True,
-             timeout_s: float | None = None) -> Callable[..., Any]:
+             timeout_s: float | None = None, concurrency_group: str | None = None) -> Callable[..., Any]:
     """Mark a worker method as callable from the driver through a `WorkerGroup`.
 
     `blocking=False` makes the group method return a `GroupFuture`; `timeout_s` bounds each call (None = the
-    group's `default_timeout_s`). `@register` without arguments means DP_COMPUTE_PROTO.
+    group's `default_timeout_s`). `@register` without arguments means DP_COMPUTE_PROTO. `concurrency_group`: on
+    Ray, run the call in that thread group of the actor (declared by `Worker.concurrency_groups`), beside the
+    calls of the default group instead of queued behind them; the local backend runs every call at once anyway.
     """
     if callable(dispatch_mode) and not isinstance(dispatch_mode, str):
         return register()(dispatch_mode)
     mode = dispatch_mode.value if isinstance(dispatch_mode, Dispatch) else str(dispatch_mode)
-    spec = RegisterSpec(mode, Execute(execute_mode), blocking, timeout_s)
+    spec = RegisterSpec(mode, Execute(execute_mode), blocking, timeout_s, concurrency_group)
 
     def deco(fn: F) -> F:
         setattr(fn, REGISTER_ATTR, spec)

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,13 @@ class Worker:
             self._device = torch.device("cuda", index)
         else:
             self._device = torch.device("cpu")
+
+    @classmethod
+    def concurrency_groups(cls, *args: Any, **kwargs: Any) -> dict[str, int]:
+        """Named thread groups (name → threads) the Ray actor gets beside its default group, given the worker's
+        constructor arguments; a method registered with `concurrency_group=name` runs there, concurrently with the
+        default group's calls (which still run one at a time, in order). None by default."""
+        return {}
 
     # ------------------------------------------------------------------------------------------ placement
     @property

@@ -123,7 +123,7 @@ class WorkerGroup:
             if len(per_args) != len(ranks) or len(per_kwargs) != len(ranks):
                 raise ValueError(f"dispatch mode {mode.name!r} gave {len(per_args)} args / {len(per_kwargs)} kwargs "
                                  f"entries for {len(ranks)} ranks; return one per rank")
-        refs = self._backend.submit(self._handles, ranks, method.target, per_args, per_kwargs)
+        refs = self._backend.submit(self._handles, ranks, method.target, per_args, per_kwargs, spec.concurrency_group)
         timeout = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
         finish: Callable[[list[Any]], Any] = (
             _first if rank_zero else functools.partial(_collect, mode, ctx, plan.state))

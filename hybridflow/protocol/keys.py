@@ -52,7 +52,11 @@ RESPONSES = _k("responses", "B R", "int", "gen", "sampled tokens, right-padded")
 RESPONSE_MASK = _k("response_mask", "B R", "int", "gen", "1 on real response tokens (the loss mask)")
 ROLLOUT_LOG_PROBS = _k("rollout_log_probs", "B R", "float", "gen", "log-probs the sampler drew with (0 on pads)")
 POLICY_VERSION = _k("policy_version", "B", "int", "gen",
-                    "non-sync modes: the policy version (optimizer steps) of the weights that generated the row")
+                    "non-sync modes: the policy version (optimizer steps) of the weights that generated the row "
+                    "(its oldest token's, when a partial rollout continued under newer weights)")
+ROLLOUT_POLICY_VERSION = _k("rollout_policy_version", "B R", "int", "gen",
+                            "non-sync modes: the policy version that sampled each response token (after the end: "
+                            "the row's last)")
 TURN_REWARDS = _k("turn_rewards", "B R", "float", "gen", "multi-turn: each turn's tool/interaction reward on its "
                   "last model token (added to token_level_scores)")
 BASELINE_REWARDS = _k("baseline_rewards", "B", "float", "gen", "ReMax: the greedy response's reward per row")
@@ -72,8 +76,8 @@ EXTRA_INFO = _k("extra_info", "B", "object", "data", "free-form row info passed 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SEEDS, PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS,
-    POLICY_VERSION, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY,
-    REF_LOG_PROB, VALUES,
+    POLICY_VERSION, ROLLOUT_POLICY_VERSION, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES,
+    OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, VALUES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
@@ -97,7 +101,7 @@ class Stage:
 
 GEN = Stage("gen", (INPUT_IDS, ATTENTION_MASK), (PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS, INPUT_IDS,
                                                  ATTENTION_MASK, POSITION_IDS),
-           optional=(POSITION_IDS, SEEDS, TURN_REWARDS, POLICY_VERSION))
+           optional=(POSITION_IDS, SEEDS, TURN_REWARDS, POLICY_VERSION, ROLLOUT_POLICY_VERSION))
 REWARD = Stage("reward", (RESPONSES, RESPONSE_MASK), (TOKEN_LEVEL_SCORES,),
                optional=(RM_SCORES, DATA_SOURCE, TURN_REWARDS))
 REWARD_MODEL_SCORE = Stage("reward_model", MODEL_INPUTS, (RM_SCORES,))

@@ -3,7 +3,8 @@
 In: `input_ids`/`attention_mask`/`position_ids` [B, P], left-padded; meta_info may override sampling (`n`,
 `do_sample`, `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seeds`, `validate`). Out (B*n rows, prompt i's
 samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout_log_probs`, `input_ids`,
-`attention_mask`, `position_ids`. Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
+`attention_mask`, `position_ids`; with a `weight_check` (partial rollouts, rollout/versions.py) also
+`rollout_policy_version` [B*n, R], the policy version that sampled each token. Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
 only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -154,7 +155,11 @@ class RolloutEngine:
         return [row_seed(s, j) for s in seeds for j in range(n)]
 
     @torch.no_grad()
-    def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
+    def generate(self, prompts: DataProto, sampling: SamplingParams | None = None,
+                 weight_check: Callable[[], int] | None = None) -> DataProto:
+        """`weight_check`: called before each decode chunk (every `check_every` steps); it may install new weights
+        (the caller then ran `sync_weights`) and returns their policy version: sequences in flight continue under
+        them. HF generate (the fallback) asks once, at the start."""
         meta = dict(prompts.meta_info)
         params = self.sampling_for(meta, sampling)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
@@ -177,7 +182,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.timing = {}
         if self._fallback is not None:
+            version = None if weight_check is None else int(weight_check())
             res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new)
+            if version is not None:
+                res.versions = torch.full_like(res.tokens, version)
         else:
             runner = self._prepare()
             runner.set_sampling(params, self.eos_ids)
@@ -187,12 +195,14 @@ class RolloutEngine:
                 sched, (ids_d, mask_d, pos_d) = self._multi_turn_scheduler(runner, prompts, params.n,
                                                                             ids_d, mask_d, pos_d)
             runner.capture_s = 0.0
-            res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new)
+            res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new, weight_check)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
         out = self._assemble(ids_d, mask_d, pos_d, params.n, res).to(dev_in)
         out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         metrics = {**self.timing, "rollout/decode_steps": res.decode_steps, "rollout/prefills": res.prefills}
+        if res.versions is not None:
+            metrics["rollout/weight_swaps"] = res.weight_swaps
         if isinstance(res, MultiTurnResult):
             metrics |= self.session.metrics() | {"rollout/extend_tokens": res.extend_tokens,
                                                  "timing/tool_wait": res.tool_wait_s}
@@ -220,6 +230,8 @@ class RolloutEngine:
         }
         if isinstance(res, MultiTurnResult):
             out["turn_rewards"] = res.turn_rewards
+        if res.versions is not None:
+            out["rollout_policy_version"] = res.versions
         return DataProto.from_single_dict(out)
 
     def _multi_turn_scheduler(self, runner: ModelRunner, prompts: DataProto, n: int, ids: torch.Tensor,

@@ -20,6 +20,7 @@ import heapq
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.scheduler import GenerateResult, admit_next
+from hybridflow.rollout.versions import TokenVersions
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +46,12 @@ class MultiTurnResult(GenerateResult):
 class MultiTurnScheduler:
     def __init__(self, runner: ModelRunner, session, *, max_num_batched_tokens: int, check_every: int) -> None:
         self.runner, self.session, self.max_tokens, self.check_every = runner, session, max_num_batched_tokens, check_every
+        self._versions: TokenVersions | None = None
 
     def run(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int, seeds: list[int],
-            max_new: int) -> MultiTurnResult:
+            max_new: int, weight_check: Callable[[], int] | None = None) -> MultiTurnResult:
+        """As `Scheduler.run`; a paused slot (waiting on tools) that sees new weights samples its next turn with
+        them."""
         r, session = self.runner, self.session
         B, P = ids_BP.shape
         if n > r.cache.slots:
@@ -67,11 +72,16 @@ class MultiTurnScheduler:
         prompts_per_prefill = max(1, self.max_tokens // max(P, 1))
         decode_steps = prefills = extend_tokens = 0
         tool_wait = 0.0
+        self._versions = TokenVersions(weight_check, B * n, r.R) if weight_check is not None else None
         while waiting or live or paused:
+            if self._versions is not None and (decode_steps or extend_tokens):
+                self._versions.poll(r, [*live, *paused])
             while waiting and len(free) >= n:
                 slots, rows = admit_next(r, waiting, free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP, seeds,
                                          max_new)
                 prefills += 1
+                if self._versions is not None:
+                    self._versions.admit(slots)
                 live.update(zip(slots, rows))
                 for s in slots:
                     host_steps[s], turn_start[s], appended[s] = 1, 0, []
@@ -121,8 +131,10 @@ class MultiTurnScheduler:
                 futures = [f for _, p in paused.values() for f in p.futures()]
                 wait(futures, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 tool_wait += time.perf_counter() - t0
+        v = self._versions
         return MultiTurnResult(tokens, logps, lengths, decode_steps, prefills, model_mask, turn_rewards,
-                               extend_tokens, tool_wait)
+                               extend_tokens, tool_wait, versions=None if v is None else v.out.to(r.device),
+                               weight_swaps=0 if v is None else v.swaps)
 
     def _finish(self, s: int, row: int, tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor,
                 model_mask: torch.Tensor, appended: dict[int, list[tuple[int, int]]], free: list[int]) -> None:
@@ -134,4 +146,6 @@ class MultiTurnScheduler:
             mask[a:b] = 0
         tokens[row], logps[row], lengths[row], model_mask[row] = tok[0], logp[0] * mask, length, mask
         self.session.end(row)
+        if self._versions is not None:
+            self._versions.finish(s, row)
         heapq.heappush(free, s)

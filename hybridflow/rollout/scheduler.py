@@ -11,11 +11,13 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from hybridflow.rollout.model_runner import ModelRunner
+from hybridflow.rollout.versions import TokenVersions
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,9 @@ class GenerateResult:
     lengths: torch.Tensor  # [B*n] generated tokens incl. the stop token
     decode_steps: int
     prefills: int
+    # [B*n, R] policy version that sampled each token (with a `weight_check`; None without one)
+    versions: torch.Tensor | None = field(default=None, kw_only=True)
+    weight_swaps: int = field(default=0, kw_only=True)  # new weights taken mid-call
 
 
 class Scheduler:
@@ -36,8 +41,10 @@ class Scheduler:
         self.runner, self.max_tokens, self.check_every = runner, max_num_batched_tokens, check_every
 
     def run(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int, seeds: list[int],
-            max_new: int) -> GenerateResult:
-        """Generate n samples for each of B prompts; row i*n+j of the result is sample j of prompt i."""
+            max_new: int, weight_check: Callable[[], int] | None = None) -> GenerateResult:
+        """Generate n samples for each of B prompts; row i*n+j of the result is sample j of prompt i.
+        `weight_check` (partial rollouts): called before each decode chunk, it may install new weights and returns
+        the policy version in effect; the result's `versions` says which version sampled each token."""
         r = self.runner
         B, P = ids_BP.shape
         if n > r.cache.slots:
@@ -53,11 +60,16 @@ class Scheduler:
         host_steps: dict[int, int] = {}  # slot -> tokens generated (upper bound known to the host)
         prompts_per_prefill = max(1, self.max_tokens // max(P, 1))
         decode_steps = prefills = 0
+        versions = TokenVersions(weight_check, B * n, r.R) if weight_check is not None else None
         while waiting or live:
+            if versions is not None and decode_steps:
+                versions.poll(r, live)
             while waiting and len(free) >= n:
                 slots, rows = admit_next(r, waiting, free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP, seeds,
                                          max_new)
                 prefills += 1
+                if versions is not None:
+                    versions.admit(slots)
                 live.update(zip(slots, rows))
                 host_steps.update((s, 1) for s in slots)
             remaining = max(max_new - host_steps[s] for s in live)
@@ -79,10 +91,14 @@ class Scheduler:
                 tok, logp, lens = r.harvest(finished)
                 rows_t = torch.tensor([live.pop(s) for s in finished], device=r.device)
                 tokens[rows_t], logps[rows_t], lengths[rows_t] = tok, logp, lens
-                for s in finished:
+                for s, row in zip(finished, rows_t.tolist()):
                     heapq.heappush(free, s)
                     del host_steps[s]
-        return GenerateResult(tokens, logps, lengths, decode_steps, prefills)
+                    if versions is not None:
+                        versions.finish(s, row)
+        return GenerateResult(tokens, logps, lengths, decode_steps, prefills,
+                              versions=None if versions is None else versions.out.to(r.device),
+                              weight_swaps=0 if versions is None else versions.swaps)
 
 
 def admit_next(r: ModelRunner, waiting: deque[int], free: list[int], n: int, prompts_per_prefill: int,

@@ -7,9 +7,13 @@ sent, queued behind that request, so the batch of step k+2 uses them. Staleness 
 `trainer.mode=async` (`AsyncDriver`): prompts go out in requests of `trainer.async.chunk_prompts`; at most
 (max_staleness + 1) × train_batch_size prompts are outstanding (submitted and not yet trained), which bounds how old
 a request can be when it is consumed; training takes finished requests in completion order until it has a batch.
-A request found older than `max_staleness` when consumed (possible after a rollback re-sync) is dropped and its
-prompts resubmitted with the newest weights (`trainer.async.partial_rollout=abort`): requests never span two weight
-versions, because weights change only between requests on the rollout worker.
+With `trainer.async.partial_rollout=abort` weights change only between requests on the rollout worker, so a request
+never spans two versions. With `continue` the weights go through `receive_weights_live`, which reaches a generate
+call in progress: its sequences take them at the next decode-chunk boundary and each token records its version
+(`rollout_policy_version`); a row's `policy_version` is its oldest token's. In both, a request whose oldest token is
+older than `max_staleness` when consumed (possible after a rollback re-sync, or a weight send racing a generate
+call on Ray's threads) is dropped whole and its prompts resubmitted with the newest weights: the unit of dropping
+is the request, so a batch stays whole prompt groups.
 
 Both drivers are generators the loop iterates instead of the prompt batches (`Algorithm.batches`); each yielded
 batch is already generated, and `PPOAlgorithm.step` takes it (`take`) instead of generating. Policy version = the
@@ -30,10 +34,14 @@ from hybridflow.checkpoint import DataPosition
 from hybridflow.controller import GroupFuture, WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.metrics import reduce_metrics
+from hybridflow.workers.rollout_worker import continues_partial_rollouts
 
 if TYPE_CHECKING:
     from hybridflow.trainer.ppo import PPOAlgorithm
     from hybridflow.workers.rollout_worker import RolloutGroup
+
+
+_SUMMED = ("rollout/weight_swaps",)  # request metrics added up over a batch (besides timing/*)
 
 
 class RolloutWorkerFailed(WorkerError):
@@ -50,6 +58,7 @@ class Request:
     version: int
     planned_step: int
     source: int  # index of the source (loader) batch the prompts came from
+    baseline: GroupFuture | None = None  # ReMax: the greedy responses of the same prompts
 
 
 @dataclass
@@ -81,6 +90,9 @@ class RolloutDriver:
         self._trained_source = -1
         self.trained_position: DataPosition | None = None  # where a resumed run continues (None: the loader's)
         self._bucket_bytes = int(self.cfg.trainer.weight_sync.bucket_mb * 2**20)
+        self._remax = self.cfg.algorithm.adv_estimator == "remax"
+        self._send = self.rollout.receive_weights_live if continues_partial_rollouts(self.cfg) else \
+            self.rollout.receive_weights
 
     # --------------------------------------------------------------------------------------- weight sync
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -89,7 +101,7 @@ class RolloutDriver:
         t0 = time.perf_counter()
         buckets = self.alg.actor.weight_buckets(self._bucket_bytes)[0]
         try:
-            self._syncs.append(self.rollout.receive_weights(buckets, version))
+            self._syncs.append(self._send(buckets, version))
         except (WorkerError, WorkerTimeoutError) as err:  # the local backend runs it at once
             raise self._failed("receiving weights", version, err) from err
         self.version = version
@@ -116,8 +128,9 @@ class RolloutDriver:
                 raise self._failed("receiving weights", self.version, err) from err
             m = reduce_metrics(per_rank)
             out["timing/wait_train"] = out.get("timing/wait_train", 0.0) + m.pop("timing/wait_train_sync", 0.0)
-            out["weight_sync/rollout_load_s"] = out.get("weight_sync/rollout_load_s", 0.0) + \
-                m.get("weight_sync/rollout_load_s", 0.0)
+            for k in ("weight_sync/rollout_load_s", "weight_sync/rollout_wait_s"):
+                if k in m:
+                    out[k] = out.get(k, 0.0) + m[k]
         return out
 
     # ----------------------------------------------------------------------------------------- requests
@@ -127,18 +140,27 @@ class RolloutDriver:
         seeded = alg._with_seeds(prompts)
         try:
             fut = self.rollout.generate_sequences(seeded)
+            # ReMax: the greedy baseline response per prompt, queued right behind the samples (same weights under
+            # abort; under continue it may see newer ones — still independent of the samples, so still a baseline)
+            baseline = self.rollout.generate_sequences(alg._with_meta(seeded, do_sample=False, n=1)) \
+                if self._remax else None
         except (WorkerError, WorkerTimeoutError) as err:
             raise self._failed("generating", planned_step, err) from err
-        return Request(fut, prompts, self.version, planned_step, source)
+        return Request(fut, prompts, self.version, planned_step, source, baseline)
 
     def _collect(self, req: Request) -> tuple[DataProto, dict[str, float], float]:
         """Wait for `req`; (generated rows, the rollout's metrics, seconds waited)."""
         t0 = time.perf_counter()
         try:
             out = req.future.get()
+            greedy = req.baseline.get() if req.baseline is not None else None
         except (WorkerError, WorkerTimeoutError) as err:
             raise self._failed("generating", req.planned_step, err) from err
         waited = time.perf_counter() - t0
+        if greedy is not None:  # as the sync step does: the greedy response's reward, repeated over the n samples
+            greedy.meta_info.pop("metrics", None)
+            scores, _ = self.alg.reward_fn(greedy)
+            out.batch[keys.BASELINE_REWARDS.name] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
         return out, reduce_metrics(out.meta_info.pop("metrics", [])), waited
 
     def _failed(self, what: str, step: int, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:
@@ -175,10 +197,17 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------------------------------ batches
     def _ready(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
-        versions = batch.batch[keys.POLICY_VERSION.name].to(torch.float64)
+        versions = batch.batch[keys.POLICY_VERSION.name].to(torch.float64)  # per row: its oldest token's
         staleness = (step - 1) - versions
         metrics |= {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max()),
                     "staleness/min_version": float(versions.min())}
+        per_token = batch.batch.get(keys.ROLLOUT_POLICY_VERSION.name)
+        if per_token is not None:
+            mask = batch.batch[keys.RESPONSE_MASK.name].bool()
+            token_staleness = ((step - 1) - per_token.to(torch.float64))[mask]
+            metrics |= {"staleness/token_mean": float(token_staleness.mean()) if mask.any() else 0.0,
+                        "async/mixed_version_rows": float((per_token.max(1).values != per_token.min(1).values)
+                                                          .to(torch.float64).mean())}
         syncs = self._collect_syncs()
         metrics["timing/wait_train"] = metrics.get("timing/wait_train", 0.0) + syncs.pop("timing/wait_train", 0.0)
         metrics |= syncs
@@ -268,8 +297,9 @@ class AsyncDriver(RolloutDriver):
                 waited += w
                 wait_train += gen_metrics.pop("timing/wait_train", 0.0)
                 for k, v in gen_metrics.items():
-                    metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing/") else v
-                if (step - 1) - req.version > self.max_staleness:  # abort and resubmit with the newest weights
+                    metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing/") or k in _SUMMED else v
+                oldest = int(out.batch[keys.POLICY_VERSION.name].min())  # = req.version under abort
+                if (step - 1) - oldest > self.max_staleness:  # drop and resubmit with the newest weights
                     aborted += len(req.prompts)
                     outstanding -= len(req.prompts)
                     pending.appendleft((req.prompts, step, req.source))

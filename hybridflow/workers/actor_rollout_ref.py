@@ -15,6 +15,7 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.engine.lora import merged_state_dict
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.losses import make_actor_loss
@@ -136,12 +137,16 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weight_buckets(self, bucket_bytes: int) -> list[WeightBucket]:
         """The actor's full parameters packed for the rollout workers of the non-sync modes (every rank takes part
-        in the FSDP2 gather; rank 0 returns the buckets, the others an empty list)."""
+        in the FSDP2 gather; rank 0 returns the buckets, the others an empty list). With LoRA: the merged weights
+        W + (alpha/rank)·B·A under the plain model's names (the rollout worker holds no adapters)."""
         named = full_parameters(self.actor.module)
         if self.rank != 0:
             for _ in named:  # the gather is collective: every rank walks the parameters
                 pass
             return []
+        if self.actor.lora_targets is not None:
+            lora = self.cfg.model.lora
+            named = iter(merged_state_dict(dict(named), lora.alpha / lora.rank).items())
         return pack_buckets(named, bucket_bytes)
 
     # ------------------------------------------------------------------------------------------ checkpoint

@@ -6,12 +6,21 @@ The trainer sends new weights after each actor update (`receive_weights`, `worke
 generated row carries the `policy_version` (optimizer steps) of the weights that produced it.
 
 Calls are non-blocking (the driver overlaps them with training) and run in submission order on each rank (Ray runs
-one call at a time per actor, first in first out): weights sent after a generate request are used from the next
-request on, never in the middle of one.
+one call at a time per actor, first in first out): with `receive_weights`, weights sent after a generate request are
+used from the next request on, never in the middle of one (`trainer.async.partial_rollout=abort`).
+
+Partial rollouts (`trainer.async.partial_rollout=continue`): the driver sends weights with `receive_weights_live`,
+which runs in the actor's own `weights` thread group, beside a generate call in progress. It leaves the weights in
+a one-slot inbox; the generate call installs them at its next decode-chunk boundary (every
+`trainer.async.weight_check_steps` decode steps) and its sequences continue under them; every token records the
+version that sampled it (`rollout_policy_version` [b, R]), and the row's `policy_version` is its oldest token's.
+With no generate call running the inbox is applied at once. `receive_weights_live` returns once its weights are
+installed, so a later call never overwrites weights nobody used.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -29,6 +38,13 @@ if TYPE_CHECKING:
     from hybridflow.rollout import RolloutEngine
 
 
+WEIGHTS_GROUP = "weights"  # the Ray thread group of `receive_weights_live` (partial_rollout=continue)
+
+
+def continues_partial_rollouts(cfg: Config) -> bool:
+    return cfg.trainer.mode == "async" and cfg.trainer.async_.partial_rollout == "continue"
+
+
 class RolloutWorker(Worker):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -37,35 +53,57 @@ class RolloutWorker(Worker):
         self.module: nn.Module
         self.rollout: RolloutEngine
         self._idle_since: float | None = None  # end of the previous call (the time since is `timing/wait_train`)
+        self._cv = threading.Condition()  # guards the inbox, `_generating` and the installing of weights
+        self._inbox: tuple[list[WeightBucket], int] | None = None
+        self._generating = False
+        self._checks = 0  # weight checks of the current (or last) generate call
+        self._last_load_s = 0.0
+
+    @classmethod
+    def concurrency_groups(cls, cfg: Config, *args: object, **kwargs: object) -> dict[str, int]:
+        return {WEIGHTS_GROUP: 1} if continues_partial_rollouts(cfg) else {}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine.fsdp import DTYPES
+        from hybridflow.engine.fsdp import DTYPES, resolve_dtype
         from hybridflow.models.loader import load_module, load_tokenizer
         from hybridflow.rollout import build_rollout
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
-        # the actor's master dtype: the rollout engine casts (bf16 on GPU) exactly as the hybrid engine does
-        dtype = DTYPES[cfg.actor.fsdp.param_dtype]
+        # the actor's master dtype: the rollout engine casts (bf16 on GPU) exactly as the hybrid engine does; with
+        # LoRA the dtype of the actor's frozen base (the compute dtype), which the merged weights it sends keep
+        dtype = resolve_dtype(cfg.model.dtype, self.device) if cfg.model.lora.enabled else \
+            DTYPES[cfg.actor.fsdp.param_dtype]
         module = load_module(cfg.model, "lm", dtype=dtype, init_device=self.device)
         self.module = module.to(self.device).eval().requires_grad_(False)
+        check_every = cfg.trainer.async_.weight_check_steps if continues_partial_rollouts(cfg) else None
         self.rollout = build_rollout(
             self.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
+            check_every=check_every,
         )
         self._idle_since = time.perf_counter()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     @keys.checked_stage(keys.GEN)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Generate with the weights of `self.version`; each row records that version."""
+        """Generate with the weights of `self.version` (and, under partial_rollout=continue, any that arrive
+        meanwhile); each token records the version that sampled it, each row its oldest token's."""
         t0 = time.perf_counter()
-        out = self.rollout.generate(_seeds_to_meta(prompts)).to("cpu")
+        with self._cv:
+            self._generating, self._checks = True, 0
+        try:
+            out = self.rollout.generate(_seeds_to_meta(prompts), weight_check=self._take_inbox).to("cpu")
+        finally:
+            with self._cv:
+                self._generating = False
+                self._take_inbox_locked()
         t1 = time.perf_counter()
         out.meta_info.pop("seeds", None)
-        out.batch[keys.POLICY_VERSION.name] = torch.full((len(out),), self.version, dtype=torch.long)
+        per_token = out.batch[keys.ROLLOUT_POLICY_VERSION.name]
+        out.batch[keys.POLICY_VERSION.name] = per_token.min(dim=1).values  # versions never decrease along a row
         engine_metrics = out.meta_info.get("metrics") or {}
         out.meta_info["metrics"] = {**engine_metrics, "timing/generate": t1 - t0,
                                     "timing/wait_train": self._idle(t0)}
@@ -85,6 +123,48 @@ class RolloutWorker(Worker):
         return {"weight_sync/rollout_load_s": t1 - t0, "weight_sync/bytes": float(nbytes),
                 "weight_sync/buckets": float(len(buckets)), "weight_sync/version": float(version),
                 "timing/wait_train_sync": idle}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False, concurrency_group=WEIGHTS_GROUP)
+    def receive_weights_live(self, buckets: list[WeightBucket], version: int) -> dict[str, float]:
+        """partial_rollout=continue: hand the weights to the generate call in progress (installed at its next
+        decode-chunk boundary) or install them now if none runs; returns once they are installed."""
+        t0 = time.perf_counter()
+        with self._cv:
+            idle = self._idle(t0) if not self._generating else 0.0
+            self._inbox = (buckets, int(version))
+            if not self._generating:
+                self._take_inbox_locked()
+            self._cv.wait_for(lambda: self._inbox is None or self._inbox[1] != int(version))
+            load_s = self._last_load_s
+        nbytes = sum(b.nbytes for b in buckets)
+        return {"weight_sync/rollout_load_s": load_s, "weight_sync/bytes": float(nbytes),
+                "weight_sync/buckets": float(len(buckets)), "weight_sync/version": float(version),
+                "weight_sync/rollout_wait_s": time.perf_counter() - t0 - load_s, "timing/wait_train_sync": idle}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, concurrency_group=WEIGHTS_GROUP)
+    def progress(self) -> dict[str, int]:
+        """partial_rollout=continue (answers while a generate call runs): whether one runs, the weight checks it
+        made so far (1 at its start, then one per decode chunk) and the version held."""
+        with self._cv:
+            return {"generating": int(self._generating), "weight_checks": self._checks, "version": self.version}
+
+    def _take_inbox(self) -> int:
+        """The generate call's weight check (between decode chunks): install waiting weights; the version now."""
+        with self._cv:
+            self._checks += 1
+            return self._take_inbox_locked()
+
+    def _take_inbox_locked(self) -> int:
+        if self._inbox is not None:
+            buckets, version = self._inbox
+            t0 = time.perf_counter()
+            load_buckets(self.module, buckets)
+            self.rollout.sync_weights()
+            self.version = version
+            self._last_load_s = time.perf_counter() - t0
+            self._inbox = None
+            self._cv.notify_all()
+        return self.version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights(self) -> dict[str, torch.Tensor]:
@@ -106,5 +186,7 @@ class RolloutGroup(RoleGroup):
     init_model = per_rank(RolloutWorker.init_model)
     generate_sequences = future(RolloutWorker.generate_sequences)
     receive_weights = future(RolloutWorker.receive_weights)
+    receive_weights_live = future(RolloutWorker.receive_weights_live)
+    progress = per_rank(RolloutWorker.progress)
     weights = per_rank(RolloutWorker.weights)
     policy_version = per_rank(RolloutWorker.policy_version)

@@ -207,7 +207,8 @@ def test_resume_continues_with_the_untrained_prompts(tmp_path: Path, mode: str) 
 # ------------------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize(("override", "message"), [
     ("trainer.mode=fast", "trainer.mode='fast': must be one of 'sync', 'one_step_off', 'async'"),
-    ("trainer.async.partial_rollout=continue", "not built yet; use trainer.async.partial_rollout=abort"),
+    ("trainer.async.partial_rollout=resume", "trainer.async.partial_rollout='resume': must be one of 'abort', "
+                                             "'continue'"),
     ("trainer.async.max_staleness=-1", "trainer.async.max_staleness"),
 ])
 def test_config_errors(tmp_path: Path, override: str, message: str) -> None:

@@ -67,3 +67,86 @@ def test_killed_rollout_worker_is_named_and_nothing_hangs(tmp_path: Path) -> Non
     assert "trainer.mode=one_step_off" in str(err) and lost in (3, 4), str(err)
     assert seen == list(range(1, lost)), (seen, lost)  # no step trained on a batch the dead worker did not finish
     assert time.monotonic() - killed[0] < 60, "the failure took too long to surface"
+
+
+def test_partial_rollout_continue_takes_weights_mid_generation_on_ray(tmp_path: Path) -> None:
+    """partial_rollout=continue: the weights go to the rollout actor's own `weights` thread group, so they reach a
+    generate call while it runs (abort mode would queue them behind it); tokens after the swap carry the new
+    version and the new weights' log-probs (here a zeroed lm_head: uniform)."""
+    import torch
+
+    from hybridflow.protocol import DataProto
+    from hybridflow.trainer.roles import build_rollout_group
+    from hybridflow.workers.weight_sync import pack_buckets
+
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 4, "trainer.backend=ray", "trainer.mode=async",
+                          "trainer.async.partial_rollout=continue", "data.train_batch_size=4",
+                          "data.max_response_length=256", "rollout.ignore_eos=true", "trainer.logger=[]",
+                          f"trainer.run_dir={tmp_path}/run")
+    group, pool = build_rollout_group(cfg)
+    try:
+        weights = group.weights()[0]
+        vocab = weights["lm_head.weight"].shape[0]
+        B, P = 8, 6
+        ids = torch.randint(3, vocab, (B, P), generator=torch.Generator().manual_seed(0))
+        prompts = DataProto.from_single_dict({"input_ids": ids, "attention_mask": torch.ones(B, P, dtype=torch.long),
+                                              "position_ids": torch.arange(P).expand(B, P).clone()})
+        gen = group.generate_sequences(prompts)  # 8 x 4 rows x 256 tokens, one weight check per decode step
+        deadline = time.monotonic() + 60
+        while group.progress()[0]["weight_checks"] < 2:  # decoding began (answered while the generate call runs)
+            assert time.monotonic() < deadline and not gen.done(), "generation did not start (or ended at once)"
+            time.sleep(0.002)
+        new = {n: (torch.zeros_like(t) if n == "lm_head.weight" else t) for n, t in weights.items()}
+        sync = group.receive_weights_live(pack_buckets(new.items(), 1 << 30), 1)
+        assert sync.get()[0]["weight_sync/version"] == 1
+        out = gen.get()
+    finally:
+        group.worker_group.shutdown()
+        pool.release()
+        ray.shutdown()
+    versions = out.batch["rollout_policy_version"]
+    first_new = (versions == 1).long().argmax(1)
+    assert bool((versions[:, 0] == 0).all()) and bool((versions[:, -1] == 1).all()), "every row must span the swap"
+    assert len(set(first_new.tolist())) == 1  # all rows decode together: they switch at the same token
+    assert out.meta_info["metrics"]["rollout/weight_swaps"] == 1
+    t = torch.arange(versions.shape[1])[None]
+    assert torch.equal(versions, (t >= first_new[:, None]).long())
+    uniform = -float(torch.log(torch.tensor(float(vocab))))
+    new_logp = out.batch["rollout_log_probs"][versions == 1]
+    torch.testing.assert_close(new_logp, torch.full_like(new_logp, uniform))
+    assert float((out.batch["rollout_log_probs"][versions == 0] - uniform).abs().max()) > 0.5
+
+
+def test_async_continue_trains_on_ray_with_consistent_versions(tmp_path: Path) -> None:
+    """The whole path on Ray: the driver sends weights through the rollout actor's `weights` thread group while it
+    generates; whatever the timing, every trained token's version is within the bound, versions never decrease
+    along a row, and a row's version is its oldest token's."""
+    import torch
+
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 4, "trainer.backend=ray", "trainer.mode=async",
+                          "trainer.async.partial_rollout=continue", "trainer.async.max_staleness=1",
+                          "trainer.async.chunk_prompts=1", "data.train_batch_size=4", "data.max_response_length=32",
+                          "trainer.total_training_steps=4", "trainer.logger=[]", f"trainer.run_dir={tmp_path}/run",
+                          "trainer.resume_mode=disable", "trainer.checkpoint.save_freq=0")
+    trainer = PPOTrainer(cfg)
+    rows: list[dict[str, Any]] = []
+    reward = trainer.algorithm._reward
+
+    def recording(batch: Any, metrics: dict[str, float]) -> Any:
+        rows.append({k: batch.batch[k].clone() for k in ("policy_version", "rollout_policy_version")})
+        return reward(batch, metrics)
+
+    trainer.algorithm._reward = recording
+    try:
+        history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
+    finally:
+        trainer.close()
+        ray.shutdown()
+    assert len(history) == 4 and len(rows) == 4
+    for step, (r, m) in enumerate(zip(rows, history), start=1):
+        per_token, version = r["rollout_policy_version"], r["policy_version"]
+        assert bool((per_token[:, 1:] >= per_token[:, :-1]).all()), f"step {step}: a version went back in a row"
+        assert torch.equal(version, per_token.min(1).values), f"step {step}"
+        assert int((step - 1) - version.min()) <= 1 and m["staleness/max"] <= 1, f"step {step}"
+        mixed = float((per_token.max(1).values != per_token.min(1).values).double().mean())
+        assert m["async/mixed_version_rows"] == mixed, f"step {step}"

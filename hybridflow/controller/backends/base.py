@@ -23,8 +23,10 @@ class Backend(ABC):
 
     @abstractmethod
     def submit(self, handles: Sequence[Any], ranks: Sequence[int], target: str,
-               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]]) -> list[Any]:
-        """Call `target` on each of `ranks` without waiting; one reference per rank."""
+               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]],
+               concurrency_group: str | None = None) -> list[Any]:
+        """Call `target` on each of `ranks` without waiting; one reference per rank. `concurrency_group`: the
+        actor's thread group to run it in (backends without concurrent calls ignore it)."""
 
     @abstractmethod
     def wait(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,

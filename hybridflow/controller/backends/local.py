@@ -47,8 +47,9 @@ class LocalBackend(Backend):
         return [host]
 
     def submit(self, handles: Sequence[Any], ranks: Sequence[int], target: str,
-               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]]) -> list[Any]:
-        out: list[Any] = []
+               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]],
+               concurrency_group: str | None = None) -> list[Any]:
+        out: list[Any] = []  # every call runs now, to completion: a concurrency group changes nothing
         for rank, args, kwargs in zip(ranks, per_rank_args, per_rank_kwargs):
             try:
                 out.append(handles[rank].call(target, *args, **kwargs))

@@ -68,14 +68,16 @@ class RayWorkerHost(WorkerHost):
         register_tensor_serializer()
 
 
-_REMOTE_HOST: Any = None
+_REMOTE_HOSTS: dict[tuple[tuple[str, int], ...], Any] = {}
 
 
-def _remote_host() -> Any:
-    global _REMOTE_HOST
-    if _REMOTE_HOST is None:
-        _REMOTE_HOST = ray.remote(RayWorkerHost)
-    return _REMOTE_HOST
+def _remote_host(concurrency_groups: dict[str, int] | None = None) -> Any:
+    """The Ray actor class; Ray takes `concurrency_groups` only here (not in `.options()`), so one class per set."""
+    key = tuple(sorted((concurrency_groups or {}).items()))
+    if key not in _REMOTE_HOSTS:
+        _REMOTE_HOSTS[key] = ray.remote(concurrency_groups=dict(key))(RayWorkerHost) if key else \
+            ray.remote(RayWorkerHost)
+    return _REMOTE_HOSTS[key]
 
 
 @dataclass
@@ -136,10 +138,12 @@ class RayBackend(Backend):
         share = 1.0 / pool.max_colocate_count
         options: dict[str, Any] = {"num_cpus": share, "num_gpus": share if placement.use_gpu else 0,
                                    "max_concurrency": 1}
+        # named thread groups beside the default one (which keeps one thread: its calls run in order)
+        groups = worker_cls.concurrency_groups(*args, **kwargs)
         runtime_env = _actor_runtime_env()
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
-        host_cls = _remote_host()
+        host_cls = _remote_host(groups)
         slots = placement.slots()
         hosts = [host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle), **options).remote()
                  for pg, bundle in slots]
@@ -164,8 +168,11 @@ class RayBackend(Backend):
 
     # -------------------------------------------------------------------------------------------- calls
     def submit(self, handles: Sequence[Any], ranks: Sequence[int], target: str,
-               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]]) -> list[Any]:
-        return [handles[r].call.remote(target, *a, **k) for r, a, k in zip(ranks, per_rank_args, per_rank_kwargs)]
+               per_rank_args: Sequence[tuple[Any, ...]], per_rank_kwargs: Sequence[dict[str, Any]],
+               concurrency_group: str | None = None) -> list[Any]:
+        return [(handles[r].call if concurrency_group is None else
+                 handles[r].call.options(concurrency_group=concurrency_group)).remote(target, *a, **k)
+                for r, a, k in zip(ranks, per_rank_args, per_rank_kwargs)]
 
     def wait(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,
              timeout_s: float | None) -> list[Any]:
