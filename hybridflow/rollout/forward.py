@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridflow.rollout import sampling
 from hybridflow.rollout.kv_cache import KVCache
@@ -28,6 +29,7 @@ from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
 from hybridflow.utils.compile import GuardedCompile
 
 logger = logging.getLogger(__name__)
+_EXTEND_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDNN: see `extend_batch`
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,8 +224,11 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     Marks the new columns valid in `valid_XT` (all slots' rows); the last real token's logits [S, V].
 
     `lens` and `col0` are host lists, so every index below is built on the host and copied once: no step of the
-    24-layer loop waits for the GPU (boolean-mask indexing would sync twice per layer). The GQA group rides on SDPA's
-    `enable_gqa` (no K/V copies). Eager: every call has a new (S, K, end), which would recompile a compiled graph."""
+    24-layer loop waits for the GPU (boolean-mask indexing would sync twice per layer). As in decode, the G query
+    heads of a kv head ride on SDPA's query axis (q [S, Hkv, G*K, D] against [S, Hkv, end, D]: no K/V copies), and
+    SDPA is held to the memory-efficient / math kernels: cuDNN's builds a plan per new shape (~0.6 ms of host time
+    per layer on an H200) and every call here has a new (S, K, end). Eager for the same reason (a compiled graph
+    would recompile)."""
     S, K = ids_SK.shape
     dev = ids_SK.device
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -238,16 +243,20 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     valid_XT[s_idx, c_idx] = True
     c = torch.arange(end, device=dev)
     mask_SKC = valid_XT[slots_S, :end][:, None, :] & (c[None, None, :] <= cols_SK[:, :, None])
+    hkv, group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+    mask = mask_SKC[:, None, None].expand(S, 1, group, K, end).reshape(S, 1, group * K, end)  # once, all layers
     x = F.embedding(ids_SK, w.embed)
     cos, sin = rope.cos[pos_SK], rope.sin[pos_SK]
-    gqa = spec.num_heads != spec.num_kv_heads
     for layer, lw in enumerate(w.layers):
         q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
         cache.k[layer][s_idx, :, c_idx] = k.flatten(0, 1).index_select(0, flat_t)
         cache.v[layer][s_idx, :, c_idx] = v.flatten(0, 1).index_select(0, flat_t)
         kc = cache.k[layer][slots_S, :, :end]  # [S, Hkv, end, D]
         vc = cache.v[layer][slots_S, :, :end]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask_SKC[:, None], enable_gqa=gqa)
-        x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
+        qg = q.view(S, K, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(S, hkv, group * K, d)
+        with sdpa_kernel(_EXTEND_BACKENDS):
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # [S, Hkv, G*K, D]
+        o = o.view(S, hkv, group, K, d).permute(0, 3, 1, 2, 4).reshape(S, K, hkv * group * d)
+        x = mlp_block(x, o, lw, spec.eps)
     last = x[torch.arange(S, device=dev), last_S]
     return F.linear(rms_norm(last, w.norm, spec.eps), w.lm_head)
