@@ -12,6 +12,13 @@ it only reorders the logsumexp's fp32 sum. The hash runs in uint32, whose wrappi
 int64-and-mask arithmetic of `sampling._mix32`, so the noise is bit-identical; `log` may differ from torch's in the
 last ulp, so a near-tie can resolve differently between this kernel and the torch path (each is deterministic on
 its own). `filtered` (top-k / top-p) needs a sort and stays in torch.
+
+Default variant (`RACE`): `_chunk_race` keeps one running max per program (a scalar, so rescaling costs one exp per
+chunk, not one per entry) and draws by the exponential race, argmax exp(x - m) / E with E = -log(u): the same argmax
+as x - log(-log u) in exact arithmetic with one log per entry instead of two (the Gumbel kernel `_chunk` stays for
+comparison). Rounding differs, so the near-tie caveat above applies to it too. H200 sweep (`benchmarks/sampler.py`,
+256 × 151,936 bf16): 113.6 µs per call at BLOCK_V 1024 × 4 warps; the read alone is 36.7 µs; the Gumbel kernel
+measured ~153 µs.
 """
 from __future__ import annotations
 
