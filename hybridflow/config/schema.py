@@ -386,6 +386,7 @@ class RewardConfig:
     reward_model: RewardModelConfig
     sandbox: SandboxConfig
     num_workers: int  # processes scoring responses (0 = in the driver process)
+    overlap: bool  # score while the log-prob / value stages run on the workers
     timeout_s: float  # per response
     error_score: float  # score for a response whose scorer raised, timed out or returned NaN or a non-number
     success_threshold: float  # correct = the scorer's `acc` when it returns one, else score >= this

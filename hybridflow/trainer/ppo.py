@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -127,23 +128,25 @@ class PPOAlgorithm(Algorithm):
         with timer("gen"):  # 1. generate rollout.n responses per prompt (train→generate→train inside)
             batch = (self._generate(batch, metrics, timer) if self.driver is None  # non-sync: generated ahead
                      else self.driver.take(batch, step, metrics))
-        with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
-            batch = self._reward(batch, metrics)
-        if self.cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling
-            batch = self._keep_informative_groups(batch, metrics, timer)
-        batch = self._balance(batch)
-        if self.res.recompute_old_log_prob:
-            with timer("old_log_prob"):  # 3. log-probs of the sampling policy
-                batch = batch.union(self.actor.compute_log_prob(batch))
-            if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:  # the actor loss applies the weights
-                metrics |= rollout_is_metrics(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
-                                              batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
-        if self.res.use_reference:
-            with timer("ref"):  # 4. reference log-probs (only when KL is used)
-                batch = batch.union(self.actor.compute_ref_log_prob(batch))
-        if self.res.use_critic:
-            with timer("values"):  # 5. critic values
-                batch = batch.union(self.groups.critic.compute_values(batch))
+        if self._overlap_reward():  # 2-5 at once: the host scores while the workers compute log-probs / values
+            batch = self._balance(batch)
+            with ThreadPoolExecutor(1, thread_name_prefix="worker-stages") as pool:
+                stages = pool.submit(self._worker_stages, batch[:], timer, _cuda_device())  # own dicts: we write rewards
+                try:
+                    with timer("reward"):
+                        batch = self._reward(batch, metrics)
+                finally:  # never leave the workers busy behind an error
+                    outs, stage_metrics = stages.result()
+        else:
+            with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
+                batch = self._reward(batch, metrics)
+            if self.cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling
+                batch = self._keep_informative_groups(batch, metrics, timer)
+            batch = self._balance(batch)
+            outs, stage_metrics = self._worker_stages(batch, timer)  # 3-5
+        for out in outs:
+            batch = batch.union(out)
+        metrics |= stage_metrics
         with timer("adv"):  # 6. advantages on the driver (KL-in-reward here)
             metrics |= self._advantages(batch)
         if self.res.use_critic:
@@ -163,6 +166,35 @@ class PPOAlgorithm(Algorithm):
         for key, value in memory_metrics().items():  # the workers' GPU peaks win over the driver's (Ray: no GPU)
             metrics.setdefault(key, value)
         return metrics  # 9. the caller logs, validates and checkpoints
+
+    def _worker_stages(self, batch: DataProto, timer: StageTimer, device: int | None = None
+                       ) -> tuple[list[DataProto], dict[str, float]]:
+        """3. log-probs of the sampling policy, 4. reference log-probs (only when KL is used), 5. critic values:
+        the outputs to union into the batch and their metrics. None of them reads the rewards, so with
+        `reward.overlap` they run on a thread while the driver scores (`device`: the CUDA device to use there)."""
+        if device is not None:
+            torch.cuda.set_device(device)
+        outs, metrics = [], {}
+        if self.res.recompute_old_log_prob:
+            with timer("old_log_prob"):
+                outs.append(self.actor.compute_log_prob(batch))
+            if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:  # the actor loss applies the weights
+                metrics |= rollout_is_metrics(outs[-1].batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                              batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
+        if self.res.use_reference:
+            with timer("ref"):
+                outs.append(self.actor.compute_ref_log_prob(batch))
+        if self.res.use_critic:
+            with timer("values"):
+                outs.append(self.groups.critic.compute_values(batch))
+        return outs, metrics
+
+    def _overlap_reward(self) -> bool:
+        """Score on the host while the workers run stages 3-5: when asked, when there is such a stage, and when the
+        reward needs no worker (a reward model) and no decision waits on it (DAPO's group filter)."""
+        res = self.res
+        return (self.cfg.reward.overlap and (res.recompute_old_log_prob or res.use_reference or res.use_critic)
+                and not res.use_reward_model and not self.cfg.algorithm.filter_groups.enable)
 
     def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
         batch = self._with_seeds(batch)
@@ -286,3 +318,8 @@ class PPOTrainer(Trainer):
     @property
     def actor(self) -> ActorRolloutRefGroup:
         return self.algorithm.actor
+
+
+def _cuda_device() -> int | None:
+    """The driver thread's CUDA device (a new thread starts on device 0), or None without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
