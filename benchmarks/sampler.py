@@ -10,8 +10,8 @@ call. `floor` is `logits.amax(-1)` over the same buffers: one read of the logits
 any sampler has to pay. Each variant's tokens are checked against the torch sampler (`sampling.sample`, same noise):
 `token_mismatch` counts rows that differ (near-ties resolved differently by rounding can make it non-zero, rarely).
 
-Variants: `race` (one running max per program, exponential race: one log per entry) vs the per-lane-max Gumbel
-kernel (two logs and one extra exp per entry); BLOCK (vocab entries per loop iteration), num_warps, programs per row.
+Variants: BLOCK (vocab entries per loop iteration), num_warps, programs per row. (The 2026-12-01 sweep also compared
+the former per-lane-max Gumbel kernel, since removed: docs/benchmarks.md, GPU round 4.)
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ def main() -> None:
     ref = {mode: sample(bufs[0], mode, t, k, tp, seeds, steps)[0] for mode in ("sample", "greedy")}
     torch_us = _graph_time(lambda i: sample(bufs[i], "sample", t, k, tp, seeds, steps), min(args.iters, 4), 5)
     res["torch_sample_us"] = torch_us
-    grid = [(race, block, warps, splits) for race, block, warps, splits in itertools.product(
-        (True, False), (1024, 2048, 4096) if args.sweep else (sk.BLOCK_V,), (4, 8, 16) if args.sweep else (sk.WARPS,),
-        (None, 2 * sk.auto_splits(V)) if args.sweep else (None,))]
-    for race, block, warps, splits in grid:
+    grid = list(itertools.product(
+        (1024, 2048, 4096) if args.sweep else (sk.BLOCK_V,), (4, 8, 16) if args.sweep else (sk.WARPS,),
+        (None, 2 * sk.auto_splits(V)) if args.sweep else (None,)))
+    for block, warps, splits in grid:
         for mode in ("sample", "greedy"):
-            kw = dict(race=race, block=block, warps=warps, num_splits=splits)
+            kw = dict(block=block, warps=warps, num_splits=splits)
             try:
                 us = _graph_time(lambda i: sk.fused_sample(bufs[i], mode, t, k, tp, seeds, steps, **kw),  # noqa: B023
                                  args.iters, args.reps)

@@ -155,6 +155,11 @@ class RolloutEngine:
         return [row_seed(s, j) for s in seeds for j in range(n)]
 
     @torch.no_grad()
+    @property
+    def uses_hf_fallback(self) -> bool:
+        """True when this model generates through HF `generate` (an architecture our engine does not cover)."""
+        return self._fallback is not None
+
     def generate(self, prompts: DataProto, sampling: SamplingParams | None = None,
                  weight_check: Callable[[], int] | None = None) -> DataProto:
         """`weight_check`: called before each decode chunk (every `check_every` steps); it may install new weights

@@ -247,16 +247,16 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     mask = mask_SKC[:, None, None].expand(S, 1, group, K, end).reshape(S, 1, group * K, end)  # once, all layers
     x = F.embedding(ids_SK, w.embed)
     cos, sin = rope.cos[pos_SK], rope.sin[pos_SK]
-    for layer, lw in enumerate(w.layers):
-        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
-        cache.k[layer][s_idx, :, c_idx] = k.flatten(0, 1).index_select(0, flat_t)
-        cache.v[layer][s_idx, :, c_idx] = v.flatten(0, 1).index_select(0, flat_t)
-        kc = cache.k[layer][slots_S, :, :end]  # [S, Hkv, end, D]
-        vc = cache.v[layer][slots_S, :, :end]
-        qg = q.view(S, K, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(S, hkv, group * K, d)
-        with sdpa_kernel(_EXTEND_BACKENDS):
+    with sdpa_kernel(_EXTEND_BACKENDS):
+        for layer, lw in enumerate(w.layers):
+            q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
+            cache.k[layer][s_idx, :, c_idx] = k.flatten(0, 1).index_select(0, flat_t)
+            cache.v[layer][s_idx, :, c_idx] = v.flatten(0, 1).index_select(0, flat_t)
+            kc = cache.k[layer][slots_S, :, :end]  # [S, Hkv, end, D]
+            vc = cache.v[layer][slots_S, :, :end]
+            qg = q.view(S, K, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(S, hkv, group * K, d)
             o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # [S, Hkv, G*K, D]
-        o = o.view(S, hkv, group, K, d).permute(0, 3, 1, 2, 4).reshape(S, K, hkv * group * d)
-        x = mlp_block(x, o, lw, spec.eps)
+            o = o.view(S, hkv, group, K, d).permute(0, 3, 1, 2, 4).reshape(S, K, hkv * group * d)
+            x = mlp_block(x, o, lw, spec.eps)
     last = x[torch.arange(S, device=dev), last_S]
     return F.linear(rms_norm(last, w.norm, spec.eps), w.lm_head)

@@ -3,7 +3,7 @@
 Same contract and noise as `sampling.sample` for the `sample` and `greedy` modes: token = argmax(logits / T + G),
 G = -log(-log(u)), u from the 32-bit counter hash of (seed, step, token id); log-prob = logits[tok] / T -
 logsumexp(logits / T). `_partial_kernel` runs (row, split) programs, each walking ~SPLIT_V vocab entries in BLOCK_V
-chunks with the running max of the noisy scores and its index and an online logsumexp per lane; `_combine_kernel`
+chunks with the best score and its index per lane and an online logsumexp; `_combine_kernel`
 merges a row's splits. So the [rows, vocab] noise and fp32 copies never exist (the eager torch version runs ~15
 kernels over 256 × 151,936 int64/fp32 elements per step; Inductor failed to compile it on torch 2.11), and the
 vocab is spread over ~19 programs per row (one program per row read HBM at ~0.5 TB/s). The argmax is exact and
@@ -13,12 +13,11 @@ int64-and-mask arithmetic of `sampling._mix32`, so the noise is bit-identical; `
 last ulp, so a near-tie can resolve differently between this kernel and the torch path (each is deterministic on
 its own). `filtered` (top-k / top-p) needs a sort and stays in torch.
 
-Default variant (`RACE`): `_chunk_race` keeps one running max per program (a scalar, so rescaling costs one exp per
-chunk, not one per entry) and draws by the exponential race, argmax exp(x - m) / E with E = -log(u): the same argmax
-as x - log(-log u) in exact arithmetic with one log per entry instead of two (the Gumbel kernel `_chunk` stays for
-comparison). Rounding differs, so the near-tie caveat above applies to it too. H200 sweep (`benchmarks/sampler.py`,
-256 × 151,936 bf16): 113.6 µs per call at BLOCK_V 1024 × 4 warps; the read alone is 36.7 µs; the Gumbel kernel
-measured ~153 µs.
+The draw is the exponential race (`_chunk`): argmax exp(x - m) / E with E = -log(u), the same argmax as
+x - log(-log u) in exact arithmetic with one log per entry instead of two, and one running max per program (one exp
+per chunk to rescale, not one per entry); rounding differs from the torch path, so the near-tie caveat above
+applies. H200 sweep (`benchmarks/sampler.py`, 256 × 151,936 bf16): 113.6 µs per call at BLOCK_V 1024 × 4 warps; the
+read alone is 36.7 µs; the former Gumbel kernel (per-lane max, two logs) measured ~153 µs.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton, triton_
 
 BLOCK_V = 1024  # vocab entries per loop iteration of a program (H200 sweep: 1024 × 4 warps fastest)
 SPLIT_V = 8192  # vocab entries per program: ~19 programs per row at V = 151,936
-RACE = True  # `_chunk_race` (one max per program, one log per entry) rather than `_chunk` (per-lane max, two logs)
 WARPS = 4
 
 
@@ -42,30 +40,11 @@ def _mix32(x):
 
 @jit
 def _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL: tl.constexpr):
-    """Fold vocab entries [start, start + BLOCK) into the running argmax and logsumexp state (per lane)."""
-    idx = start + offs
-    mask = idx < V
-    x = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) / temp
-    m_new = tl.maximum(m, x)
-    alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-    s = s * alpha + tl.where(mask & (x > float("-inf")), tl.exp(x - m_new), 0.0)
-    if GUMBEL:
-        e = _mix32(h + idx.to(tl.uint32) * 0x85EBCA6B)
-        u = ((e >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        y = x - tl.log(-tl.log(u))
-    else:
-        y = x
-    y = tl.where(mask, y, float("-inf"))
-    better = y > best  # strict: the earliest chunk wins ties, as torch.argmax's first index
-    return tl.where(better, y, best), tl.where(better, idx, best_idx), m_new, s
-
-
-@jit
-def _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL: tl.constexpr):
-    """`_chunk` with one running max per program (a scalar: one exp per chunk to rescale, not one per entry) and,
-    when sampling, the exponential race instead of Gumbel's two logs: token = argmax exp(x - m) / E with
-    E = -log(u) ~ Exp(1) — the same argmax as x - log(-log u) (log is monotone), one log per entry, and exp(x - m)
-    is the logsumexp's own term. `best` then holds exp(x - m) / E relative to the current `m` (rescaled with it)."""
+    """Fold vocab entries [start, start + BLOCK) into the program's state: one running max `m` (a scalar: one exp
+    per chunk to rescale, not one per entry), the per-lane logsumexp terms `s`, and per lane the best score and its
+    token id. Sampling draws by the exponential race: token = argmax exp(x - m) / E with E = -log(u) ~ Exp(1), the
+    same argmax as Gumbel's x - log(-log u) (log is monotone) with one log per entry, and exp(x - m) is the
+    logsumexp's own term; `best` then holds exp(x - m) / E relative to the current `m` (rescaled with it)."""
     idx = start + offs
     mask = idx < V
     x = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) / temp
@@ -86,7 +65,7 @@ def _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL: 
 
 @jit
 def _partial_kernel(Logits, stride_row, V, chunk, Temp, Seeds, Steps, Best, BestIdx, M, S, GUMBEL: tl.constexpr,
-                    BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr, RACE: tl.constexpr):
+                    BLOCK: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """Program (row, split) over vocab [split * chunk, (split + 1) * chunk): its winner and logsumexp partial."""
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -105,41 +84,23 @@ def _partial_kernel(Logits, stride_row, V, chunk, Temp, Seeds, Steps, Best, Best
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
     s = tl.zeros([BLOCK], dtype=tl.float32)
     out = row * tl.num_programs(1) + split
-    if RACE:
-        best = tl.full([BLOCK], -1.0 if GUMBEL else float("-inf"), dtype=tl.float32)
-        m_s = tl.full([], float("-inf"), dtype=tl.float32)  # one running max for the program
-        if WHILE_LOOP:
-            start = lo
-            while start < hi:
-                best, best_idx, m_s, s = _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m_s, s, GUMBEL)
-                start += BLOCK
-        else:
-            for start in range(lo, hi, BLOCK):
-                best, best_idx, m_s, s = _chunk_race(row_ptr, start, V, temp, h, offs, best, best_idx, m_s, s, GUMBEL)
-        top = tl.max(best, 0)
-        tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
-        if GUMBEL:  # back to the log domain, comparable across splits: log(exp(x - m) / E) + m = x - log E
-            top = tl.where(top > 0.0, tl.log(top) + m_s, float("-inf"))
-        tl.store(Best + out, top)
-        tl.store(M + out, m_s)
-        tl.store(S + out, tl.sum(s, 0))
+    best = tl.full([BLOCK], -1.0 if GUMBEL else float("-inf"), dtype=tl.float32)
+    m_s = tl.full([], float("-inf"), dtype=tl.float32)  # one running max for the program
+    if WHILE_LOOP:  # the 3.6 interpreter cannot `range` over a runtime scalar with NumPy >= 2.4
+        start = lo
+        while start < hi:
+            best, best_idx, m_s, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m_s, s, GUMBEL)
+            start += BLOCK
     else:
-        best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: best noisy score and its token id
-        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # per lane: online logsumexp state
-        if WHILE_LOOP:  # the 3.6 interpreter cannot `range` over a runtime scalar with NumPy >= 2.4
-            start = lo
-            while start < hi:
-                best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
-                start += BLOCK
-        else:
-            for start in range(lo, hi, BLOCK):
-                best, best_idx, m, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m, s, GUMBEL)
-        top = tl.max(best, 0)
-        tl.store(Best + out, top)
-        tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
-        m_part = tl.max(m, 0)
-        tl.store(M + out, m_part)
-        tl.store(S + out, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_part), 0.0), 0))  # 0, not NaN, if empty
+        for start in range(lo, hi, BLOCK):
+            best, best_idx, m_s, s = _chunk(row_ptr, start, V, temp, h, offs, best, best_idx, m_s, s, GUMBEL)
+    top = tl.max(best, 0)
+    tl.store(BestIdx + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))  # first index among maxima
+    if GUMBEL:  # back to the log domain, comparable across splits: log(exp(x - m) / E) + m = x - log E
+        top = tl.where(top > 0.0, tl.log(top) + m_s, float("-inf"))
+    tl.store(Best + out, top)
+    tl.store(M + out, m_s)
+    tl.store(S + out, tl.sum(s, 0))
 
 
 @jit
@@ -170,8 +131,7 @@ def auto_splits(V: int) -> int:
 
 def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor, *,
-                 num_splits: int | None = None, race: bool | None = None, block: int | None = None,
-                 warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_splits: int | None = None, block: int | None = None, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampling.sample` with `greedy` and `sample` in two kernels; `filtered` goes to the torch version.
     `num_splits` (programs per row) defaults to `auto_splits(V)`; splits beyond the vocab stay empty."""
     if mode == "filtered" or not triton_available(logits_NV.device):
@@ -191,8 +151,7 @@ def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, 
     if N:
         _partial_kernel[(N, splits)](logits, logits.stride(0), V, chunk, temperature, seeds_N, steps_N, part[0],
                                      part_idx, part[1], part[2], GUMBEL=mode == "sample", BLOCK=block,
-                                     WHILE_LOOP=INTERPRETED, RACE=RACE if race is None else race,
-                                     num_warps=WARPS if warps is None else warps)
+                                     WHILE_LOOP=INTERPRETED, num_warps=WARPS if warps is None else warps)
         _combine_kernel[(N,)](logits, logits.stride(0), temperature, part[0], part_idx, part[1], part[2], tok,
                               logp, SPLITS=splits, BLOCK_S=max(32, triton.next_power_of_2(splits)), num_warps=1)
     return tok, logp

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+STACK_BYTES = 256 * 2**20  # the largest temporary stack of adapted weights the LoRA merge makes
 
 
 @dataclass
@@ -210,22 +212,26 @@ class WeightView:
         """W += scale·B·A for every pending LoRA delta, batched: deltas of one shape (the same projection in every
         layer) go through one `baddbmm_` over their stacked copies — ~5 kernels per projection instead of ~3 per
         matrix (a 0.5B model with all-linear rank-64 adapters has 168 of them). One rounding per element, as
-        `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue."""
+        `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue. A stack holds at most STACK_BYTES of
+        weights (a 7B model's 56 gate/up matrices would be a 7.6 GB temporary), so the merge needs little memory."""
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for buf, layer in self._deltas:
             b, a, scale = _lora_factors(layer)
             b, a = _source(b, self.dtype)[0], _source(a, self.dtype)[0]
             groups.setdefault((tuple(buf.shape), tuple(b.shape), tuple(a.shape), scale), []).append((buf, b, a))
         self._deltas = []
-        for (*_, scale), items in groups.items():
-            bufs = [buf for buf, _, _ in items]
-            if len(items) == 1:
-                bufs[0].addmm_(items[0][1].to(self.dtype), items[0][2].to(self.dtype), alpha=scale)
-                continue
-            w = torch.stack(bufs)
-            w.baddbmm_(torch.stack([b for _, b, _ in items]).to(self.dtype),
-                       torch.stack([a for _, _, a in items]).to(self.dtype), alpha=scale)
-            torch._foreach_copy_(bufs, list(w.unbind(0)))
+        for (shape, *_, scale), items in groups.items():
+            per_stack = max(1, STACK_BYTES // (math.prod(shape) * self.dtype.itemsize))  # bounded temporary memory
+            for i in range(0, len(items), per_stack):
+                chunk = items[i: i + per_stack]
+                bufs = [buf for buf, _, _ in chunk]
+                if len(chunk) == 1:
+                    bufs[0].addmm_(chunk[0][1].to(self.dtype), chunk[0][2].to(self.dtype), alpha=scale)
+                    continue
+                w = torch.stack(bufs)
+                w.baddbmm_(torch.stack([b for _, b, _ in chunk]).to(self.dtype),
+                           torch.stack([a for _, _, a in chunk]).to(self.dtype), alpha=scale)
+                torch._foreach_copy_(bufs, list(w.unbind(0)))
 
     def _buffer(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
         buf = self._buffers.get(key)

@@ -205,9 +205,11 @@ class RolloutDriver:
         if per_token is not None:
             mask = batch.batch[keys.RESPONSE_MASK.name].bool()
             token_staleness = ((step - 1) - per_token.to(torch.float64))[mask]
+            big = torch.iinfo(per_token.dtype).max
+            newest = per_token.masked_fill(~mask, -big).max(1).values  # over the row's own tokens, not its padding
+            oldest = per_token.masked_fill(~mask, big).min(1).values
             metrics |= {"staleness/token_mean": float(token_staleness.mean()) if mask.any() else 0.0,
-                        "async/mixed_version_rows": float((per_token.max(1).values != per_token.min(1).values)
-                                                          .to(torch.float64).mean())}
+                        "async/mixed_version_rows": float(((newest != oldest) & mask.any(1)).to(torch.float64).mean())}
         syncs = self._collect_syncs()
         metrics["timing/wait_train"] = metrics.get("timing/wait_train", 0.0) + syncs.pop("timing/wait_train", 0.0)
         metrics |= syncs

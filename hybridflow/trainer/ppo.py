@@ -129,24 +129,16 @@ class PPOAlgorithm(Algorithm):
             batch = (self._generate(batch, metrics, timer) if self.driver is None  # non-sync: generated ahead
                      else self.driver.take(batch, step, metrics))
         if self._overlap_reward():  # 2-5 at once: the host scores while the workers compute log-probs / values
-            batch = self._balance(batch)
-            with ThreadPoolExecutor(1, thread_name_prefix="worker-stages") as pool:
-                stages = pool.submit(self._worker_stages, batch[:], timer, _cuda_device())  # own dicts: we write rewards
-                try:
-                    with timer("reward"):
-                        batch = self._reward(batch, metrics)
-                finally:  # never leave the workers busy behind an error
-                    outs, stage_metrics = stages.result()
+            batch, outs = self._reward_beside_worker_stages(self._balance(batch), metrics, timer)
         else:
             with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
                 batch = self._reward(batch, metrics)
             if self.cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling
                 batch = self._keep_informative_groups(batch, metrics, timer)
             batch = self._balance(batch)
-            outs, stage_metrics = self._worker_stages(batch, timer)  # 3-5
+            outs = self._worker_stages(batch, timer, metrics)  # 3-5
         for out in outs:
             batch = batch.union(out)
-        metrics |= stage_metrics
         with timer("adv"):  # 6. advantages on the driver (KL-in-reward here)
             metrics |= self._advantages(batch)
         if self.res.use_critic:
@@ -167,14 +159,29 @@ class PPOAlgorithm(Algorithm):
             metrics.setdefault(key, value)
         return metrics  # 9. the caller logs, validates and checkpoints
 
-    def _worker_stages(self, batch: DataProto, timer: StageTimer, device: int | None = None
-                       ) -> tuple[list[DataProto], dict[str, float]]:
+    def _reward_beside_worker_stages(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer
+                                     ) -> tuple[DataProto, list[DataProto]]:
+        """Stage 2 on this thread while stages 3-5 run on another (they never read rewards; they get `batch[:]`,
+        their own dicts, as this thread writes the scores into `batch`). An error in either waits for both."""
+        stage_metrics: dict[str, float] = {}
+        with ThreadPoolExecutor(1, thread_name_prefix="worker-stages") as pool:
+            stages = pool.submit(self._worker_stages, batch[:], timer, stage_metrics, _cuda_device())
+            try:
+                with timer("reward", sync=False):  # the GPU work in flight is the other thread's
+                    batch = self._reward(batch, metrics)
+            finally:  # never leave the workers busy behind an error
+                outs = stages.result()
+        metrics |= stage_metrics
+        return batch, outs
+
+    def _worker_stages(self, batch: DataProto, timer: StageTimer, metrics: dict[str, float],
+                       device: int | None = None) -> list[DataProto]:
         """3. log-probs of the sampling policy, 4. reference log-probs (only when KL is used), 5. critic values:
-        the outputs to union into the batch and their metrics. None of them reads the rewards, so with
-        `reward.overlap` they run on a thread while the driver scores (`device`: the CUDA device to use there)."""
+        the outputs to union into the batch (their metrics go to `metrics`). None of them reads the rewards, so
+        with `reward.overlap` they run on a thread while the driver scores (`device`: the CUDA device there)."""
         if device is not None:
             torch.cuda.set_device(device)
-        outs, metrics = [], {}
+        outs = []
         if self.res.recompute_old_log_prob:
             with timer("old_log_prob"):
                 outs.append(self.actor.compute_log_prob(batch))
@@ -187,7 +194,7 @@ class PPOAlgorithm(Algorithm):
         if self.res.use_critic:
             with timer("values"):
                 outs.append(self.groups.critic.compute_values(batch))
-        return outs, metrics
+        return outs
 
     def _overlap_reward(self) -> bool:
         """Score on the host while the workers run stages 3-5: when asked, when there is such a stage, and when the

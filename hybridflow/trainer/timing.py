@@ -17,12 +17,14 @@ class StageTimer:
         self.times: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
+    def __call__(self, name: str, sync: bool = True) -> Iterator[None]:
+        """`sync=False`: host work that runs while another thread's GPU stages are in flight (their kernels are not
+        this stage's)."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self._sync:
+            if self._sync and sync:
                 torch.cuda.synchronize()
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 

@@ -20,6 +20,7 @@ installed, so a later call never overwrites weights nobody used.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hybridflow.rollout import RolloutEngine
+
+logger = logging.getLogger(__name__)
 
 
 WEIGHTS_GROUP = "weights"  # the Ray thread group of `receive_weights_live` (partial_rollout=continue)
@@ -58,6 +61,7 @@ class RolloutWorker(Worker):
         self._generating = False
         self._checks = 0  # weight checks of the current (or last) generate call
         self._last_load_s = 0.0
+        self._install_error: BaseException | None = None  # a failed install, for the waiting sender
 
     @classmethod
     def concurrency_groups(cls, cfg: Config, *args: object, **kwargs: object) -> dict[str, int]:
@@ -84,6 +88,10 @@ class RolloutWorker(Worker):
             max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
             check_every=check_every,
         )
+        if check_every is not None and self.rollout.uses_hf_fallback:
+            logger.warning("trainer.async.partial_rollout=continue: this model runs on the HF generate fallback, "
+                           "which takes new weights only when a call starts, so in-flight sequences finish under "
+                           "their old weights (as partial_rollout=abort would keep them)")
         self._idle_since = time.perf_counter()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
@@ -131,10 +139,14 @@ class RolloutWorker(Worker):
         t0 = time.perf_counter()
         with self._cv:
             idle = self._idle(t0) if not self._generating else 0.0
-            self._inbox = (buckets, int(version))
+            self._inbox, self._install_error = (buckets, int(version)), None
             if not self._generating:
                 self._take_inbox_locked()
+                self._idle_since = time.perf_counter()  # counted once here, not again by the next generate
             self._cv.wait_for(lambda: self._inbox is None or self._inbox[1] != int(version))
+            if self._install_error is not None:
+                raise RuntimeError(f"rollout worker: installing the weights of policy version {version} failed "
+                                   f"inside a generate call: {self._install_error!r}") from self._install_error
             load_s = self._last_load_s
         nbytes = sum(b.nbytes for b in buckets)
         return {"weight_sync/rollout_load_s": load_s, "weight_sync/bytes": float(nbytes),
@@ -155,15 +167,23 @@ class RolloutWorker(Worker):
             return self._take_inbox_locked()
 
     def _take_inbox_locked(self) -> int:
+        """Install the waiting weights, if any. The inbox is emptied first and the sender always woken: a failed
+        install (a bucket that does not match the model, out of memory) raises here, in whichever call installs,
+        and is handed to the waiting `receive_weights_live`, which re-raises it — nobody waits forever on it and
+        the next generate does not trip over the same bad weights again."""
         if self._inbox is not None:
-            buckets, version = self._inbox
+            (buckets, version), self._inbox = self._inbox, None
             t0 = time.perf_counter()
-            load_buckets(self.module, buckets)
-            self.rollout.sync_weights()
-            self.version = version
-            self._last_load_s = time.perf_counter() - t0
-            self._inbox = None
-            self._cv.notify_all()
+            try:
+                load_buckets(self.module, buckets)
+                self.rollout.sync_weights()
+                self.version = version
+                self._last_load_s = time.perf_counter() - t0
+            except BaseException as err:
+                self._install_error = err
+                raise
+            finally:
+                self._cv.notify_all()
         return self.version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

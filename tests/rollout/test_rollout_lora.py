@@ -88,3 +88,17 @@ def test_rollout_equals_hf_of_the_merged_model(lora_engine):
     merged2 = _peft_merged(cfg, engine)
     torch.testing.assert_close(rollout._weights.layers[0].q, merged2.model.layers[0].self_attn.q_proj.weight,
                                atol=1e-6, rtol=0)
+
+
+def test_merge_in_bounded_stacks_equals_one_stack_per_shape(lora_engine, monkeypatch):
+    """The batched LoRA merge stacks at most `weights.STACK_BYTES` of weights at a time; any chunking gives the
+    weights of the unchunked merge (each matrix: W + s·B·A, one rounding)."""
+    from hybridflow.rollout import weights as weights_mod
+
+    cfg, engine = lora_engine
+    whole = weights_mod.WeightView(engine.module, torch.float32, torch.device("cpu")).build()
+    monkeypatch.setattr(weights_mod, "STACK_BYTES", 1)  # every stack one matrix: the per-matrix addmm_ path
+    chunked = weights_mod.WeightView(engine.module, torch.float32, torch.device("cpu")).build()
+    for a, b in zip(whole.tensors(), chunked.tensors()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert any(x.data_ptr() != y.data_ptr() for x, y in zip(whole.tensors(), chunked.tensors()))  # real copies

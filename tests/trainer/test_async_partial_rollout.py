@@ -93,6 +93,49 @@ def test_weights_sent_mid_generation_apply_at_the_next_chunk(tmp_path: Path) -> 
         pool.release()
 
 
+def test_a_failed_install_mid_generation_wakes_and_fails_the_sender(tmp_path: Path) -> None:
+    """Weights that do not fit the model, sent while a generate call runs: the generate call raises, the waiting
+    `receive_weights_live` raises too (naming the version) instead of waiting forever, and the next generate runs."""
+    cfg = _cfg(tmp_path, CONTINUE, "data.max_response_length=12")
+    group, pool = build_rollout_group(cfg)
+    try:
+        worker = group.worker_group._handles[0].worker  # noqa: SLF001 - the in-process worker (local backend)
+        vocab = worker.module.config.vocab_size
+        bad = pack_buckets([("lm_head.weight", torch.zeros(3, 3))], 1 << 30)  # the wrong shape
+        checks = [0]
+        real = worker._take_inbox
+
+        def check() -> int:
+            checks[0] += 1
+            if checks[0] == 3:
+                _wait(lambda: worker._inbox is not None, "the weights to arrive")
+            return real()
+
+        worker._take_inbox = check
+        errors: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                worker.generate_sequences(_prompts(vocab))
+            except Exception as err:  # noqa: BLE001 - the test inspects it
+                errors.append(err)
+
+        gen = threading.Thread(target=generate)
+        gen.start()
+        _wait(lambda: checks[0] >= 2, "generation to start")
+        with pytest.raises(RuntimeError, match="policy version 1 failed"):
+            worker.receive_weights_live(bad, 1)
+        gen.join(60)
+        assert not gen.is_alive() and len(errors) == 1, errors
+        assert worker._inbox is None and worker.version == 0
+        worker._take_inbox = real
+        out = worker.generate_sequences(_prompts(vocab))  # the bad weights are not tried again
+        assert int(out.batch["policy_version"].max()) == 0
+    finally:
+        group.worker_group.shutdown()
+        pool.release()
+
+
 def _fit(cfg, rows: list[dict[str, Any]]) -> list[dict[str, float]]:
     trainer = PPOTrainer(cfg)
     reward = trainer.algorithm._reward
