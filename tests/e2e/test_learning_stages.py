@@ -1,7 +1,8 @@
 """Learning, tested by stage so a failure names the stage (issue 19).
 
-1. SFT: the quickstart's warm start leaves its initial loss (bound set from measured runs), and its gate
-   (`sft.target_val_loss`) warns exactly when it is missed.
+1. SFT: the quickstart's warm-start recipe (its data, label noise, optimizer, lr, warm-up, weight decay) on a 400-step
+   cosine schedule instead of the quickstart's 1500 steps leaves the start's plateau (bound set from 5 seeds x 2
+   numerics at 400 steps), and its gate (`sft.target_val_loss`) warns exactly when it is missed.
 2. RL from the committed SFT checkpoint `tests/assets/sft_arithmetic` (regenerate: tests/assets/make_sft_checkpoint.py):
    GRPO and PPO with a critic raise greedy validation accuracy on held-out problems by a margin set below the minimum
    over 5 seeds × 2 CPU numerics settings (docs/benchmarks.md, "Learning tests by stage"); so does GRPO training
@@ -33,10 +34,14 @@ AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE
 # max), PPO with a critic 79.7 / 80.9 / 81.6 — both 17.6% → 98-99%.
 GRPO_MIN_GAIN = 0.70
 PPO_MIN_GAIN = 0.65
-# The SFT stage, default seed, 1500 steps: the loss must have left the start (~0.6 at step 187) and reached at least the
-# plateau's lower edge. Over 5 quickstart runs (seeds x numerics) the final val/loss was 0.146-0.248; the quickstart's
-# own gate (sft.target_val_loss=0.22) is stricter and warned in 1 of them (docs/benchmarks.md).
-SFT_MAX_VAL_LOSS = 0.30
+# The SFT stage: the quickstart's SFT recipe on a SFT_STEPS cosine schedule (the quickstart itself runs 1500 steps, 4 min
+# of `make test`). The val/loss falls from ~4.6 to a plateau near 0.6 by step 50 (the answer format, not yet the digits)
+# and leaves it by step 250-300. Over 5 seeds x 2 numerics at 400 steps the final val/loss was 0.210 / 0.307 / 0.391
+# (min / median / max; docs/benchmarks.md, "SFT stage test at 400 steps"): the bound is above the worst run and well
+# below the plateau, so a recipe that stops learning, or learns only the format, fails. The extra schedule after a
+# missed gate (sft.extra_schedules, 500 more steps) is off here; tests/trainer/test_sft.py covers it.
+SFT_STEPS = 400
+SFT_MAX_VAL_LOSS = 0.45
 # trainer.mode=one_step_off (issue 27), same task and checkpoint, 5 seeds x 2 numerics: see docs/benchmarks.md,
 # "Asynchronous modes: learning" (min / median / max gain and the sync comparison).
 ONE_STEP_OFF_MIN_GAIN = 0.70
@@ -75,7 +80,7 @@ def test_stage1_sft_reaches_its_target(tmp_path: Path) -> None:
     from hybridflow.tracking import Tracker
     from hybridflow.trainer.sft import run_sft
 
-    cfg = _cfg(tmp_path, "trainer.test_freq=50")
+    cfg = _cfg(tmp_path, f"sft.total_steps={SFT_STEPS}", "sft.extra_schedules=0", "trainer.test_freq=50")
     with Tracker.from_config(cfg) as tracker:
         run_sft(cfg, out_dir=tmp_path / "hf", tracker=tracker)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
