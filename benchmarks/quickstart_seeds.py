@@ -8,6 +8,10 @@ default). `avx2` emulates an AVX2-only CPU on this one (`ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2`): other kernels, other float rounding, the way another machine would run.
 Per run: SFT steps and final val/loss, validation accuracy before RL and after each validation, the gain, times.
 Output: `<out>/runs.jsonl` (one line per run, appended as runs finish) and a min / median / max table.
+
+`--sft-only`: the SFT warm start alone, run as tests/e2e/test_learning_stages.py's stage-1 test runs it (`run_sft`
+with the run's overrides, e.g. `sft.total_steps=400 sft.extra_schedules=0 trainer.test_freq=50`); the table is the
+final val/loss — the numbers behind that test's bound.
 """
 
 from __future__ import annotations
@@ -44,6 +48,27 @@ def parse_seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+def sft_only_run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """The quickstart's SFT warm start alone, as the stage-1 test runs it; returns its val/loss trajectory."""
+    import torch
+
+    from hybridflow.commands.quickstart import QUICKSTART_YAML
+    from hybridflow.config import load_config
+    from hybridflow.tracking import Tracker
+    from hybridflow.trainer.sft import run_sft
+
+    torch.set_num_threads(1)
+    cfg = load_config([QUICKSTART_YAML], [f"trainer.run_dir={run_dir}", f"trainer.default_local_dir={run_dir}/ckpt",
+                                          "trainer.logger=[jsonl]", *overrides])
+    start = time.perf_counter()
+    with Tracker.from_config(cfg) as tracker:
+        run_sft(cfg, out_dir=run_dir / "hf", tracker=tracker)
+    sft = [m for m in _read_jsonl(run_dir / "metrics.jsonl") if "val/loss" in m]
+    return {"sft_steps": int(sft[-1]["training/global_step"]), "sft_val_loss": sft[-1]["val/loss"],
+            "sft_val_losses": [(int(m["training/global_step"]), round(m["val/loss"], 4)) for m in sft],
+            "sft_seconds": time.perf_counter() - start}
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -72,13 +97,13 @@ def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None,
 
 
 def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str],
-           sft_from: Path | None = None, model: Path | None = None) -> dict[str, Any]:
+           sft_from: Path | None = None, model: Path | None = None, sft_only: bool = False) -> dict[str, Any]:
     run_dir = work / f"{numerics}_s{seed}"
     env = {**os.environ, **NUMERICS[numerics], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--child", str(run_dir),
            *seed_overrides(seed, fixed_model=model is not None), *overrides,
            *([] if sft_from is None else ["--sft-from", str(sft_from / run_dir.name)]),
-           *([] if model is None else ["--model", str(model)])]
+           *([] if model is None else ["--model", str(model)]), *(["--sft-only"] if sft_only else [])]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     row: dict[str, Any] = {"seed": seed, "numerics": numerics, "overrides": overrides,
@@ -89,7 +114,8 @@ def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str]
         row["error"] = proc.stderr[-3000:]
     with (out / "runs.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
-    status = f"gain {100 * row['gain']:+.1f}" if "gain" in row else f"FAILED rc={proc.returncode}"
+    status = (f"gain {100 * row['gain']:+.1f}" if "gain" in row else f"SFT val/loss {row['sft_val_loss']:.4f}"
+              if "sft_val_loss" in row else f"FAILED rc={proc.returncode}")
     print(f"{numerics} seed {seed}: {status} ({row['wall_seconds']:.0f}s)", flush=True)
     return row
 
@@ -116,6 +142,21 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def summarize_sft(rows: list[dict[str, Any]]) -> str:
+    """min / median / max of the SFT-only runs' final val/loss and time, per numerics and over all runs."""
+    lines = ["| numerics | runs | failed | SFT steps | final val/loss min / median / max | SFT s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for g in sorted({r["numerics"] for r in rows}) + ["all"]:
+        rs = [r for r in rows if g in ("all", r["numerics"])]
+        ok = [r for r in rs if "sft_val_loss" in r]
+        loss, secs = [r["sft_val_loss"] for r in ok], [r["sft_seconds"] for r in ok]
+        steps = sorted({r["sft_steps"] for r in ok})
+        lines.append(f"| {g} | {len(rs)} | {len(rs) - len(ok)} | {'/'.join(map(str, steps)) or '–'} | "
+                     + (f"{min(loss):.4f} / {statistics.median(loss):.4f} / {max(loss):.4f} | "
+                        f"{min(secs):.0f}–{max(secs):.0f} |" if ok else "– | – |"))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0-7")
@@ -127,7 +168,11 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the runs write (default: --out)")
     parser.add_argument("--sft-from", default=None, help="a sweep's work folder: start GRPO from its SFT models")
     parser.add_argument("--model", default=None, help="an HF directory every run's RL phase starts from (no SFT)")
+    parser.add_argument("--sft-only", action="store_true", help="the SFT warm start alone (the stage-1 test's run)")
     args = parser.parse_intermixed_args()
+    if args.child and args.sft_only:
+        print(json.dumps(sft_only_run(Path(args.child), args.overrides)))
+        return
     if args.child:
         print(json.dumps(one_run(Path(args.child), args.overrides, args.sft_from and Path(args.sft_from),
                                  args.model and Path(args.model).resolve())))
@@ -143,8 +188,9 @@ def main() -> None:
         work = Path(args.work) / out.name if args.work else out  # one folder per sweep: sweeps may run side by side
         sft_from = Path(args.sft_from) if args.sft_from else None
         model = Path(args.model).resolve() if args.model else None
-        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides, sft_from, model), jobs))
-    table = summarize(rows)
+        rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides, sft_from, model,
+                                              args.sft_only), jobs))
+    table = summarize_sft(rows) if args.sft_only else summarize(rows)
     (out / "summary.md").write_text(table + "\n")
     print(table)
 

@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts, not an inst
 from benchmarks.tool_task_seeds import CHECKPOINT, EXAMPLE, PPO_OVERRIDES, rl_from_checkpoint  # noqa: E402
 
 # RL margins (points / 100), each below the minimum over 5 RL seeds x 2 numerics from the committed checkpoint
-# (docs/benchmarks.md, "Tool task learning"): success rate gain GRPO +24.6 / +28.1 / +34.8 (min / median / max), PPO
-# +13.3 / +20.7 / +26.6; well-formed share gain GRPO +13.2 / +14.3 / +19.9, PPO +8.7 / +12.9 / +16.0.
+# (docs/benchmarks.md, "Tool task learning"): GRPO (20 steps) success rate gain +24.6 / +28.1 / +34.8 (min / median /
+# max), well-formed share gain +13.2 / +14.3 / +19.9; PPO with a critic (15 steps since "Tool task RL at 15 steps"):
+# success +12.1 / +13.7 / +20.3, well-formed +7.6 / +11.5 / +15.1 (at 20 steps: +13.3 / +20.7 / +26.6, +8.7 / +12.9 /
+# +16.0).
 GRPO_MIN_SUCCESS_GAIN = 0.15
 GRPO_MIN_WELL_FORMED_GAIN = 0.08
 PPO_MIN_SUCCESS_GAIN = 0.08
