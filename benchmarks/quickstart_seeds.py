@@ -89,11 +89,31 @@ def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None,
     result = run_quickstart(cfg, sft_dir=model or (None if sft_from is None else sft_from / "sft_model"))
     sft = [m for m in _read_jsonl((sft_from or run_dir) / "sft" / "metrics.jsonl") if "val/loss" in m]
     acc = [a for _, a, _ in result.val_accuracy()]
-    return {"sft_steps": int(sft[-1]["training/global_step"]) if sft else None,
+    return {**_async_summary(result.history), "sft_steps": int(sft[-1]["training/global_step"]) if sft else None,
             "sft_val_loss": sft[-1]["val/loss"] if sft else None,
             "sft_val_losses": [(int(m["training/global_step"]), round(m["val/loss"], 4)) for m in sft],
             "val_accuracy": acc, "start": acc[0], "end": acc[-1], "gain": acc[-1] - acc[0],
             "sft_seconds": result.sft_seconds, "total_seconds": result.total_seconds}
+
+
+# non-sync modes: how old the trained samples were and (partial_rollout=continue) how many rows spanned a weight swap
+_ASYNC_MEANS = ("async/mixed_version_rows", "staleness/mean", "staleness/token_mean", "staleness/max")
+
+
+def _async_summary(history: list[dict[str, float]]) -> dict[str, Any]:
+    """Means over the training steps of the staleness metrics (absent in sync mode), the largest staleness and
+    the weight swaps inside generate calls (summed)."""
+    out: dict[str, Any] = {}
+    for key in _ASYNC_MEANS:
+        vals = [m[key] for m in history if key in m]
+        if vals:
+            out[key] = statistics.fmean(vals)
+    if any("staleness/max" in m for m in history):
+        out["staleness/max_max"] = max(m["staleness/max"] for m in history if "staleness/max" in m)
+    swaps = [m["rollout/weight_swaps"] for m in history if "rollout/weight_swaps" in m]
+    if swaps:
+        out["rollout/weight_swaps"] = sum(swaps)
+    return out
 
 
 def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str],
@@ -131,6 +151,10 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         v = [scale * x for x in vals]
         return f"{min(v):{fmt}} / {statistics.median(v):{fmt}} / {max(v):{fmt}}"
 
+    mixed = [r["async/mixed_version_rows"] for r in rows if "async/mixed_version_rows" in r]
+    if mixed:
+        lines[0] += " mixed-version rows % |"
+        lines[1] += " --- |"
     groups = sorted({r["numerics"] for r in rows}) + ["all"]
     for g in groups:
         rs = [r for r in rows if g in ("all", r["numerics"])]
@@ -138,7 +162,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {g} | {len(rs)} | {len(rs) - len(ok)} | {mmm([r['start'] for r in ok], 100)} | "
                      f"{mmm([r['end'] for r in ok], 100)} | {mmm([r['gain'] for r in ok], 100)} | "
                      f"{mmm([r['sft_steps'] or 0 for r in ok], 1, '.0f')} | "
-                     f"{mmm([r['total_seconds'] for r in ok], 1, '.0f')} |")
+                     f"{mmm([r['total_seconds'] for r in ok], 1, '.0f')} |"
+                     + (f" {mmm([r.get('async/mixed_version_rows', 0.0) for r in ok], 100)} |" if mixed else ""))
     return "\n".join(lines)
 
 

@@ -124,12 +124,6 @@ def _mode_errors(cfg: Config) -> list[str]:
     if mode == "sync":
         return []
     errs = []
-    why = f"trainer.mode={mode} generates on separate rollout workers"
-    if cfg.algorithm.filter_groups.enable:
-        errs.append(f"algorithm.filter_groups.enable=true with {why}: dynamic sampling is not pipelined yet; use "
-                    "trainer.mode=sync or algorithm.filter_groups.enable=false")
-    if cfg.dpo.online:
-        errs.append(f"dpo.online=true with {why}: online DPO generates in its own step; use trainer.mode=sync")
     if mode == "one_step_off" and cfg.trainer.async_.partial_rollout == "continue":
         errs.append("trainer.async.partial_rollout=continue applies to trainer.mode=async (one_step_off sends new "
                     "weights between batches only); use trainer.mode=async or trainer.async.partial_rollout=abort")

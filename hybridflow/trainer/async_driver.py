@@ -33,6 +33,7 @@ import torch
 from hybridflow.checkpoint import DataPosition
 from hybridflow.controller import GroupFuture, WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto, keys
+from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
 from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.workers.rollout_worker import continues_partial_rollouts
 
@@ -57,7 +58,7 @@ class Request:
     prompts: DataProto
     version: int
     planned_step: int
-    source: int  # index of the source (loader) batch the prompts came from
+    source: int | None  # index of the source (loader) batch the prompts came from; None: dynamic sampling's extras
     baseline: GroupFuture | None = None  # ReMax: the greedy responses of the same prompts
 
 
@@ -93,6 +94,11 @@ class RolloutDriver:
         self._remax = self.cfg.algorithm.adv_estimator == "remax"
         self._send = self.rollout.receive_weights_live if continues_partial_rollouts(self.cfg) else \
             self.rollout.receive_weights
+        # DAPO dynamic sampling: the driver scores each finished request, keeps the informative groups and asks
+        # for more prompts while a batch is short; the step then skips its reward stage (`scores`)
+        # (online DPO's step pairs best and worst responses itself and never filters)
+        self.scores = self.cfg.algorithm.filter_groups.enable and not self.cfg.dpo.online
+        self._max_gen_batches = self.cfg.algorithm.filter_groups.max_num_gen_batches
 
     # --------------------------------------------------------------------------------------- weight sync
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -134,7 +140,7 @@ class RolloutDriver:
         return out
 
     # ----------------------------------------------------------------------------------------- requests
-    def _submit(self, prompts: DataProto, planned_step: int, source: int) -> Request:
+    def _submit(self, prompts: DataProto, planned_step: int, source: int | None) -> Request:
         alg = self.alg
         alg.global_step = planned_step  # the sampling seeds of (rollout.seed, step, call): the same as sync mode's
         seeded = alg._with_seeds(prompts)
@@ -187,13 +193,33 @@ class RolloutDriver:
         self._sources[index] = _Source(pos, chunks)
         return index, batch
 
-    def _mark_trained(self, source: int) -> None:
+    def _mark_trained(self, source: int | None) -> None:
+        if source is None:  # dynamic sampling's extra prompts: not from the loader position the run resumes at
+            return
         src = self._sources[source]
         src.chunks_left -= 1
         while (nxt := self._sources.get(self._trained_source + 1)) is not None and nxt.chunks_left == 0:
             self._trained_source += 1
             self.trained_position = nxt.position
             del self._sources[self._trained_source]
+
+    # -------------------------------------------------------------------------------- dynamic sampling
+    def _groups(self) -> InformativeGroups:
+        res = self.alg.res
+        return InformativeGroups(res.samples_per_step, self.cfg.rollout.n, res.world_size)
+
+    def _score(self, out: DataProto, scored: list[tuple[int, dict[str, float]]]) -> tuple[DataProto, float]:
+        """The reward stage on a finished request (as the sync step runs it); its metrics go to `scored`."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        out = self.alg._reward(out, metrics)
+        scored.append((len(out), metrics))
+        return out, time.perf_counter() - t0
+
+    @staticmethod
+    def _add_gen_metrics(metrics: dict[str, float], gen: dict[str, float]) -> None:
+        for k, v in gen.items():
+            metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing/") or k in _SUMMED else v
 
     # ------------------------------------------------------------------------------------------ batches
     def _ready(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
@@ -241,11 +267,33 @@ class OneStepOffDriver(RolloutDriver):
             step += 1
             out, metrics, waited = self._collect(req)
             self._mark_trained(req.source)
+            if self.scores:
+                out, waited_more = self._fill(out, step, metrics)
+                waited += waited_more
             req = None
             if step < total and (pulled := self._pull_source(it, 1)) is not None:
                 req = self._submit(pulled[1], step + 1, pulled[0])  # generates while this step trains
             metrics["timing/wait_rollout"] = waited
             yield self._ready(out, step, metrics)
+
+    def _fill(self, out: DataProto, step: int, metrics: dict[str, float]) -> tuple[DataProto, float]:
+        """Dynamic sampling as the sync step does it: score the batch, keep its informative groups and, while
+        short, generate a batch of the algorithm's extra prompts (sync mode's stream) and wait for it. Returns
+        the training batch and the seconds waited."""
+        groups, scored = self._groups(), []
+        out, reward_s = self._score(out, scored)
+        groups.add(out)
+        rounds, waited = 1, 0.0
+        while not groups.full and rounds < self._max_gen_batches:
+            more, gen_metrics, w = self._collect(self._submit(next(self.alg._extra_batches()), step, None))
+            waited += w
+            self._add_gen_metrics(metrics, gen_metrics)
+            more, seconds = self._score(more, scored)
+            reward_s += seconds
+            groups.add(more)
+            rounds += 1
+        metrics |= combine_reward_metrics(scored) | {"timing/reward": reward_s}
+        return groups.batch(metrics, rounds), waited
 
 
 class AsyncDriver(RolloutDriver):
@@ -261,24 +309,36 @@ class AsyncDriver(RolloutDriver):
         self.sync_weights(start_step)
         it, step, total = iter(source), start_step, self.alg.total_steps
         queue: deque[Request] = deque()
-        pending: deque[tuple[DataProto, int, int]] = deque()  # (prompts, planned step, source) not yet submitted
-        outstanding, planned, exhausted = 0, start_step, False
+        pending: deque[tuple[DataProto, int, int | None]] = deque()  # (prompts, planned step, source) to submit
+        outstanding, planned, exhausted, yielded = 0, start_step, False, start_step
         aborted = 0
 
+        def pull() -> bool:
+            """Split the next source batch into pending requests. Without dynamic sampling one batch per step
+            (as many as the steps left); with it, until the steps are trained: the loader's batches, then the
+            extra stream (sync mode's, for what filtering dropped) once the loader has run out."""
+            nonlocal planned, exhausted
+            if not self.scores and planned >= total:
+                return False
+            if self.scores and yielded >= total:
+                return False
+            pulled = None if exhausted else self._pull_source(it, self.batch_prompts // self.chunk)
+            if pulled is None:
+                exhausted = True
+                if not self.scores:
+                    return False
+                pulled = (None, next(self.alg._extra_batches()))
+            planned += 1
+            index, batch = pulled
+            for lo in range(0, len(batch), self.chunk):
+                pending.append((batch[lo:lo + self.chunk], planned, index))
+            return True
+
         def fill() -> None:
-            nonlocal outstanding, planned, exhausted
+            nonlocal outstanding
             while outstanding < self.capacity:
-                if not pending:
-                    if exhausted or planned >= total:
-                        return
-                    pulled = self._pull_source(it, self.batch_prompts // self.chunk)
-                    if pulled is None:
-                        exhausted = True
-                        return
-                    planned += 1
-                    index, batch = pulled
-                    for lo in range(0, len(batch), self.chunk):
-                        pending.append((batch[lo:lo + self.chunk], planned, index))
+                if not pending and not pull():
+                    return
                 prompts, plan, index = pending.popleft()
                 queue.append(self._submit(prompts, plan, index))
                 outstanding += len(prompts)
@@ -288,8 +348,11 @@ class AsyncDriver(RolloutDriver):
             step += 1
             parts: list[DataProto] = []
             metrics: dict[str, float] = {}
-            have, waited, wait_train = 0, 0.0, 0.0
-            while have < self.batch_prompts:
+            groups, scored = (self._groups(), []) if self.scores else (None, [])
+            have, consumed, requests, waited, wait_train, reward_s = 0, 0, 0, 0.0, 0.0, 0.0
+            while (have < self.batch_prompts) if groups is None else not groups.full:
+                if groups is not None and consumed >= self._max_gen_batches * self.batch_prompts:
+                    break  # dynamic sampling's budget is spent: train on what there is
                 if not queue:
                     fill()
                     if not queue:
@@ -298,8 +361,7 @@ class AsyncDriver(RolloutDriver):
                 out, gen_metrics, w = self._collect(req)
                 waited += w
                 wait_train += gen_metrics.pop("timing/wait_train", 0.0)
-                for k, v in gen_metrics.items():
-                    metrics[k] = metrics.get(k, 0.0) + v if k.startswith("timing/") or k in _SUMMED else v
+                self._add_gen_metrics(metrics, gen_metrics)
                 oldest = int(out.batch[keys.POLICY_VERSION.name].min())  # = req.version under abort
                 if (step - 1) - oldest > self.max_staleness:  # drop and resubmit with the newest weights
                     aborted += len(req.prompts)
@@ -307,15 +369,28 @@ class AsyncDriver(RolloutDriver):
                     pending.appendleft((req.prompts, step, req.source))
                     fill()
                     continue
-                parts.append(out)
-                have += len(req.prompts)
+                consumed += len(req.prompts)
+                requests += 1
                 self._mark_trained(req.source)
-            outstanding -= have
-            batch = DataProto.concat(parts)
+                if groups is None:
+                    parts.append(out)
+                    have += len(req.prompts)
+                else:  # no longer outstanding: while filtering empties the queue, fill() may submit more
+                    outstanding -= len(req.prompts)
+                    out, seconds = self._score(out, scored)
+                    reward_s += seconds
+                    groups.add(out)
+            if groups is None:
+                outstanding -= have
+                batch = DataProto.concat(parts)
+            else:
+                metrics |= combine_reward_metrics(scored) | {"timing/reward": reward_s}
+                batch = groups.batch(metrics, consumed / self.batch_prompts)
             batch.meta_info.pop("metrics", None)
             metrics |= {"timing/wait_rollout": waited, "timing/wait_train": wait_train,
-                        "async/aborted_prompts": float(aborted), "async/requests": float(len(parts))}
+                        "async/aborted_prompts": float(aborted), "async/requests": float(requests)}
             yield self._ready(batch, step, metrics)
+            yielded = step
             fill()  # after the step's update: new requests get its weights
 
 

@@ -70,8 +70,9 @@ class OnlineDPOAlgorithm(PPOAlgorithm):
         self.global_step = step
         timer, metrics = StageTimer(), {}
         start = time.perf_counter()
-        with timer("gen"):  # 1. rollout.n responses per prompt
-            batch = self._generate(batch, metrics, timer)
+        with timer("gen"):  # 1. rollout.n responses per prompt (non-sync modes: generated ahead, older weights)
+            batch = (self._generate(batch, metrics, timer) if self.driver is None
+                     else self.driver.take(batch, step, metrics))
         with timer("reward"):  # 2. rule functions / reward model
             batch = self._reward(batch, metrics)
         with timer("pair"):  # 3. best/worst response of each prompt; all-equal groups skipped
@@ -85,6 +86,8 @@ class OnlineDPOAlgorithm(PPOAlgorithm):
                     pb = pb.union(self.actor.compute_ref_log_prob(pb))
             with timer("update_actor"):  # 5. one optimizer step of the preference loss
                 metrics |= reduce_metrics(self.actor.update_actor_preference(pb))
+        if self.driver is not None:  # non-sync modes: the rollout workers get policy version `step`
+            metrics |= self.driver.after_update(step)
         timer.add("step", time.perf_counter() - start)
         metrics |= compute_data_metrics(batch, self.cfg.data.max_response_length)
         return metrics | timer.metrics()

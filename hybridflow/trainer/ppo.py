@@ -12,14 +12,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from hybridflow.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
     compute_advantage,
-    filter_uninformative_groups,
     kl_penalty,
     masked_mean,
     rollout_is_metrics,
@@ -28,6 +26,7 @@ from hybridflow.config import Config, resolve
 from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
+from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import (
     compute_data_metrics,
@@ -131,10 +130,13 @@ class PPOAlgorithm(Algorithm):
         if self._overlap_reward():  # 2-5 at once: the host scores while the workers compute log-probs / values
             batch, outs = self._reward_beside_worker_stages(self._balance(batch), metrics, timer)
         else:
-            with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
-                batch = self._reward(batch, metrics)
-            if self.cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling
+            if self.driver is not None and self.driver.scores:
+                pass  # non-sync modes with dynamic sampling: the driver scored and filtered the batch as it arrived
+            elif self.cfg.algorithm.filter_groups.enable:  # 2. reward, then DAPO dynamic sampling (more if short)
                 batch = self._keep_informative_groups(batch, metrics, timer)
+            else:
+                with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
+                    batch = self._reward(batch, metrics)
             batch = self._balance(batch)
             outs = self._worker_stages(batch, timer, metrics)  # 3-5
         for out in outs:
@@ -243,32 +245,23 @@ class PPOAlgorithm(Algorithm):
         return batch
 
     def _keep_informative_groups(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
-        """Drop groups whose responses all scored the same; sample more prompts until the batch is full."""
-        target = self.res.samples_per_step
-        kept, tries, filtered = [], 0, []
+        """Score the generated batch and drop groups whose responses all scored the same; generate more prompts
+        until the batch is full. The reward metrics cover every round (`combine_reward_metrics`)."""
+        groups = InformativeGroups(self.res.samples_per_step, self.cfg.rollout.n, self.res.world_size)
+        scored: list[tuple[int, dict[str, float]]] = []
+        tries = 0
         while True:
-            keep, frac = filter_uninformative_groups(batch.batch["token_level_scores"].sum(-1),
-                                                     batch.non_tensor_batch["uid"])
-            filtered.append(frac)
-            kept.append(batch.select_idxs(keep))
-            have = sum(len(b) for b in kept)
+            with timer("reward"):
+                batch = self._reward(batch, round_metrics := {})
+            scored.append((len(batch), round_metrics))
+            groups.add(batch)
             tries += 1
-            if have >= target or tries >= self.cfg.algorithm.filter_groups.max_num_gen_batches:
+            if groups.full or tries >= self.cfg.algorithm.filter_groups.max_num_gen_batches:
                 break
             with timer("gen"):
                 batch = self._generate(next(self._extra_batches()), metrics, timer)
-            with timer("reward"):
-                batch = self._reward(batch, metrics)
-        merged = DataProto.concat(kept)
-        metrics["data/frac_groups_filtered"] = float(np.mean(filtered))
-        metrics["data/gen_batches"] = float(tries)
-        if len(merged) < target:
-            logger.warning("dynamic sampling: %d informative samples after %d generation rounds (wanted %d); "
-                           "training on what there is", len(merged), tries, target)
-            n = self.cfg.rollout.n
-            usable = (len(merged) // (n * self.res.world_size)) * n * self.res.world_size
-            return merged[:usable] if usable else batch
-        return merged[:target]
+        metrics |= combine_reward_metrics(scored)
+        return groups.batch(metrics, tries)
 
     def _extra_batches(self) -> Iterator[DataProto]:
         if not hasattr(self, "_extra_iter"):

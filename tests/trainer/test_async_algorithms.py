@@ -1,5 +1,5 @@
 """Algorithms in the non-sync modes (issue 27): ReMax's greedy baseline and LoRA work on the separate rollout
-workers; DAPO dynamic sampling and online DPO are refused at config load (test_async_modes.py)."""
+workers (DAPO dynamic sampling and online DPO: test_async_dynamic_sampling.py)."""
 
 from __future__ import annotations
 

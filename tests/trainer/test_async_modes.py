@@ -217,9 +217,7 @@ def test_config_errors(tmp_path: Path, override: str, message: str) -> None:
 
 
 def test_unsupported_combinations_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="algorithm.filter_groups.enable=true with trainer.mode=one_step_off"):
-        _cfg(tmp_path, "one_step_off", "algorithm.filter_groups.enable=true")
-    with pytest.raises(ConfigError, match="dpo.online=true with trainer.mode=async"):
-        _cfg(tmp_path, "async", "dpo.online=true", "trainer.async.chunk_prompts=1")
     with pytest.raises(ConfigError, match="trainer.async.chunk_prompts=3 must divide data.train_batch_size=2"):
         _cfg(tmp_path, "async", "trainer.async.chunk_prompts=3")
+    with pytest.raises(ConfigError, match="trainer.async.partial_rollout=continue applies to trainer.mode=async"):
+        _cfg(tmp_path, "one_step_off", "trainer.async.partial_rollout=continue")
