@@ -42,7 +42,8 @@ def _fit(cfg, scored: list[dict[str, Any]], trained: list[dict[str, Any]],
     def recording_reward(batch, metrics):
         out = reward(batch, metrics)
         scored.append({"uid": list(out.non_tensor_batch["uid"]), "responses": out.batch["responses"].clone(),
-                       "scores": out.batch["token_level_scores"].sum(-1).clone()})
+                       "scores": out.batch["token_level_scores"].sum(-1).clone(),
+                       "version": out.batch.get("policy_version")})  # set by the rollout workers only
         return out
 
     def recording_update(batch):
@@ -82,6 +83,7 @@ def test_one_step_off_dynamic_sampling_matches_sync_at_zero_effect_learning_rate
     assert len(s_sync) == len(s_off) > 3, "no step needed an extra round: the test reward must drop groups"
     for i, (a, b) in enumerate(zip(s_sync, s_off)):
         assert a["uid"] == b["uid"] and torch.equal(a["responses"], b["responses"]), f"round {i}"
+        assert b["version"] is not None, f"round {i} was not generated on the rollout workers"
     for step, (a, b, ma, mb) in enumerate(zip(t_sync, t_off, h_sync, h_off), start=1):
         assert a["uid"] == b["uid"] and torch.equal(a["scores"], b["scores"]), f"step {step}"
         assert _informative(b), f"step {step} trained an all-equal group"
@@ -141,3 +143,14 @@ def test_online_dpo_one_step_off_matches_sync_at_zero_effect_learning_rate(tmp_p
         assert ma["online_dpo/pairs"] == mb["online_dpo/pairs"]
         assert mb["staleness/max"] == float(min(step - 1, 1)) and "timing/weight_sync" in mb
     assert sum(m["online_dpo/pairs"] for m in h_off) > 0
+
+
+def test_online_dpo_async_trains_within_the_staleness_bound(tmp_path: Path) -> None:
+    scored: list[dict[str, Any]] = []
+    history = _fit(_cfg(tmp_path, "async", PARITY_REWARD, "algorithm.filter_groups.enable=false", "dpo.online=true",
+                        "dpo.beta=0.5", "trainer.async.chunk_prompts=1", "trainer.async.max_staleness=1",
+                        "trainer.async.partial_rollout=continue"), scored, [], trainer_cls=OnlineDPOTrainer)
+    assert len(history) == len(scored) == 3
+    assert [m["staleness/max"] for m in history] == [0.0, 1.0, 1.0]
+    assert all(m["async/requests"] == 2 for m in history)  # two one-prompt requests per batch of 2 prompts
+    assert sum(m["online_dpo/pairs"] for m in history) > 0 and "actor/loss" in history[-1]
