@@ -117,9 +117,11 @@ class StatefulDataLoader:
 
 
 def make_dataloader(dataset: Dataset, data_cfg: Any, batch_size: int | None, shuffle: bool,
-                    drop_last: bool) -> StatefulDataLoader:
-    """A StatefulDataLoader with the worker knobs of `data_cfg` (a DataConfig); batch_size None = whole dataset."""
+                    drop_last: bool, *, seed: int | None = None, name: str | None = None) -> StatefulDataLoader:
+    """A StatefulDataLoader with the worker knobs of `data_cfg` (a DataConfig); batch_size None = whole dataset;
+    `seed` (default data.seed) shuffles, `name` (default the dataset's) prefixes the group uids."""
     size = len(dataset) if batch_size is None else batch_size  # type: ignore[arg-type]
-    return StatefulDataLoader(dataset, size, shuffle=shuffle, drop_last=drop_last, seed=data_cfg.seed,
-                              num_workers=data_cfg.num_workers, prefetch_factor=data_cfg.prefetch_factor,
-                              persistent_workers=data_cfg.persistent_workers)
+    return StatefulDataLoader(dataset, size, shuffle=shuffle, drop_last=drop_last,
+                              seed=data_cfg.seed if seed is None else seed, num_workers=data_cfg.num_workers,
+                              prefetch_factor=data_cfg.prefetch_factor,
+                              persistent_workers=data_cfg.persistent_workers, name=name)

@@ -269,8 +269,16 @@ class PPOAlgorithm(Algorithm):
         return self._extra_iter
 
     def _batches_forever(self) -> Iterator[DataProto]:
+        """DAPO's extra prompts: a loader of their own (shuffled with data.seed + 1, uids `<name>-extra-e<epoch>-i`),
+        so extras neither repeat the batches the run trains next nor move its saved data position, and a prompt
+        drawn twice into one batch never merges two groups."""
+        from hybridflow.data import make_dataloader
+
+        cfg = self.cfg.data
+        loader = make_dataloader(self.train_ds, cfg, cfg.train_batch_size, shuffle=cfg.shuffle,
+                                 drop_last=cfg.drop_last, seed=cfg.seed + 1, name=f"{self.loader.name}-extra")
         while True:
-            yield from self.loader
+            yield from loader
 
     def _balance(self, batch: DataProto) -> DataProto:
         if self.res.world_size <= 1:

@@ -154,3 +154,16 @@ def test_online_dpo_async_trains_within_the_staleness_bound(tmp_path: Path) -> N
     assert [m["staleness/max"] for m in history] == [0.0, 1.0, 1.0]
     assert all(m["async/requests"] == 2 for m in history)  # two one-prompt requests per batch of 2 prompts
     assert sum(m["online_dpo/pairs"] for m in history) > 0 and "actor/loss" in history[-1]
+
+
+def test_extra_prompts_come_from_their_own_loader(tmp_path: Path) -> None:
+    # sync mode's extra rounds once re-iterated the run's own loader: they drew the batches the run trained next
+    # (each prompt twice per epoch) and moved the saved data position; now a loader of their own feeds them
+    scored: list[dict[str, Any]] = []
+    history = _fit(_cfg(tmp_path, "sync", PARITY_REWARD, "trainer.total_training_steps=4",
+                        "algorithm.filter_groups.max_num_gen_batches=4"), scored, [])
+    assert len(history) == 4 and len(scored) > 4
+    main = [u for s in scored for u in dict.fromkeys(s["uid"]) if "-extra-" not in u]
+    extra = [u for s in scored for u in dict.fromkeys(s["uid"]) if "-extra-" in u]
+    assert len(main) == 4 * 2 and len(set(main)) == len(main)  # one loader batch of 2 prompts per step, no repeats
+    assert extra and all(u.startswith("train-extra-e") for u in extra)
