@@ -15,6 +15,11 @@ older than `max_staleness` when consumed (possible after a rollback re-sync, or 
 call on Ray's threads) is dropped whole and its prompts resubmitted with the newest weights: the unit of dropping
 is the request, so a batch stays whole prompt groups.
 
+DAPO dynamic sampling (`algorithm.filter_groups`): the driver runs the reward stage on each finished request, keeps
+its informative groups (`trainer/dynamic_sampling.py`) and asks for more prompts while the batch is short — one_step_off
+in sync mode's rounds (extra batches from the algorithm's extra loader, waited for), async as requests stream in (the
+loader's batches until the steps are trained, then the extra loader); the step skips its reward stage (`scores`).
+
 Both drivers are generators the loop iterates instead of the prompt batches (`Algorithm.batches`); each yielded
 batch is already generated, and `PPOAlgorithm.step` takes it (`take`) instead of generating. Policy version = the
 number of optimizer steps behind the weights; a sample trained at step t has staleness (t - 1) - its version.
