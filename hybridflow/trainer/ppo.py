@@ -130,11 +130,10 @@ class PPOAlgorithm(Algorithm):
         if self._overlap_reward():  # 2-5 at once: the host scores while the workers compute log-probs / values
             batch, outs = self._reward_beside_worker_stages(self._balance(batch), metrics, timer)
         else:
-            if self.driver is not None and self.driver.scores:
-                pass  # non-sync modes with dynamic sampling: the driver scored and filtered the batch as it arrived
-            elif self.cfg.algorithm.filter_groups.enable:  # 2. reward, then DAPO dynamic sampling (more if short)
+            scored = self.driver is not None and self.driver.scores  # non-sync dynamic sampling: scored on arrival
+            if self.cfg.algorithm.filter_groups.enable and not scored:  # 2. reward, DAPO dynamic sampling
                 batch = self._keep_informative_groups(batch, metrics, timer)
-            else:
+            elif not scored:
                 with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
                     batch = self._reward(batch, metrics)
             batch = self._balance(batch)
