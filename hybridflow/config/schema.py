@@ -506,6 +506,7 @@ class HealthConfig:
 
 TRAINER_MODES = ("sync", "one_step_off", "async")
 PARTIAL_ROLLOUT_MODES = ("abort", "continue")
+WEIGHT_TRANSPORTS = ("auto", "collective", "call")
 
 
 @dataclass(frozen=True)
@@ -537,9 +538,15 @@ class WeightSyncConfig:
     """Trainer → rollout weight broadcast in the non-sync modes."""
 
     bucket_mb: float  # parameters are packed into flat buckets of at most this size (one tensor per bucket)
+    # auto (collective on the Ray backend, call on the local one) | collective (a broadcast over a process group of
+    # actor rank 0 + the rollout workers: NCCL on GPU, gloo on CPU) | call (the buckets as call arguments)
+    transport: str
+    timeout_s: float  # collective: a broadcast that has not finished this long after every member joined it fails
 
     def __post_init__(self) -> None:
         _check(self.bucket_mb > 0, "trainer.weight_sync.bucket_mb", self.bucket_mb, "must be > 0 MiB")
+        _one_of("trainer.weight_sync.transport", self.transport, WEIGHT_TRANSPORTS)
+        _check(self.timeout_s > 0, "trainer.weight_sync.timeout_s", self.timeout_s, "must be > 0 seconds")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,10 @@ def _mode_errors(cfg: Config) -> list[str]:
     if mode == "sync":
         return []
     errs = []
+    if cfg.trainer.weight_sync.transport == "collective" and cfg.trainer.backend == "local":
+        errs.append("trainer.weight_sync.transport=collective with trainer.backend=local: the local backend runs the "
+                    "rollout worker in the trainer's own process, which has nobody to broadcast to; use "
+                    "trainer.backend=ray or trainer.weight_sync.transport=call (or auto)")
     if mode == "one_step_off" and cfg.trainer.async_.partial_rollout == "continue":
         errs.append("trainer.async.partial_rollout=continue applies to trainer.mode=async (one_step_off sends new "
                     "weights between batches only); use trainer.mode=async or trainer.async.partial_rollout=abort")

@@ -40,6 +40,7 @@ from hybridflow.controller import GroupFuture, WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
 from hybridflow.trainer.metrics import reduce_metrics
+from hybridflow.trainer.weight_transport import build_weight_transport
 from hybridflow.workers.rollout_worker import continues_partial_rollouts
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 
 _SUMMED = ("rollout/weight_swaps",)  # request metrics added up over a batch (besides timing/*)
+_CULPRIT_GRACE_S = 5.0  # a failed broadcast: how long to wait for the rollout side to report its failure
 
 
 class RolloutWorkerFailed(WorkerError):
@@ -95,7 +97,7 @@ class RolloutDriver:
         self._next_source = 0
         self._trained_source = -1
         self.trained_position: DataPosition | None = None  # where a resumed run continues (None: the loader's)
-        self._bucket_bytes = int(self.cfg.trainer.weight_sync.bucket_mb * 2**20)
+        self.transport = build_weight_transport(self.cfg, alg.actor, self.rollout)  # collective: the group, once
         self._remax = self.cfg.algorithm.adv_estimator == "remax"
         self._send = self.rollout.receive_weights_live if continues_partial_rollouts(self.cfg) else \
             self.rollout.receive_weights
@@ -108,17 +110,32 @@ class RolloutDriver:
     # --------------------------------------------------------------------------------------- weight sync
     def sync_weights(self, version: int) -> dict[str, float]:
         """Send the actor's weights (policy `version`) to every rollout worker; they apply them after the requests
-        already queued. Returns the trainer-side time and the bytes."""
+        already queued. Returns the trainer-side time (gather + pack; a broadcast runs on in the background), the
+        bytes and the transport (`weight_sync/collective`: 1 for the broadcast, 0 for call arguments)."""
         t0 = time.perf_counter()
-        buckets = self.alg.actor.weight_buckets(self._bucket_bytes)[0]
         try:
-            self._syncs.append(self._send(buckets, version))
+            staged = self.transport.stage()
+        except WorkerError as err:  # collective: a broadcast failed; a dead or failed receiver is the cause
+            raise self._broadcast_failed(version, err) from err
+        try:
+            self._syncs.append(self._send(staged.weights, version))
         except (WorkerError, WorkerTimeoutError) as err:  # the local backend runs it at once
             raise self._failed("receiving weights", version, err) from err
         self.version = version
-        return {"timing/weight_sync": time.perf_counter() - t0,
-                "weight_sync/bytes": float(sum(b.nbytes for b in buckets)),
-                "weight_sync/buckets": float(len(buckets))}
+        return {"timing/weight_sync": time.perf_counter() - t0, "weight_sync/bytes": float(staged.nbytes),
+                "weight_sync/buckets": float(staged.buckets), **staged.metrics}
+
+    def _broadcast_failed(self, version: int, err: WorkerError) -> WorkerError:
+        """The error for a failed weight broadcast: the rollout worker whose `receive_weights` failed (it died, or
+        raised) when one did within a few seconds; else the actor's error, which says the group failed."""
+        for fut in self._syncs:
+            try:
+                fut.get(timeout_s=_CULPRIT_GRACE_S)
+            except WorkerError as rollout_err:
+                return self._failed("receiving weights", version, rollout_err)
+            except WorkerTimeoutError:
+                continue  # still waiting for its broadcast: not the one that failed
+        return err
 
     def after_update(self, step: int) -> dict[str, float]:
         """Called by the PPO step after the actor update of `step`: the rollout gets policy version `step`."""
@@ -139,7 +156,7 @@ class RolloutDriver:
                 raise self._failed("receiving weights", self.version, err) from err
             m = reduce_metrics(per_rank)
             out["timing/wait_train"] = out.get("timing/wait_train", 0.0) + m.pop("timing/wait_train_sync", 0.0)
-            for k in ("weight_sync/rollout_load_s", "weight_sync/rollout_wait_s"):
+            for k in ("weight_sync/rollout_load_s", "weight_sync/rollout_wait_s", "weight_sync/rollout_recv_s"):
                 if k in m:
                     out[k] = out.get(k, 0.0) + m[k]
         return out

@@ -19,6 +19,7 @@ from hybridflow.engine.lora import merged_state_dict
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.losses import make_actor_loss
+from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, pack_buckets
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         self.actor: TrainEngine  # built by init_model
         self.rollout: RolloutEngine
         self.ref: TrainEngine | None = None  # only when a reference policy is used
+        self._weight_sender: WeightSender | None = None  # rank 0, weight_sync.transport=collective
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
@@ -149,6 +151,31 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
             named = iter(merged_state_dict(dict(named), lora.alpha / lora.rank).items())
         return pack_buckets(named, bucket_bytes)
 
+    # weight_sync.transport=collective: rank 0 broadcasts the buckets itself (workers/weight_collective.py)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open_weight_sender(self, n_receivers: int, timeout_s: float) -> tuple[str, int] | None:
+        """Rank 0: host the weight group's store and start its sender thread; returns the store's (host, port)
+        for the rollout workers' `join_weight_group` (the other ranks: None)."""
+        if self.rank != 0:
+            return None
+        if self._weight_sender is not None:
+            raise RuntimeError("open_weight_sender: this actor already has a weight group (it is built once)")
+        self._weight_sender = WeightSender(self.worker_env.master_addr, n_receivers, self.device, timeout_s)
+        return self._weight_sender.address
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stage_weights(self, bucket_bytes: int) -> tuple[CollectiveWeights, list[BroadcastStats]] | None:
+        """`weight_buckets`, but rank 0 queues the buckets on its sender (broadcast in the background) and returns
+        their control message and the broadcasts finished since the last call; raises a failed broadcast's error."""
+        buckets = self.weight_buckets(bucket_bytes)
+        if self.rank != 0:
+            return None
+        sender = self._weight_sender
+        if sender is None:
+            raise RuntimeError("stage_weights: no weight group; call open_weight_sender first")
+        msg = sender.put(buckets)
+        return msg, sender.finished()
+
     # ------------------------------------------------------------------------------------------ checkpoint
     def checkpoint_engines(self) -> dict[str, TrainEngine]:
         """The actor, and the reference only when it is an EMA (a frozen ref is rebuilt from the model)."""
@@ -179,6 +206,8 @@ class ActorRolloutRefGroup(CheckpointingGroup):
     update_actor_preference = per_rank(ActorRolloutRefWorker.update_actor_preference)
     update_ref_ema = per_rank(ActorRolloutRefWorker.update_ref_ema)
     weight_buckets = per_rank(ActorRolloutRefWorker.weight_buckets)
+    open_weight_sender = per_rank(ActorRolloutRefWorker.open_weight_sender)
+    stage_weights = per_rank(ActorRolloutRefWorker.stage_weights)
 
 
 def _seeds_to_meta(prompts: DataProto) -> DataProto:

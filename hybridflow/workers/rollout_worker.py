@@ -2,8 +2,10 @@
 
 It holds its own copy of the policy (a plain HF module in the actor's master dtype, no FSDP, no optimizer) and its
 own `RolloutEngine` (KV cache, CUDA graphs), in its own resource pool (`resource_pool.rollout_process_on_nodes`).
-The trainer sends new weights after each actor update (`receive_weights`, `workers/weight_sync.py`); every
-generated row carries the `policy_version` (optimizer steps) of the weights that produced it.
+The trainer sends new weights after each actor update (`receive_weights`, `workers/weight_sync.py`: the buckets as
+call arguments, or with `trainer.weight_sync.transport=collective` a control message while the tensors come over the
+weight group, `workers/weight_collective.py`); every generated row carries the `policy_version` (optimizer steps)
+of the weights that produced it.
 
 Calls are non-blocking (the driver overlaps them with training) and run in submission order on each rank (Ray runs
 one call at a time per actor, first in first out): with `receive_weights`, weights sent after a generate request are
@@ -31,6 +33,7 @@ from hybridflow.config import Config
 from hybridflow.controller import Dispatch, RoleGroup, Worker, future, per_rank, register
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.actor_rollout_ref import _seeds_to_meta
+from hybridflow.workers.weight_collective import CollectiveWeights, WeightReceiver
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, load_buckets
 
 if TYPE_CHECKING:
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+Weights = list[WeightBucket] | CollectiveWeights  # what a weight sync carries, by trainer.weight_sync.transport
 WEIGHTS_GROUP = "weights"  # the Ray thread group of `receive_weights_live` (partial_rollout=continue)
 
 
@@ -62,6 +66,7 @@ class RolloutWorker(Worker):
         self._checks = 0  # weight checks of the current (or last) generate call
         self._last_load_s = 0.0
         self._install_error: BaseException | None = None  # a failed install, for the waiting sender
+        self._receiver: WeightReceiver | None = None  # weight_sync.transport=collective
 
     @classmethod
     def concurrency_groups(cls, cfg: Config, *args: object, **kwargs: object) -> dict[str, int]:
@@ -118,24 +123,38 @@ class RolloutWorker(Worker):
         self._idle_since = t1
         return out
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join_weight_group(self, address: tuple[str, int], size: int, timeout_s: float) -> str:
+        """weight_sync.transport=collective: join the trainer's weight group as rank 1 + this rank (blocks until
+        every member has joined); returns its backend (nccl or gloo)."""
+        if self._receiver is not None:
+            raise RuntimeError(f"rollout worker {self.rank}: already in a weight group (it is built once)")
+        self._receiver = WeightReceiver(tuple(address), 1 + self.rank, size, self.device, timeout_s)
+        return self._receiver.backend
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def receive_weights(self, buckets: list[WeightBucket], version: int) -> dict[str, float]:
-        """Copy the trainer's weights (bit-exact) and make the next generate use them."""
+    def receive_weights(self, weights: Weights, version: int) -> dict[str, float]:
+        """Copy the trainer's weights (bit-exact) and make the next generate use them; `weights` are the buckets
+        (transport `call`) or the control message of a broadcast to take now (`collective`)."""
         t0 = time.perf_counter()
+        buckets, recv = self._arrived(weights)
+        t1 = time.perf_counter()
         nbytes = load_buckets(self.module, buckets)
         self.rollout.sync_weights()
         self.version = int(version)
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         idle = self._idle(t0)
-        self._idle_since = t1
-        return {"weight_sync/rollout_load_s": t1 - t0, "weight_sync/bytes": float(nbytes),
+        self._idle_since = t2
+        return {"weight_sync/rollout_load_s": t2 - t1, "weight_sync/bytes": float(nbytes),
                 "weight_sync/buckets": float(len(buckets)), "weight_sync/version": float(version),
-                "timing/wait_train_sync": idle}
+                "timing/wait_train_sync": idle, **recv}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False, concurrency_group=WEIGHTS_GROUP)
-    def receive_weights_live(self, buckets: list[WeightBucket], version: int) -> dict[str, float]:
+    def receive_weights_live(self, weights: Weights, version: int) -> dict[str, float]:
         """partial_rollout=continue: hand the weights to the generate call in progress (installed at its next
-        decode-chunk boundary) or install them now if none runs; returns once they are installed."""
+        decode-chunk boundary) or install them now if none runs; returns once they are installed. A broadcast
+        is received first, here in the `weights` thread, while the generate call runs on."""
+        buckets, recv = self._arrived(weights)
         t0 = time.perf_counter()
         with self._cv:
             idle = self._idle(t0) if not self._generating else 0.0
@@ -151,7 +170,19 @@ class RolloutWorker(Worker):
         nbytes = sum(b.nbytes for b in buckets)
         return {"weight_sync/rollout_load_s": load_s, "weight_sync/bytes": float(nbytes),
                 "weight_sync/buckets": float(len(buckets)), "weight_sync/version": float(version),
-                "weight_sync/rollout_wait_s": time.perf_counter() - t0 - load_s, "timing/wait_train_sync": idle}
+                "weight_sync/rollout_wait_s": time.perf_counter() - t0 - load_s, "timing/wait_train_sync": idle,
+                **recv}
+
+    def _arrived(self, weights: Weights) -> tuple[list[WeightBucket], dict[str, float]]:
+        """The buckets themselves (transport `call`), or those of the broadcast `weights` announces, received now
+        into the weight group's buffers (`collective`; + the transfer's seconds)."""
+        if not isinstance(weights, CollectiveWeights):
+            return weights, {}
+        if self._receiver is None:
+            raise RuntimeError(f"rollout worker {self.rank}: got broadcast {weights.seq} of the weight group but "
+                               "never joined it (join_weight_group)")
+        buckets, seconds = self._receiver.receive(weights)
+        return buckets, {"weight_sync/rollout_recv_s": seconds}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, concurrency_group=WEIGHTS_GROUP)
     def progress(self) -> dict[str, int]:
@@ -207,6 +238,7 @@ class RolloutGroup(RoleGroup):
     generate_sequences = future(RolloutWorker.generate_sequences)
     receive_weights = future(RolloutWorker.receive_weights)
     receive_weights_live = future(RolloutWorker.receive_weights_live)
+    join_weight_group = per_rank(RolloutWorker.join_weight_group)
     progress = per_rank(RolloutWorker.progress)
     weights = per_rank(RolloutWorker.weights)
     policy_version = per_rank(RolloutWorker.policy_version)

@@ -5,9 +5,10 @@ The actor's parameters (FSDP2 shards gathered to full tensors) are packed into f
 each bucket's slices into its own module's parameters of the same names. A copy, not a cast: the rollout's weights
 are bit-identical to the trainer's (tests/workers/test_weight_sync.py).
 
-Transport: the buckets travel as ordinary call arguments (Ray's object store between processes, a reference in the
-local backend), actor rank 0 → driver → every rollout rank. A direct NCCL/gloo broadcast between the two groups
-is not built yet.
+Transport (`trainer.weight_sync.transport`): `call` — the buckets travel as ordinary call arguments (Ray's object
+store between processes, a reference in the local backend), actor rank 0 → driver → every rollout rank;
+`collective` (the Ray default) — only their layout (`BucketSpec`s) goes through the call and the flat tensors are
+broadcast from actor rank 0 to every rollout rank over a process group of their own (`weight_collective.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A bucket's layout without its data: what a receiver needs to allocate its buffer and slice it."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    numel: int
 
 
 @dataclass
@@ -30,6 +41,15 @@ class WeightBucket:
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def spec(self) -> BucketSpec:
+        return BucketSpec(tuple(self.names), tuple(self.shapes), self.flat.dtype, self.flat.numel())
+
+    @classmethod
+    def from_spec(cls, spec: BucketSpec, flat: torch.Tensor) -> WeightBucket:
+        assert flat.dtype == spec.dtype and flat.numel() == spec.numel, (spec, flat.dtype, flat.numel())
+        return cls(list(spec.names), list(spec.shapes), flat)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         offset = 0
