@@ -53,7 +53,12 @@ _CULPRIT_GRACE_S = 5.0  # a failed broadcast: how long to wait for the rollout s
 
 
 class RolloutWorkerFailed(WorkerError):
-    """A rollout worker of a non-sync mode raised, died or timed out; names the group, method, rank and step."""
+    """A rollout worker of a non-sync mode raised, died or timed out; names the group, method, rank and the step
+    whose batch (or the policy version whose weights) it lost."""
+
+
+def _receiving(version: int) -> str:
+    return f"receiving the weights of policy version {version}"
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Request:
     version: int
     planned_step: int
     source: int | None  # index of the source (loader) batch the prompts came from; None: dynamic sampling's extras
+    syncs_before: int  # weight syncs sent before this request (queued ahead of it on the rollout worker)
     baseline: GroupFuture | None = None  # ReMax: the greedy responses of the same prompts
 
 
@@ -91,7 +97,8 @@ class RolloutDriver:
         self.rollout: RolloutGroup = alg.groups.rollout
         self.mode = self.cfg.trainer.mode
         self.version = 0  # the version the rollout workers hold once every queued sync has run
-        self._syncs: list[GroupFuture] = []
+        self._syncs: list[tuple[GroupFuture, int, int]] = []  # weight syncs not collected: (future, version, number)
+        self._n_syncs = 0  # weight syncs sent so far
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._sources: dict[int, _Source] = {}
         self._next_source = 0
@@ -118,24 +125,45 @@ class RolloutDriver:
         except WorkerError as err:  # collective: a broadcast failed; a dead or failed receiver is the cause
             raise self._broadcast_failed(version, err) from err
         try:
-            self._syncs.append(self._send(staged.weights, version))
+            self._syncs.append((self._send(staged.weights, version), version, self._n_syncs))
+            self._n_syncs += 1
         except (WorkerError, WorkerTimeoutError) as err:  # the local backend runs it at once
-            raise self._failed("receiving weights", version, err) from err
+            raise self._failed(_receiving(version), err) from err
         self.version = version
         return {"timing/weight_sync": time.perf_counter() - t0, "weight_sync/bytes": float(staged.nbytes),
                 "weight_sync/buckets": float(staged.buckets), **staged.metrics}
 
-    def _broadcast_failed(self, version: int, err: WorkerError) -> WorkerError:
-        """The error for a failed weight broadcast: the rollout worker whose `receive_weights` failed (it died, or
-        raised) when one did within a few seconds; else the actor's error, which says the group failed."""
-        for fut in self._syncs:
+    def _broadcast_failed(self, version: int, err: WorkerError) -> RolloutWorkerFailed:
+        """A weight broadcast failed on the trainer's side (`err`, from actor rank 0): the error of the rollout
+        worker whose `receive_weights` failed (it died, or raised) when one did within a few seconds; else the
+        trainer's account, which cannot tell which receiver hung."""
+        culprit = self._failed_sync(_CULPRIT_GRACE_S)
+        if culprit is not None:
+            return culprit
+        wg = self.rollout.worker_group
+        return RolloutWorkerFailed(
+            wg.name, "receive_weights", -1,
+            f"staging the weights of policy version {version} failed because an earlier broadcast to the rollout "
+            f"workers ({wg.world_size} in group {wg.name!r}, trainer.mode={self.mode}) broke, with no rollout "
+            f"worker reporting a failure (one hung?): {err.detail}. Training stops here; resume from the last "
+            "checkpoint with trainer.resume_mode=auto", err.remote_traceback)
+
+    def _failed_sync(self, grace_s: float = 0.0, before: int | None = None) -> RolloutWorkerFailed | None:
+        """The first weight sync (of those sent before sync number `before`) that failed, waiting up to `grace_s`
+        for each pending one, as the error to raise: a rollout rank runs its calls in order, so a failed sync
+        explains the failures of the requests queued behind it."""
+        for fut, version, number in self._syncs:
+            if before is not None and number >= before:
+                break
+            if grace_s <= 0 and not fut.done():
+                continue
             try:
-                fut.get(timeout_s=_CULPRIT_GRACE_S)
-            except WorkerError as rollout_err:
-                return self._failed("receiving weights", version, rollout_err)
+                fut.get(timeout_s=grace_s if grace_s > 0 else None)
+            except WorkerError as err:
+                return self._failed(_receiving(version), err)
             except WorkerTimeoutError:
                 continue  # still waiting for its broadcast: not the one that failed
-        return err
+        return None
 
     def after_update(self, step: int) -> dict[str, float]:
         """Called by the PPO step after the actor update of `step`: the rollout gets policy version `step`."""
@@ -147,13 +175,13 @@ class RolloutDriver:
 
     def _collect_syncs(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        done = [f for f in self._syncs if f.done()]
-        self._syncs = [f for f in self._syncs if not f.done()]
-        for fut in done:
+        done = [sync for sync in self._syncs if sync[0].done()]
+        self._syncs = [sync for sync in self._syncs if not sync[0].done()]
+        for fut, version, _ in done:
             try:
                 per_rank = fut.get()
             except (WorkerError, WorkerTimeoutError) as err:
-                raise self._failed("receiving weights", self.version, err) from err
+                raise self._failed(_receiving(version), err) from err
             m = reduce_metrics(per_rank)
             out["timing/wait_train"] = out.get("timing/wait_train", 0.0) + m.pop("timing/wait_train_sync", 0.0)
             for k in ("weight_sync/rollout_load_s", "weight_sync/rollout_wait_s", "weight_sync/rollout_recv_s"):
@@ -173,8 +201,8 @@ class RolloutDriver:
             baseline = self.rollout.generate_sequences(alg._with_meta(seeded, do_sample=False, n=1)) \
                 if self._remax else None
         except (WorkerError, WorkerTimeoutError) as err:
-            raise self._failed("generating", planned_step, err) from err
-        return Request(fut, prompts, self.version, planned_step, source, baseline)
+            raise self._failed(f"generating for step {planned_step}", err) from err
+        return Request(fut, prompts, self.version, planned_step, source, self._n_syncs, baseline)
 
     def _collect(self, req: Request) -> tuple[DataProto, dict[str, float], float]:
         """Wait for `req`; (generated rows, the rollout's metrics, seconds waited)."""
@@ -183,7 +211,8 @@ class RolloutDriver:
             out = req.future.get()
             greedy = req.baseline.get() if req.baseline is not None else None
         except (WorkerError, WorkerTimeoutError) as err:
-            raise self._failed("generating", req.planned_step, err) from err
+            raise (self._failed_sync(before=req.syncs_before) or
+                   self._failed(f"generating for step {req.planned_step}", err)) from err
         waited = time.perf_counter() - t0
         if greedy is not None:  # as the sync step does: the greedy response's reward, repeated over the n samples
             greedy.meta_info.pop("metrics", None)
@@ -191,7 +220,7 @@ class RolloutDriver:
             out.batch[keys.BASELINE_REWARDS.name] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
         return out, reduce_metrics(out.meta_info.pop("metrics", [])), waited
 
-    def _failed(self, what: str, step: int, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:
+    def _failed(self, what: str, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:
         wg = self.rollout.worker_group
         if isinstance(err, WorkerError):
             rank, detail, trace = err.rank, err.detail, err.remote_traceback
@@ -200,7 +229,7 @@ class RolloutDriver:
         return RolloutWorkerFailed(
             wg.name, err.method, rank,
             f"the rollout worker ({wg.world_size} in group {wg.name!r}, trainer.mode={self.mode}) failed while "
-            f"{what} for step {step}: {detail}. Training stops here; resume from the last checkpoint with "
+            f"{what}: {detail}. Training stops here; resume from the last checkpoint with "
             f"trainer.resume_mode=auto", trace)
 
     def _pull_source(self, it: Iterator[DataProto], chunks: int) -> tuple[int, DataProto] | None:

@@ -61,11 +61,20 @@ def test_killed_rollout_worker_is_named_and_nothing_hangs(tmp_path: Path) -> Non
     err = info.value
     assert isinstance(err, RolloutWorkerFailed), repr(err)
     assert err.group == "rollout" and err.rank == 0, str(err)
-    assert err.method in ("generate_sequences", "receive_weights"), str(err)
-    # step 3's batch may have finished before the kill (then step 3 trains and step 4's generation is the lost one)
-    lost = int(re.search(r"for step (\d+)", str(err)).group(1))
-    assert "trainer.mode=one_step_off" in str(err) and lost in (3, 4), str(err)
-    assert seen == list(range(1, lost)), (seen, lost)  # no step trained on a batch the dead worker did not finish
+    assert "trainer.mode=one_step_off" in str(err), str(err)
+    if err.method == "receive_weights":
+        # the weights of step 2 (queued behind step 3's batch) were lost; step 3's batch had finished, so step 3
+        # trained; what noticed was either step 3's own weight staging (weight_sync.transport=collective, the Ray
+        # default: the trainer's broadcast of version 2 broke; step 3 then raised before returning) or step 4's
+        # request, queued behind the lost weights
+        assert "receiving the weights of policy version 2" in str(err), str(err)[:400]
+        assert seen in ([1, 2], [1, 2, 3]), seen
+    else:
+        assert err.method == "generate_sequences", str(err)
+        # step 3's batch may have finished before the kill (then step 3 trains and step 4's generation is lost)
+        lost = int(re.search(r"generating for step (\d+)", str(err)).group(1))
+        assert lost in (3, 4), str(err)
+        assert seen == list(range(1, lost)), (seen, lost)  # no step trained on a batch the dead worker did not finish
     assert time.monotonic() - killed[0] < 60, "the failure took too long to surface"
 
 
