@@ -93,6 +93,7 @@ def test_rollout_weights_equal_trainer_weights_after_updates(tmp_path: Path) -> 
     assert seen["version"] == STEPS  # the last update's weights were sent after step 3
     for m in history:
         assert m["weight_sync/buckets"] > 1 and m["weight_sync/bytes"] > 0 and m["timing/weight_sync"] >= 0
+        assert m["weight_sync/collective"] == 0.0  # transport auto on the local backend: the buckets in the call
     assert any(m["actor/pg_loss"] != 0 for m in history)  # the weights did move (so equality means something)
 
 
@@ -210,10 +211,22 @@ def test_resume_continues_with_the_untrained_prompts(tmp_path: Path, mode: str) 
     ("trainer.async.partial_rollout=resume", "trainer.async.partial_rollout='resume': must be one of 'abort', "
                                              "'continue'"),
     ("trainer.async.max_staleness=-1", "trainer.async.max_staleness"),
+    ("trainer.weight_sync.transport=nccl", "trainer.weight_sync.transport='nccl': must be one of 'auto', "
+                                           "'collective', 'call'"),
+    ("trainer.weight_sync.timeout_s=0", "trainer.weight_sync.timeout_s"),
+    ("trainer.backend=local trainer.weight_sync.transport=collective",
+     "trainer.weight_sync.transport=collective with trainer.backend=local"),
 ])
 def test_config_errors(tmp_path: Path, override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _cfg(tmp_path, "async", override)
+        _cfg(tmp_path, "async", *override.split())
+
+
+def test_collective_transport_needs_ray_workers(tmp_path: Path) -> None:
+    """backend=auto with one process each runs both groups on the local backend: nobody to broadcast to."""
+    with pytest.raises(ValueError, match="trainer.weight_sync.transport=collective needs the actor and the rollout "
+                                         "workers on Ray"):
+        PPOTrainer(_cfg(tmp_path, "one_step_off", "trainer.backend=auto", "trainer.weight_sync.transport=collective"))
 
 
 def test_unsupported_combinations_are_refused(tmp_path: Path) -> None:
