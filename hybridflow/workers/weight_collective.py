@@ -6,7 +6,8 @@ The group is built once, at start-up, from a `TCPStore` the sender hosts and a `
 `ProcessGroupNCCL` object constructed directly, not `init_process_group` / `new_group`: the trainer's ranks already
 have a default group (FSDP) that the rollout workers are not in, and this group must leave it alone. Group rank 0
 is the sender, rank 1 + r the rollout worker of rank r; the members agree on the backend through the store (each
-receiver posts its device type, the sender posts the choice).
+receiver posts its device, the sender posts the choice): NCCL needs every member on a GPU of its own, so members
+that share one (trainer and rollout on one GPU, separate processes) fall back to gloo through host memory.
 
 Per update the control message (`CollectiveWeights`: a sequence number and the `BucketSpec`s) goes through the
 normal worker call and the tensors through the group, bucket by bucket, into buffers the receiver allocates once
@@ -74,6 +75,19 @@ def _broadcast(group: dist.Backend, tensor: torch.Tensor, timeout: timedelta) ->
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
     group.broadcast([tensor], opts).wait()
+
+
+def _device_key(device: torch.device) -> str:
+    """`cpu`, or `cuda:<the GPU's UUID>` (which physical GPU: each Ray actor calls its own GPU cuda:0)."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def group_backend(devices: list[str]) -> str:
+    """nccl when every member is on a GPU of its own (`_device_key`s), else gloo."""
+    on_gpus = all(d.startswith("cuda:") for d in devices)
+    return "nccl" if on_gpus and len(set(devices)) == len(devices) else "gloo"
 
 
 def _cuda_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -149,9 +163,12 @@ class WeightSender:
             logger.error("weight sender: %r", err)
 
     def _build(self) -> dist.Backend:
-        """Read every receiver's device type, post the backend, join the group (gloo: waits for every member)."""
-        kinds = [self.store.get(f"device/{r}").decode() for r in range(1, self.size)]
-        self.backend = "nccl" if self.device.type == "cuda" and all(k == "cuda" for k in kinds) else "gloo"
+        """Read every receiver's device, post the backend, join the group (gloo: waits for every member)."""
+        devices = [_device_key(self.device)] + [self.store.get(f"device/{r}").decode() for r in range(1, self.size)]
+        self.backend = group_backend(devices)
+        if self.backend == "gloo" and any(d.startswith("cuda") for d in devices):
+            logger.warning("weight group: gloo through host memory, since NCCL needs every member on a GPU of its "
+                           "own (devices: %s)", devices)
         self.store.set("backend", self.backend)
         return _process_group(self.store, 0, self.size, self.backend, self.timeout)
 
@@ -184,7 +201,7 @@ class WeightReceiver:
         self.timeout = timedelta(seconds=timeout_s)
         host, port = address
         self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
-        self.store.set(f"device/{rank}", device.type)
+        self.store.set(f"device/{rank}", _device_key(device))
         self.backend = self.store.get("backend").decode()
         self.device = device
         self._buffer_device = device if self.backend == "nccl" else torch.device("cpu")

@@ -3,7 +3,7 @@
 The actor's parameters (FSDP2 shards gathered to full tensors) are packed into flat buckets of at most
 `trainer.weight_sync.bucket_mb`, one dtype per bucket, in `named_parameters()` order; the rollout worker copies
 each bucket's slices into its own module's parameters of the same names. A copy, not a cast: the rollout's weights
-are bit-identical to the trainer's (tests/workers/test_weight_sync.py).
+are bit-identical to the trainer's (tests/trainer/test_async_modes.py, test_weight_collective_ray.py).
 
 Transport (`trainer.weight_sync.transport`): `call` — the buckets travel as ordinary call arguments (Ray's object
 store between processes, a reference in the local backend), actor rank 0 → driver → every rollout rank;

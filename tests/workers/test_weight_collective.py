@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.workers.weight_collective import CollectiveWeights, WeightReceiver, WeightSender
+from hybridflow.workers.weight_collective import (
+    CollectiveWeights,
+    WeightReceiver,
+    WeightSender,
+    group_backend,
+)
 from hybridflow.workers.weight_sync import WeightBucket, pack_buckets
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,3 +169,13 @@ def test_bucket_spec_round_trip() -> None:
     again = WeightBucket.from_spec(bucket.spec, bucket.flat.clone())
     assert again.names == bucket.names and again.shapes == bucket.shapes
     assert torch.equal(again.flat, bucket.flat)
+
+
+@pytest.mark.parametrize(("devices", "backend"), [
+    (["cuda:GPU-a", "cuda:GPU-b"], "nccl"),
+    (["cuda:GPU-a", "cuda:GPU-a"], "gloo"),  # trainer and rollout processes on one GPU: NCCL refuses that
+    (["cuda:GPU-a", "cpu"], "gloo"),
+    (["cpu", "cpu", "cpu"], "gloo"),
+])
+def test_backend_is_nccl_only_with_a_gpu_per_member(devices: list[str], backend: str) -> None:
+    assert group_backend(devices) == backend
