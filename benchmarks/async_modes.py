@@ -3,7 +3,7 @@
     python -m benchmarks.async_modes [--steps 10] [--modes sync,one_step_off,async] [a.b=c ...]
 
 Per mode: validation accuracy at the start and end, median step time, and the non-sync metrics (staleness,
-`timing/wait_*`, `timing/weight_sync`, bytes); after the run the rollout workers' weights are compared with the
+`timing/wait_*`, `timing/weight_sync`, bytes, the transport and broadcast times); after the run the rollout workers' weights are compared with the
 trainer's (they must be equal). Prints one JSON line per mode. A functional check on any device (`trainer.device`);
 on one GPU with the local backend both worker groups share it in one process (no overlap).
 """
@@ -21,7 +21,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SFT_CHECKPOINT = ROOT / "tests" / "assets" / "sft_arithmetic"
 KEYS = ("staleness/mean", "staleness/max", "timing/wait_rollout", "timing/wait_train", "timing/weight_sync",
-        "weight_sync/bytes", "weight_sync/buckets", "timing/generate", "timing/update_actor")
+        "weight_sync/bytes", "weight_sync/buckets", "weight_sync/collective", "weight_sync/broadcast_s",
+        "weight_sync/rollout_recv_s", "timing/generate", "timing/update_actor")
 
 
 def run_mode(mode: str, steps: int, overrides: list[str], work: Path) -> dict[str, Any]:
