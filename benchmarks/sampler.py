@@ -23,28 +23,9 @@ import platform
 
 import torch
 
+from benchmarks.decode_attention import time_graph
 from hybridflow.rollout import sample_kernel as sk
 from hybridflow.rollout.sampling import row_seed, sample
-
-
-def _graph_time(fn, iters: int, reps: int) -> float:
-    """µs per call of `fn(i)` for i in range(iters), captured once as a CUDA graph and replayed `reps` times."""
-    for i in range(min(iters, 2)):
-        fn(i)  # compile / warm up outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * iters)
 
 
 def main() -> None:
@@ -64,11 +45,11 @@ def main() -> None:
     steps = torch.arange(N, device=dev) % 7
     t, k, tp = torch.tensor(0.7, device=dev), torch.tensor(V, device=dev), torch.tensor(1.0, device=dev)
     bytes_read = N * V * 2
-    floor_us = _graph_time(lambda i: bufs[i].amax(-1), args.iters, args.reps)
+    floor_us = time_graph(lambda i: bufs[i].amax(-1), args.iters, args.reps)
     res: dict = {"rows": N, "vocab": V, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
                  "floor_amax_us": floor_us, "floor_gbps": bytes_read / floor_us / 1e3, "cases": []}
     ref = {mode: sample(bufs[0], mode, t, k, tp, seeds, steps)[0] for mode in ("sample", "greedy")}
-    torch_us = _graph_time(lambda i: sample(bufs[i], "sample", t, k, tp, seeds, steps), min(args.iters, 4), 5)
+    torch_us = time_graph(lambda i: sample(bufs[i], "sample", t, k, tp, seeds, steps), min(args.iters, 4), 5)
     res["torch_sample_us"] = torch_us
     grid = list(itertools.product(
         (1024, 2048, 4096) if args.sweep else (sk.BLOCK_V,), (4, 8, 16) if args.sweep else (sk.WARPS,),
@@ -77,7 +58,7 @@ def main() -> None:
         for mode in ("sample", "greedy"):
             kw = dict(block=block, warps=warps, num_splits=splits)
             try:
-                us = _graph_time(lambda i: sk.fused_sample(bufs[i], mode, t, k, tp, seeds, steps, **kw),  # noqa: B023
+                us = time_graph(lambda i: sk.fused_sample(bufs[i], mode, t, k, tp, seeds, steps, **kw),  # noqa: B023
                                  args.iters, args.reps)
                 tok, _ = sk.fused_sample(bufs[0], mode, t, k, tp, seeds, steps, **kw)
                 mismatch = int((tok != ref[mode]).sum())
