@@ -65,7 +65,7 @@ def _attn_tile(q, k_base, v_base, n0, hi, m_i, l_i, acc, scale_log2, sk_t, sk_d,
 
 @_jit
 def _decode_kernel(
-    Q, K, V, Start, End, Out, MidO, MidLse,
+    Q, K, V, Start, End, Rows, Out, MidO, MidLse,
     scale_log2,
     sq_b, sq_h, sq_g, sq_d,
     sk_b, sk_h, sk_t, sk_d,
@@ -73,13 +73,17 @@ def _decode_kernel(
     so_b, so_h, so_g, so_d,
     NUM_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     n_heads = tl.num_programs(1)
     row64 = row.to(tl.int64)
+    if HAS_ROWS:  # query row -> cache row (a multi-turn extension: several query tokens of one slot)
+        crow64 = tl.load(Rows + row).to(tl.int64)
+    else:
+        crow64 = row64
 
     start = tl.load(Start + row).to(tl.int32)
     end = tl.load(End + row).to(tl.int32)
@@ -100,8 +104,8 @@ def _decode_kernel(
 
     q_ptrs = Q + row64 * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :] * sq_d
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
-    k_base = K + row64 * sk_b + head * sk_h
-    v_base = V + row64 * sv_b + head * sv_h
+    k_base = K + crow64 * sk_b + head * sk_h
+    v_base = V + crow64 * sv_b + head * sv_h
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -186,12 +190,16 @@ def _auto_splits(b: int, hkv: int, t: int, device: torch.device, block_n: int) -
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                     end: torch.Tensor, scale: float | None = None, *, num_splits: int | None = None,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """o[i, h, g] = softmax(q[i, h, g] . K[i, h, start[i]:end[i]] * scale) @ V[i, h, start[i]:end[i]].
+                     end: torch.Tensor, scale: float | None = None, *, rows: torch.Tensor | None = None,
+                     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
+    """o[i, h, g] = softmax(q[i, h, g] . K[r, h, start[i]:end[i]] * scale) @ V[r, h, start[i]:end[i]], r = rows[i]
+    (default r = i).
 
-    q [b, Hkv, G, D]; k_cache / v_cache [S >= b, Hkv, T, D] (only rows < b are read; any strides, e.g. a column
-    slice of the per-layer cache); start / end int32 or int64 [b] on q's device, 0 <= start, end <= T.
+    q [b, Hkv, G, D]; k_cache / v_cache [S, Hkv, T, D] (S >= b without `rows`: only rows < b are read; any strides,
+    e.g. a column slice of the per-layer cache); start / end int32 or int64 [b] on q's device, 0 <= start, end <= T;
+    `rows` [b] cache rows in [0, S) — a multi-turn extension passes each new token's slot, its range ending at the
+    token's own column (causal within the extension, as the token's K/V were written first).
     Returns o [b, Hkv, G, D] in q's dtype (contiguous); softmax in fp32; scale defaults to 1/sqrt(D).
     `num_splits` None picks split-K from shapes only (see `_auto_splits`); 1 disables it. `block_n`
     (columns per chunk, power of 2 >= 16), `num_warps` and `num_stages` are launch knobs for tuning.
@@ -199,8 +207,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if triton is None:
         raise RuntimeError("triton is not installed; use decode_attention_ref")
     b, hkv, g, d = q.shape
-    if k_cache.shape[0] < b or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
+    if (rows is None and k_cache.shape[0] < b) or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
+    if rows is not None and rows.shape != (b,):
+        raise ValueError(f"rows must be [b={b}], got {tuple(rows.shape)}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     if start.shape != (b,) or end.shape != (b,):
@@ -223,10 +233,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o = mid_lse = out  # unused (SPLITS == 1 branch is compiled out)
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, start, end, out, mid_o, mid_lse,
+        q, k_cache, v_cache, start, end, start if rows is None else rows, out, mid_o, mid_lse,
         scale * math.log2(math.e),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        BLOCK_N=block_n, SPLITS=splits, DOT_PREC=prec, WHILE_LOOP=_INTERPRETED,
+        BLOCK_N=block_n, SPLITS=splits, DOT_PREC=prec, WHILE_LOOP=_INTERPRETED, HAS_ROWS=rows is not None,
         num_warps=num_warps, num_stages=num_stages, **meta,
     )
     if splits > 1:
@@ -235,7 +245,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                         end: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                         end: torch.Tensor, scale: float | None = None, *,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference / fallback: SDPA over all T columns of rows [:b] with the [start, end) mask.
 
     Same contract as `decode_attention` (rows with an empty range give zeros). Computes in q's dtype (SDPA
@@ -243,7 +254,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     length first where it matters.
     """
     b = q.shape[0]
-    k, v = k_cache[:b], v_cache[:b]
+    k, v = (k_cache[:b], v_cache[:b]) if rows is None else (k_cache[rows], v_cache[rows])
     cols = torch.arange(k.shape[2], device=q.device)
     valid = (cols >= start[:, None]) & (cols < end[:, None])  # [b, T]
     mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))

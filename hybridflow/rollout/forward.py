@@ -215,6 +215,42 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)
 
 
+def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, ids_N: torch.Tensor,
+                  pos_N: torch.Tensor, slot_N: torch.Tensor, col_N: torch.Tensor, start_N: torch.Tensor,
+                  last_S: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Multi-turn extension as a flat batch of N new tokens through the decode path's pieces: token i belongs to
+    cache slot `slot_N[i]`, is written at column `col_N[i]` and attends to that slot's columns
+    [start_N[i], col_N[i]] — its slot's history and, causally, the extension's earlier tokens, whose K/V the same
+    layer wrote first. Logits [S, V] of the tokens `last_S` (each slot's last new token).
+
+    Every layer is the decode step's four launches-worth of work — `ops.qkv` and `ops.mlp_block` (compiled with
+    dynamic shapes: no recompile per call), one K/V store and one range-attention kernel (`ops.attention`, with a
+    row map from query token to cache slot) — so a call costs ~4 × layers launches whatever its shape, where the
+    SDPA path (`extend_batch`) spends ~40 per layer on masks, gathers and permutes. No host sync, no
+    data-dependent shape: with fixed N and S it can be captured in a CUDA graph. Duplicate tokens (same slot,
+    column, id and position) are allowed: they write identical K/V."""
+    N = ids_N.shape[0]
+    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    hkv, group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+    store = ops.kv_store or _store_kv_torch
+    end_N = col_N + 1
+    x = F.embedding(ids_N, w.embed)
+    cos, sin = rope.cos[pos_N], rope.sin[pos_N]
+    for layer, lw in enumerate(w.layers):
+        q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)  # [N, heads, D]
+        kc, vc = cache.k[layer], cache.v[layer]
+        store(kc, vc, k, v, col_N, slot_N)
+        o = ops.attention(q.view(N, hkv, group, d), kc, vc, start_N, end_N, rows=slot_N)
+        x = ops.mlp_block(x, o.reshape(N, -1), lw, spec.eps)
+    return F.linear(rms_norm(x[last_S], w.norm, spec.eps), w.lm_head)
+
+
+def _store_kv_torch(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, col_N: torch.Tensor,
+                    slot_N: torch.Tensor) -> None:
+    kc[slot_N, :, col_N] = k
+    vc[slot_N, :, col_N] = v
+
+
 def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch.Tensor, pos_SK: torch.Tensor,
                  lens: list[int], cache: KVCache, slots_S: torch.Tensor, col0: list[int],
                  valid_XT: torch.Tensor) -> torch.Tensor:

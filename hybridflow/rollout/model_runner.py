@@ -133,47 +133,87 @@ class ModelRunner:
         slot's response, prefill only them (and the turn's last sampled token, whose K/V no step wrote yet) — all
         slots in one batched forward — sample each slot's next model token and make the slots live again. Returns
         the new response lengths. A waiting slot's `tok`/`pos`/`cidx`/`valid` drifted (finished rows keep stepping,
-        masked), so they are rebuilt from `step`, which never drifts."""
+        masked), so they are rebuilt from `step`, which never drifts.
+
+        With a range-attention kernel (`ops.attention`, the GPU path) the new tokens run flat through
+        `forward.extend_ranged`; otherwise through `forward.extend_batch` (SDPA over a padded [slots, tokens]
+        layout). Everything but the first token of each slot is known on the host, so the indices are built there
+        and copied once."""
         dev = self.device
         slots = [s for s, _, _ in items]
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         steps, max_new = torch.stack([self.step[slots_t], self.max_new[slots_t]]).tolist()  # the one host sync
+        for (s, new_ids, _), step, mx in zip(items, steps, max_new):
+            assert step + len(new_ids) < mx, (s, step, len(new_ids), mx)
+        col0 = [prompt_width + st - 1 for st in steps]  # the column of response token step - 1 (re-fed)
+        cols = torch.arange(self.valid.shape[1], device=dev)
+        self.valid[slots_t] &= cols[None] < torch.tensor(col0, device=dev)[:, None]
+        if self.ops.attention is not None:
+            logits = self._extend_ranged(items, steps, col0, slots_t)
+        else:
+            logits = self._extend_sdpa(items, steps, col0, slots_t)
+        # Bookkeeping, all host-known but the sampled tokens: appended ids land in the output (log-prob 0), the
+        # sampled token after them, and the slot's decode state moves past the new tokens.
+        k = [len(ids) for _, ids, _ in items]
+        app = torch.tensor([[s for s, n in zip(slots, k) for _ in range(n)],
+                            [st + j for st, n in zip(steps, k) for j in range(n)],
+                            [t for _, ids, _ in items for t in ids]], dtype=torch.long)
+        per_slot = torch.tensor([[st + n for st, n in zip(steps, k)],  # the sampler's step = the token's index
+                                 [c + n + 1 for c, n in zip(col0, k)],  # next cache column
+                                 [p + st + n for (_, _, p), st, n in zip(items, steps, k)]],  # next position
+                                dtype=torch.long)
+        app, per_slot = app.to(dev, non_blocking=True), per_slot.to(dev, non_blocking=True)
+        counter, next_col, next_pos = per_slot
+        self.out_tok[app[0], app[1]] = app[2]
+        self.out_logp[app[0], app[1]] = 0.0
+        tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
+                                    self.seed[slots_t], counter)
+        self.out_tok[slots_t, counter] = tok
+        self.out_logp[slots_t, counter] = logp
+        new_len = counter + 1
+        self.tok[slots_t], self.step[slots_t] = tok, new_len
+        self.cidx[slots_t], self.pos[slots_t] = next_col, next_pos
+        self.done[slots_t] = self.is_stop[tok] | (new_len >= self.max_new[slots_t])
+        return [st + n + 1 for st, n in zip(steps, k)]  # = new_len, known on the host
+
+    def _extend_ranged(self, items: list[tuple[int, list[int], int]], steps: list[int], col0: list[int],
+                       slots_t: torch.Tensor) -> torch.Tensor:
+        """The new tokens of every slot as one flat batch (`forward.extend_ranged`); logits [S, V]."""
+        dev = self.device
+        ids, pos, slot, col, first, last = [], [], [], [], [], []
+        for (s, new_ids, resp_pos0), st, c in zip(items, steps, col0):
+            first.append(len(ids))
+            n = len(new_ids) + 1
+            ids += [0, *new_ids]  # the re-fed sampled token is filled in on the device below
+            pos += range(resp_pos0 + st - 1, resp_pos0 + st - 1 + n)
+            slot += [s] * n
+            col += range(c, c + n)
+            last.append(len(ids) - 1)
+        host = torch.tensor([ids, pos, slot, col], dtype=torch.long).to(dev, non_blocking=True)
+        idx = torch.tensor([first, last], dtype=torch.long).to(dev, non_blocking=True)
+        ids_N, pos_N, slot_N, col_N = host
+        ids_N[idx[0]] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
+        self.valid[slot_N, col_N] = True
+        return forward.extend_ranged(self.weights, self.spec, self.rope, self.ops, ids_N, pos_N, slot_N, col_N,
+                                     self.start[slot_N], idx[1], self.cache)
+
+    def _extend_sdpa(self, items: list[tuple[int, list[int], int]], steps: list[int], col0: list[int],
+                     slots_t: torch.Tensor) -> torch.Tensor:
+        """The new tokens right-padded to [S, K] through `forward.extend_batch` (SDPA); logits [S, V]."""
+        dev = self.device
         lens = [len(ids) + 1 for _, ids, _ in items]
         K = max(lens)
         ids = torch.full((len(items), K), self.pad_id, dtype=torch.long)
         pos = torch.zeros(len(items), K, dtype=torch.long)
         for i, (_, new_ids, resp_pos0) in enumerate(items):
-            k, step = len(new_ids), steps[i]
-            assert step + k < max_new[i], (step, k, max_new[i])
+            k = len(new_ids)
             ids[i, 1: k + 1] = torch.tensor(new_ids, dtype=torch.long)
-            first = resp_pos0 + step - 1
+            first = resp_pos0 + steps[i] - 1
             pos[i] = torch.arange(first, first + K).clamp(max=first + k)  # padding repeats the last position
-        steps_t, lens_t = torch.tensor([steps, lens], dtype=torch.long).to(dev, non_blocking=True)
-        ids, pos_d = ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
-        ids[:, 0] = self.out_tok[slots_t, steps_t - 1]
-        col0 = prompt_width + steps_t - 1  # the column of response token step - 1
-        cols = torch.arange(self.valid.shape[1], device=dev)
-        self.valid[slots_t] &= cols[None] < col0[:, None]
-        logits = forward.extend_batch(self.weights, self.spec, self.rope, ids, pos_d, lens,
-                                      self.cache, slots_t, [prompt_width + st - 1 for st in steps], self.valid)
-        k_t = lens_t - 1
-        counter = steps_t + k_t  # the sampler's step = the token's index
-        tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
-                                    self.seed[slots_t], counter)
-        j = torch.arange(K - 1, device=dev)
-        new_SK = j[None] < k_t[:, None]
-        rows = slots_t[:, None].expand_as(new_SK)[new_SK]
-        out_cols = (steps_t[:, None] + j[None])[new_SK]
-        self.out_tok[rows, out_cols] = ids[:, 1:][new_SK]
-        self.out_logp[rows, out_cols] = 0.0
-        self.out_tok[slots_t, counter] = tok
-        self.out_logp[slots_t, counter] = logp
-        new_len = counter + 1
-        self.tok[slots_t], self.step[slots_t] = tok, new_len
-        self.cidx[slots_t] = col0 + k_t + 1
-        self.pos[slots_t] = pos_d[torch.arange(len(items), device=dev), k_t] + 1
-        self.done[slots_t] = self.is_stop[tok] | (new_len >= self.max_new[slots_t])
-        return [st + n for st, n in zip(steps, lens)]  # = new_len, known on the host
+        ids, pos = ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
+        ids[:, 0] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
+        return forward.extend_batch(self.weights, self.spec, self.rope, ids, pos, lens, self.cache, slots_t, col0,
+                                    self.valid)
 
     # --------------------------------------------------------------------------------------------------- decode
     def _step(self, b: int, L: int, mode: str) -> None:

@@ -66,6 +66,25 @@ def test_kernel_matches_reference(g, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("splits", [1, 3])
+def test_row_map_reads_the_mapped_cache_rows(splits):
+    """A multi-turn extension: 7 query tokens of 3 slots (in any order, one slot twice in a row), each with its own
+    causal range end, read cache rows through `rows`; equal to the reference and to unmapped calls per token."""
+    q, k, v = make(7, 4, 2, 6, 64, 70, seed=11 + splits)
+    rows = torch.tensor([2, 2, 0, 3, 2, 0, 1], device=DEV)
+    start, end = ranges([(5, 40), (5, 41), (0, 70), (13, 14), (5, 42), (0, 12), (69, 70)])
+    o = da.decode_attention(q, k, v, start, end, rows=rows, num_splits=splits, block_n=16)
+    ref = da.decode_attention_ref(q, k, v, start, end, rows=rows)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+    for i in range(7):
+        r = int(rows[i])
+        one = da.decode_attention_ref(q[i: i + 1], k[r: r + 1], v[r: r + 1], start[i: i + 1], end[i: i + 1])
+        torch.testing.assert_close(o[i: i + 1], one, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="rows must be"):
+        da.decode_attention(q, k, v, start, end, rows=rows[:3])
+
+
+@needs_kernel
 @pytest.mark.parametrize("splits,block_n", [(2, 64), (3, 16), (5, 32)])
 def test_split_k_and_empty_rows(splits, block_n):
     """Split-K merge, including splits with no columns (short rows) and a row with an empty range (zeros)."""

@@ -22,7 +22,7 @@ from rollout_helpers import (
 pytest.importorskip("triton")
 from hybridflow.rollout import forward, triton_util  # noqa: E402
 from hybridflow.rollout.decode_attention import decode_attention_ref  # noqa: E402
-from hybridflow.rollout.kv_store_kernel import store_kv  # noqa: E402
+from hybridflow.rollout.kv_store_kernel import store_kv, store_kv_ref  # noqa: E402
 from hybridflow.rollout.sampling import sample  # noqa: E402
 
 
@@ -42,6 +42,22 @@ def index_put(kc, vc, k, v, cidx):
     rows = torch.arange(k.shape[0], device=k.device)
     kc[rows, :, cidx] = k
     vc[rows, :, cidx] = v
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_map_writes_tokens_of_one_slot_to_their_columns(dtype):
+    """A multi-turn extension writes several tokens of a slot (rows repeat, columns differ), and padding repeats
+    the last token exactly (same row, column and values): equal to index_put bit for bit, nothing else touched."""
+    kc, vc, k, v, _ = make(5, 6, 2, 40, 64, dtype, seed=3)
+    rows = torch.tensor([3, 3, 3, 0, 4, 4], device=DEV)
+    cols = torch.tensor([10, 11, 12, 0, 39, 39], device=DEV)
+    k[5], v[5] = k[4], v[4]  # the duplicate carries identical values
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(want_k, want_v, k, v, cols, rows)
+    store_kv(kc, vc, k, v, cols, rows)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert torch.equal(kc[3, :, 10:13], k[:3].transpose(0, 1)) and torch.equal(kc[1], want_k[1])
 
 
 @needs_kernel

@@ -138,3 +138,40 @@ def test_batched_extensions_of_different_lengths_match_full_reprefill(model, mon
     assert mixed, f"no batch of extensions with different lengths: {batches}"
     ref = hf_logprobs(model, out, 1.0)
     torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=2e-4, rtol=0)
+
+
+def test_ranged_extension_matches_the_sdpa_extension(model, monkeypatch):
+    """The GPU extension path (flat tokens, a row map into the cache, range attention) — here with the kernels'
+    torch references — gives the SDPA path's tokens and log-probs, with batches of different lengths, and both
+    match one full forward over the trajectories."""
+    from hybridflow.rollout import forward
+    from hybridflow.rollout.decode_attention import decode_attention_ref
+    from hybridflow.rollout.kv_store_kernel import store_kv_ref
+    from hybridflow.rollout.model_runner import ModelRunner
+    from hybridflow.rollout.sampling import sample
+
+    class RowEcho(Tool):  # 1-4 words by trajectory and turn: the same answers whatever order the calls run in
+        name = "echo"
+
+        def execute(self, arguments, context):
+            context.state["turn"] = context.state.get("turn", 0) + 1
+            return ToolResult(" ".join(["ok"] * (1 + (int(context.trajectory_id) + context.state["turn"]) % 4)))
+
+    def run():
+        eng = _engine(model, R=48, temperature=1.0)
+        eng.session = ToolSession({"echo": RowEcho()}, AlwaysCall(), builtin_tokenizer(), max_assistant_turns=3,
+                                  max_tool_response_length=16, tool_timeout_s=5.0, tool_workers=1)
+        return eng, eng.generate(make_prompts(6, 12, model.config.vocab_size, meta={"n": 2, "seeds": list(range(6))}))
+
+    _, sdpa = run()
+    calls = []
+    real = ModelRunner._extend_ranged
+    monkeypatch.setattr(forward, "_triton_kernels", lambda device: (decode_attention_ref, sample))
+    monkeypatch.setattr(forward, "_triton_kv_store", lambda device: store_kv_ref)
+    monkeypatch.setattr(ModelRunner, "_extend_ranged", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
+    eng, ranged = run()
+    assert eng._runner.ops.attention is decode_attention_ref and calls and max(calls) > 1, calls
+    assert torch.equal(ranged.batch["responses"], sdpa.batch["responses"])
+    assert torch.equal(ranged.batch["response_mask"], sdpa.batch["response_mask"])
+    torch.testing.assert_close(ranged.batch["rollout_log_probs"], sdpa.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ranged.batch["rollout_log_probs"], hf_logprobs(model, ranged, 1.0), atol=2e-4, rtol=0)
