@@ -10,6 +10,9 @@ no tool calls, so a test format calls the `sleep` tool after every turn (it slee
 `--tool-tokens` tokens); a turn ends on any of V / `--turn-len` stop ids (geometric turn lengths, mean ≈ turn-len),
 the 3rd turn ends the trajectory. Three runs after one warm-up each:
 - single-turn: the same prompts, `ignore_eos`, max_new = the multi-turn run's mean model tokens per trajectory;
+- single-turn, length-matched: each row generates exactly as many tokens as its multi-turn trajectory sampled (the
+  same ragged tail: the batch thins out as short rows finish), so the ratio isolates what the turns cost — pauses,
+  tool waits and extensions — from the length spread the workload has either way;
 - multi-turn, KV reuse (what the engine does): `ModelRunner.extend_many` prefills only the appended tool tokens, all
   slots whose tools finished together in one batched forward;
 - multi-turn, re-prefill: `extend_many` replaced by a version that recomputes the whole history's K/V (prompt +
@@ -108,6 +111,20 @@ def reprefill_extend(prompt_ids: torch.Tensor):
     return extend_many
 
 
+def length_matched_admit(lengths_by_seed: dict[int, int]):
+    """A `ModelRunner.admit` that caps each admitted slot at its row's target length (rows found by their seed)."""
+    original = ModelRunner.admit
+
+    def admit(self: ModelRunner, slots, ids_BP, mask_BP, pos_BP, n, seeds, max_new):
+        original(self, slots, ids_BP, mask_BP, pos_BP, n, seeds, max_new)
+        cap = torch.tensor([min(max_new, lengths_by_seed[s]) for s in seeds], device=self.device)
+        slot_t = torch.tensor(slots, device=self.device)
+        self.max_new[slot_t] = cap
+        self.done[slot_t] |= cap <= 1
+
+    return admit
+
+
 def timed_generate(engine: RolloutEngine, prompts: DataProto, params: SamplingParams) -> tuple[DataProto, float]:
     engine.generate(prompts, params)  # warm-up: graphs, compiled kernels, cache
     sync(engine.device)
@@ -175,6 +192,17 @@ def main() -> None:
     single = SamplingParams(n=n, ignore_eos=True, max_new_tokens=per_traj, seed=1)
     out_st, t_single = timed_generate(engine, prompts, single)
     single_tokens = int(out_st.batch["response_mask"].sum())
+    row_seeds = engine._row_seeds(prompts.meta_info, multi, B)
+    per_row = out.batch["response_mask"].sum(1).tolist()
+    original_admit = ModelRunner.admit
+    ModelRunner.admit = length_matched_admit({s: int(t) for s, t in zip(row_seeds, per_row)})
+    try:
+        out_lm, t_lm = timed_generate(engine, prompts, dataclasses.replace(single, max_new_tokens=R))
+    finally:
+        ModelRunner.admit = original_admit
+    lm_tokens = int(out_lm.batch["response_mask"].sum())
+    lm_same_lengths = bool(torch.equal(out_lm.batch["response_mask"].sum(1).cpu(),
+                                       out.batch["response_mask"].sum(1).cpu()))
     session.close()
 
     res = {
@@ -189,13 +217,17 @@ def main() -> None:
         "multi_turn_reprefill_s": t_re, "multi_turn_reprefill_tok_s": re_tokens / t_re,
         "reprefill_same_tokens": same_seq, "reprefill_max_logp_diff": logp_diff,
         "single_turn_s": t_single, "single_turn_tokens": single_tokens, "single_turn_tok_s": single_tokens / t_single,
+        "single_matched_s": t_lm, "single_matched_tokens": lm_tokens, "single_matched_tok_s": lm_tokens / t_lm,
+        "single_matched_same_lengths": lm_same_lengths,
     }
+    res["multi_vs_single_matched"] = res["multi_turn_reuse_tok_s"] / res["single_matched_tok_s"]
     res["multi_vs_single"] = res["multi_turn_reuse_tok_s"] / res["single_turn_tok_s"]
     res["reuse_vs_reprefill"] = res["multi_turn_reuse_tok_s"] / res["multi_turn_reprefill_tok_s"]
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     for k in ("turns_mean", "model_tokens", "response_len_mean", "multi_turn_reuse_s", "multi_turn_reuse_tok_s",
               "multi_turn_reprefill_tok_s", "reprefill_same_tokens", "reprefill_max_logp_diff", "single_turn_tok_s", "multi_vs_single",
+              "single_matched_tok_s", "single_matched_same_lengths", "multi_vs_single_matched",
               "reuse_vs_reprefill", "tool_wait_s"):
         print(f"{k:28s} {res[k]}")
 
