@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 # A smaller bucket is captured mid-generation only if at least this many steps remain (capture ≈ 2 eager steps).
 CAPTURE_MIN_REMAINING = 32
+# Multi-turn extensions of up to this many new tokens (all slots together) replay CUDA graphs captured per
+# (token bucket, slot bucket) on a bucket's second use (a capture costs ~3 eager calls; one-off shapes stay eager).
+EXT_GRAPH_TOKENS = 4096
+EXT_CAPTURE_AFTER_USES = 2
 
 
 def buckets_for(slots: int) -> list[int]:
@@ -45,6 +49,11 @@ def kv_buckets_for(max_len: int) -> list[int]:
         x = int(x * grow) // 16 * 16
         grow = 4 / 3 if grow == 1.5 else 1.5
     return out + [max_len]
+
+
+def _pow2(x: int, floor: int) -> int:
+    """The power of two >= max(x, floor)."""
+    return max(floor, 1 << (x - 1).bit_length())
 
 
 class ModelRunner:
@@ -75,6 +84,13 @@ class ModelRunner:
         self.buckets = buckets_for(S)
         self.kv_buckets = kv_buckets_for(T)
         self.capture_s = 0.0  # time of the last capture() that captured anything
+        # extension graphs: (tokens bucket, slots bucket) -> (graph, logits); their static inputs [ids, pos, slot,
+        # col] and each slot's last-token index
+        self.ext_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.ext_graph_tokens = EXT_GRAPH_TOKENS if use_graphs else 0  # 0: extensions run eagerly
+        self._ext_uses: dict[tuple[int, int], int] = {}
+        self._ext_in: torch.Tensor | None = None
+        self._ext_last: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------- configuration
     def set_sampling(self, params: SamplingParams, eos_ids: list[int]) -> None:
@@ -93,9 +109,10 @@ class ModelRunner:
 
     def set_weights(self, weights: ModelWeights) -> None:
         """New views; captured graphs are dropped only if any tensor moved (zero-copy weights never move)."""
-        if weights.ptrs != self.weights.ptrs and self.graphs:
-            logger.info("weight storage moved; dropping %d CUDA graphs", len(self.graphs))
+        if weights.ptrs != self.weights.ptrs and (self.graphs or self.ext_graphs):
+            logger.info("weight storage moved; dropping %d CUDA graphs", len(self.graphs) + len(self.ext_graphs))
             self.graphs.clear()
+            self.ext_graphs.clear()
         self.weights = weights
 
     # -------------------------------------------------------------------------------------------------- prefill
@@ -178,7 +195,9 @@ class ModelRunner:
 
     def _extend_ranged(self, items: list[tuple[int, list[int], int]], steps: list[int], col0: list[int],
                        slots_t: torch.Tensor) -> torch.Tensor:
-        """The new tokens of every slot as one flat batch (`forward.extend_ranged`); logits [S, V]."""
+        """The new tokens of every slot as one flat batch (`forward.extend_ranged`); logits [S, V]. On a GPU the
+        batch is padded to a (tokens, slots) bucket — extra tokens repeat the last one (identical K/V writes),
+        extra slots repeat the last slot's logits row — and replays that bucket's CUDA graph once captured."""
         dev = self.device
         ids, pos, slot, col, first, last = [], [], [], [], [], []
         for (s, new_ids, resp_pos0), st, c in zip(items, steps, col0):
@@ -189,13 +208,68 @@ class ModelRunner:
             slot += [s] * n
             col += range(c, c + n)
             last.append(len(ids) - 1)
-        host = torch.tensor([ids, pos, slot, col], dtype=torch.long).to(dev, non_blocking=True)
-        idx = torch.tensor([first, last], dtype=torch.long).to(dev, non_blocking=True)
-        ids_N, pos_N, slot_N, col_N = host
-        ids_N[idx[0]] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
-        self.valid[slot_N, col_N] = True
+        N, S = len(ids), len(items)
+        key = (_pow2(N, 64), _pow2(S, 8)) if N <= self.ext_graph_tokens else None
+        if key is not None:
+            Nb, Sb = key
+            for lst in (ids, pos, slot, col):
+                lst += [lst[-1]] * (Nb - N)
+            last += [last[-1]] * (Sb - S)
+        host = torch.tensor([ids, pos, slot, col], dtype=torch.long)
+        idx = torch.tensor([first, last[:S]], dtype=torch.long).to(dev, non_blocking=True)
+        if key is None:
+            buf, last_t = host.to(dev, non_blocking=True), idx[1]
+        else:
+            if self._ext_in is None:
+                self._ext_in = torch.zeros(4, self.ext_graph_tokens, dtype=torch.long, device=dev)
+                self._ext_last = torch.zeros(_pow2(self.cache.slots, 8), dtype=torch.long, device=dev)
+            buf, last_t = self._ext_in[:, : key[0]], self._ext_last[: key[1]]
+            buf.copy_(host, non_blocking=True)
+            last_t.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)
+        buf[0, idx[0]] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
+        self.valid[buf[2, :N], buf[3, :N]] = True
+        if key is None:
+            return self._extend_forward(buf, last_t)
+        graph = self.ext_graphs.get(key)
+        if graph is None:
+            self._ext_uses[key] = self._ext_uses.get(key, 0) + 1
+            if self._ext_uses[key] < EXT_CAPTURE_AFTER_USES or not self._capture_extension(key, buf, last_t):
+                return self._extend_forward(buf, last_t)[:S]
+            graph = self.ext_graphs[key]
+        graph[0].replay()
+        return graph[1][:S]
+
+    def _extend_forward(self, buf: torch.Tensor, last_t: torch.Tensor) -> torch.Tensor:
+        ids_N, pos_N, slot_N, col_N = buf
         return forward.extend_ranged(self.weights, self.spec, self.rope, self.ops, ids_N, pos_N, slot_N, col_N,
-                                     self.start[slot_N], idx[1], self.cache)
+                                     self.start[slot_N], last_t, self.cache)
+
+    def _capture_extension(self, key: tuple[int, int], buf: torch.Tensor, last_t: torch.Tensor) -> bool:
+        """Capture the extension over `key`'s static inputs (already holding this call's tokens, so the warm-up run
+        writes the K/V the replay writes again). False, with a warning and extensions eager from then on, if
+        capture fails."""
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._extend_forward(buf, last_t)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._extend_forward(buf, last_t)
+        except Exception as err:  # noqa: BLE001 — capture/compile failures are many types; eager still works
+            logger.warning("CUDA-graph capture of a multi-turn extension failed (%s: %s); extensions run eagerly",
+                           type(err).__name__, err)
+            torch.cuda.synchronize()
+            self.ext_graph_tokens = 0
+            return False
+        self.ext_graphs[key] = (graph, logits)
+        self.capture_s += time.perf_counter() - t0
+        logger.info("captured extension graph tokens=%d slots=%d in %.2fs", *key, time.perf_counter() - t0)
+        return True
 
     def _extend_sdpa(self, items: list[tuple[int, list[int], int]], steps: list[int], col0: list[int],
                      slots_t: torch.Tensor) -> torch.Tensor:
@@ -273,6 +347,7 @@ class ModelRunner:
             for t, saved in zip(self._state(), snapshot):
                 t[:b].copy_(saved)
             self.graphs.clear()
+            self.ext_graphs.clear()
             if self.ops.is_compiled or self.ops.attention is not None:
                 logger.warning("CUDA-graph capture with compiled ops / Triton kernels failed (%s: %s); retrying "
                                "with eager torch ops", type(err).__name__, err)

@@ -3,8 +3,9 @@ across turns gives the same log-probs as one plain HF forward over the whole tra
 
 from __future__ import annotations
 
+import pytest
 import torch
-from rollout_helpers import make_engine, make_prompts
+from rollout_helpers import make_engine, make_model, make_prompts
 from test_rollout_engine import hf_logprobs
 
 from hybridflow.agentic.formats import ToolCall, ToolFormat
@@ -140,6 +141,14 @@ def test_batched_extensions_of_different_lengths_match_full_reprefill(model, mon
     torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=2e-4, rtol=0)
 
 
+class RowEcho(Tool):  # 1-4 words by trajectory and turn: the same answers whatever order the calls run in
+    name = "echo"
+
+    def execute(self, arguments, context):
+        context.state["turn"] = context.state.get("turn", 0) + 1
+        return ToolResult(" ".join(["ok"] * (1 + (int(context.trajectory_id) + context.state["turn"]) % 4)))
+
+
 def test_ranged_extension_matches_the_sdpa_extension(model, monkeypatch):
     """The GPU extension path (flat tokens, a row map into the cache, range attention) — here with the kernels'
     torch references — gives the SDPA path's tokens and log-probs, with batches of different lengths, and both
@@ -149,13 +158,6 @@ def test_ranged_extension_matches_the_sdpa_extension(model, monkeypatch):
     from hybridflow.rollout.kv_store_kernel import store_kv_ref
     from hybridflow.rollout.model_runner import ModelRunner
     from hybridflow.rollout.sampling import sample
-
-    class RowEcho(Tool):  # 1-4 words by trajectory and turn: the same answers whatever order the calls run in
-        name = "echo"
-
-        def execute(self, arguments, context):
-            context.state["turn"] = context.state.get("turn", 0) + 1
-            return ToolResult(" ".join(["ok"] * (1 + (int(context.trajectory_id) + context.state["turn"]) % 4)))
 
     def run():
         eng = _engine(model, R=48, temperature=1.0)
@@ -175,3 +177,50 @@ def test_ranged_extension_matches_the_sdpa_extension(model, monkeypatch):
     assert torch.equal(ranged.batch["response_mask"], sdpa.batch["response_mask"])
     torch.testing.assert_close(ranged.batch["rollout_log_probs"], sdpa.batch["rollout_log_probs"], atol=1e-5, rtol=0)
     torch.testing.assert_close(ranged.batch["rollout_log_probs"], hf_logprobs(model, ranged, 1.0), atol=2e-4, rtol=0)
+
+    # The GPU layout without the graph: tokens padded to a power-of-two bucket by repeating the last one, slots
+    # padded by repeating the last slot's row — the same results.
+    from hybridflow.rollout import model_runner
+
+    init = ModelRunner.__init__
+
+    def padded_init(self, *a, **kw):
+        init(self, *a, **kw)
+        self.ext_graph_tokens = model_runner.EXT_GRAPH_TOKENS
+
+    monkeypatch.setattr(ModelRunner, "__init__", padded_init)
+    monkeypatch.setattr(model_runner, "EXT_CAPTURE_AFTER_USES", 10**9)
+    calls.clear()
+    eng, padded = run()
+    assert eng._runner._ext_uses and calls, "the padded layout was not used"
+    assert torch.equal(padded.batch["responses"], sdpa.batch["responses"])
+    torch.testing.assert_close(padded.batch["rollout_log_probs"], sdpa.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_extension_graphs_replay_the_eager_extension(monkeypatch):
+    """On a GPU, extensions replay captured graphs (padded buckets); tokens and log-probs equal the eager,
+    unpadded extension's, on the first call (captures) and on a second one (replays only)."""
+    from hybridflow.rollout import model_runner
+
+    model = make_model("qwen").cuda()
+    prompts = make_prompts(6, 12, model.config.vocab_size, meta={"n": 2, "seeds": list(range(6))})
+
+    def engine():
+        eng = _engine(model, R=48, temperature=1.0)
+        eng.session = ToolSession({"echo": RowEcho()}, AlwaysCall(), builtin_tokenizer(), max_assistant_turns=3,
+                                  max_tool_response_length=16, tool_timeout_s=5.0, tool_workers=1)
+        return eng
+
+    monkeypatch.setattr(model_runner, "EXT_CAPTURE_AFTER_USES", 1)
+    graphed = engine()
+    first, second = graphed.generate(prompts), graphed.generate(prompts)
+    assert graphed._runner.ext_graphs, "no extension graph was captured"
+    eager = engine()
+    eager.generate(prompts)  # builds the runner
+    eager._runner.ext_graph_tokens = 0
+    ref = eager.generate(prompts)
+    assert not eager._runner.ext_graphs
+    for out in (first, second):
+        assert torch.equal(out.batch["responses"], ref.batch["responses"])
+        torch.testing.assert_close(out.batch["rollout_log_probs"], ref.batch["rollout_log_probs"], atol=1e-4, rtol=0)
