@@ -105,7 +105,8 @@ def reprefill_extend(prompt_ids: torch.Tensor):
         self.done[slot] = self.is_stop[tok[0]] | (new_len >= self.max_new[slot])
         return new_len
 
-    def extend_many(self: ModelRunner, items: list[tuple[int, list[int], int]], prompt_width: int) -> list[int]:
+    def extend_many(self: ModelRunner, items: list[tuple[int, list[int], int]], prompt_width: int,
+                    **_host_known) -> list[int]:
         return [one(self, slot, new_ids) for slot, new_ids, _ in items]
 
     return extend_many

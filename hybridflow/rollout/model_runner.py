@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy
 import torch
 
 from hybridflow.rollout import forward
@@ -145,7 +146,8 @@ class ModelRunner:
         stop = self.is_stop[tok]
         self.done[slot_t] = stop | (max_new <= 1)
 
-    def extend_many(self, items: list[tuple[int, list[int], int]], prompt_width: int) -> list[int]:
+    def extend_many(self, items: list[tuple[int, list[int], int]], prompt_width: int, *,
+                    steps: list[int] | None = None, max_new: list[int] | None = None) -> list[int]:
         """Multi-turn: for each (slot, new_ids, resp_pos0), append `new_ids` (tool/user tokens) to that finished
         slot's response, prefill only them (and the turn's last sampled token, whose K/V no step wrote yet) — all
         slots in one batched forward — sample each slot's next model token and make the slots live again. Returns
@@ -155,11 +157,13 @@ class ModelRunner:
         With a range-attention kernel (`ops.attention`, the GPU path) the new tokens run flat through
         `forward.extend_ranged`; otherwise through `forward.extend_batch` (SDPA over a padded [slots, tokens]
         layout). Everything but the first token of each slot is known on the host, so the indices are built there
-        and copied once."""
+        and copied once. `steps` / `max_new` (each slot's response length and cap) are read from the device when
+        the caller does not know them — a sync that drains the queued decode steps first."""
         dev = self.device
         slots = [s for s, _, _ in items]
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        steps, max_new = torch.stack([self.step[slots_t], self.max_new[slots_t]]).tolist()  # the one host sync
+        if steps is None or max_new is None:
+            steps, max_new = torch.stack([self.step[slots_t], self.max_new[slots_t]]).tolist()
         for (s, new_ids, _), step, mx in zip(items, steps, max_new):
             assert step + len(new_ids) < mx, (s, step, len(new_ids), mx)
         col0 = [prompt_width + st - 1 for st in steps]  # the column of response token step - 1 (re-fed)
@@ -382,6 +386,11 @@ class ModelRunner:
     def done_mask(self) -> torch.Tensor:
         """Host copy of `done` — the one synchronisation the scheduler makes every few steps."""
         return self.done.cpu()
+
+    def done_and_steps(self) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """Host copies of `done` and `step` (each slot's response length) in one transfer."""
+        both = torch.stack([self.done.long(), self.step]).cpu().numpy()
+        return both[0].astype(bool), both[1]
 
     def harvest(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [k, R], log-probs [k, R], lengths [k]) of finished slots; the slots become free."""

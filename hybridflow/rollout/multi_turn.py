@@ -65,7 +65,7 @@ class MultiTurnScheduler:
         waiting, free = deque(range(B)), list(range(r.cache.slots))
         heapq.heapify(free)
         live: dict[int, int] = {}  # decoding slot -> output row
-        paused: dict[int, tuple[int, object]] = {}  # slot waiting on tools -> (row, PendingTools)
+        paused: dict[int, tuple[int, object, int]] = {}  # slot waiting on tools -> (row, PendingTools, step)
         host_steps: dict[int, int] = {}  # live slot -> tokens in its response (upper bound)
         turn_start: dict[int, int] = {}  # slot -> response index where its current turn began
         appended: dict[int, list[tuple[int, int]]] = {}  # slot -> [start, end) spans of appended ids
@@ -85,11 +85,11 @@ class MultiTurnScheduler:
                 live.update(zip(slots, rows))
                 for s in slots:
                     host_steps[s], turn_start[s], appended[s] = 1, 0, []
-            ready = [s for s, (_, pending) in paused.items() if pending.ready()]
-            ready_steps = r.step[torch.tensor(ready, dtype=torch.long, device=r.device)].tolist() if ready else []
+            ready = [s for s, (_, pending, _) in paused.items() if pending.ready()]
             resume: list[tuple[int, list[int], int]] = []  # extended together: one batched forward
-            for s, step in zip(ready, ready_steps):
-                row, pending = paused.pop(s)
+            resume_steps: list[int] = []
+            for s in ready:
+                row, pending, step = paused.pop(s)
                 result = session.collect(row, pending)
                 turn_rewards[row, step - 1] += result.reward  # the turn's last model token
                 new_ids = result.ids
@@ -97,12 +97,14 @@ class MultiTurnScheduler:
                     self._finish(s, row, tokens, logps, lengths, model_mask, appended, free)
                     continue
                 resume.append((s, new_ids, resp_pos0[row // n]))
+                resume_steps.append(step)
                 extend_tokens += len(new_ids) + 1
                 appended[s].append((step, step + len(new_ids)))
                 turn_start[s] = step + len(new_ids)
                 live[s] = row
             if resume:
-                for (s, _, _), length in zip(resume, r.extend_many(resume, P)):
+                lengths_now = r.extend_many(resume, P, steps=resume_steps, max_new=[max_new] * len(resume))
+                for (s, _, _), length in zip(resume, lengths_now):
                     host_steps[s] = length
             if live:
                 remaining = max(max_new - host_steps[s] for s in live)
@@ -115,20 +117,23 @@ class MultiTurnScheduler:
                     decode_steps += todo
                     for s in live:
                         host_steps[s] += todo
-                done = r.done_mask().numpy()
-                for s in [s for s in live if done[s]]:
+                done, steps_now = r.done_and_steps()  # one sync
+                finished = [s for s in live if done[s]]
+                # the finished slots' outputs in one copy; the GPU keeps nothing queued behind it to wait for
+                out_rows = r.out_tok[torch.tensor(finished, device=r.device)].cpu() if finished else None
+                for i, s in enumerate(finished):
                     row = live.pop(s)
                     del host_steps[s]
-                    step = int(r.step[s])
-                    turn_ids = r.out_tok[s, turn_start[s]: step].tolist()
+                    step = int(steps_now[s])
+                    turn_ids = out_rows[i, turn_start[s]: step].tolist()
                     pending = session.on_turn_end(row, turn_ids, turn_complete=step < max_new)
                     if pending is None:
                         self._finish(s, row, tokens, logps, lengths, model_mask, appended, free)
                     else:
-                        paused[s] = (row, pending)
-            elif paused and not any(p.ready() for _, p in paused.values()):
+                        paused[s] = (row, pending, step)
+            elif paused and not any(p.ready() for _, p, _ in paused.values()):
                 t0 = time.perf_counter()
-                futures = [f for _, p in paused.values() for f in p.futures()]
+                futures = [f for _, p, _ in paused.values() for f in p.futures()]
                 wait(futures, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 tool_wait += time.perf_counter() - t0
         v = self._versions

@@ -129,9 +129,9 @@ def test_batched_extensions_of_different_lengths_match_full_reprefill(model, mon
     batches = []
     real = ModelRunner.extend_many
 
-    def spy(self, items, prompt_width):
+    def spy(self, items, prompt_width, **kw):
         batches.append(sorted({len(ids) for _, ids, _ in items}) if len(items) > 1 else None)
-        return real(self, items, prompt_width)
+        return real(self, items, prompt_width, **kw)
 
     monkeypatch.setattr(ModelRunner, "extend_many", spy)
     out = eng.generate(make_prompts(6, 12, model.config.vocab_size, meta={"n": 2}))
