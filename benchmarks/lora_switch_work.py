@@ -76,9 +76,11 @@ class OpTally(TorchDispatchMode):
                 "largest_fresh_mb": self.largest / 2**20}
 
 
-def build_model(preset: str, layers: int, lora_rank: int, lora_alpha: float, seed: int = 0) -> torch.nn.Module:
-    """A random-init preset model on CPU: LoRA (rank > 0) = bf16 base + fp32 adapters on every decoder Linear, B
-    nonzero as after training; rank 0 = fp32 weights (full fine-tuning's master weights)."""
+def build_model(preset: str, layers: int, lora_rank: int, lora_alpha: float, seed: int = 0,
+                targets: str | list[str] = "all-linear", base_dtype: torch.dtype = torch.bfloat16,
+                b_std: float = 0.02) -> torch.nn.Module:
+    """A random-init preset model on CPU: LoRA (rank > 0) = `base_dtype` base + fp32 adapters on `targets`, B
+    nonzero (std `b_std`) as after training; rank 0 = fp32 weights (full fine-tuning's master weights)."""
     from transformers import AutoModelForCausalLM
 
     from hybridflow.config.schema import LoraConfig
@@ -87,13 +89,13 @@ def build_model(preset: str, layers: int, lora_rank: int, lora_alpha: float, see
 
     cfg = preset_config(preset, num_hidden_layers=layers)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if lora_rank else torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=base_dtype if lora_rank else torch.float32)
     if lora_rank:
-        apply_lora(model, LoraConfig(rank=lora_rank, alpha=lora_alpha, target_modules="all-linear"), seed)
+        apply_lora(model, LoraConfig(rank=lora_rank, alpha=lora_alpha, target_modules=targets), seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
-                    p.normal_(0.0, 0.02)
+                    p.normal_(0.0, b_std)
     return model.eval()
 
 

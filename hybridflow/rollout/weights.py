@@ -26,6 +26,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA layer's (B [out, r], A [r, in], alpha/r)
 STACK_BYTES = 256 * 2**20  # the most temporary memory (stacked LoRA factors B, A) the merge allocates at a time
 
 
@@ -152,15 +153,6 @@ def _source(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     return p.detach().to(dtype).full_tensor(), True
 
 
-def _lora_factors(owner: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(B, A, scale) when `owner` is a PEFT LoRA layer with its adapter active; None otherwise (also without PEFT)."""
-    if owner is None or not hasattr(owner, "lora_A"):
-        return None
-    from hybridflow.engine.lora import lora_factors
-
-    return lora_factors(owner)
-
-
 def _span(t: torch.Tensor) -> int:
     """Elements of storage from a matrix view's first element to its last, inclusive."""
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
@@ -201,10 +193,25 @@ class WeightView:
         self._unsharded = False  # inside `_fsdp_unsharded`: parameters are FSDP's temporary full tensors
         self._parts: dict[object, list[torch.Tensor]] = {}  # fused buffer key -> its row-slice views
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
-        self._deltas: list[tuple[torch.Tensor, nn.Module, str]] = []  # (buffer with W, LoRA layer, role): += s·B·A
+        self._deltas: list[tuple[torch.Tensor, Factors, str]] = []  # (buffer holding W, (B, A, s), role): += s·B·A
+        # PEFT LoRA layers -> their base Linear (read directly: PEFT's `weight` property walks the wrapper chain)
+        self._lora_base = {id(m): m.get_base_layer() for m in module.modules() if hasattr(m, "lora_A")}
         self._fsdp_modules = [m for m in module.modules() if _is_fsdp(m)]
         self._slot: tuple[int, int] | None = None  # (index, count) of the decoder layer being read, in `_layer`
         self._stacked: set[object] = set()  # stacks that handed out a slice in this build (not reallocated mid-build)
+
+    def _factors(self, owner: nn.Module | None, attr: str) -> Factors | None:
+        """(B, A, scale) when `owner.<attr>` is the weight of a PEFT LoRA layer with its adapter active, else None."""
+        if attr != "weight" or owner is None or id(owner) not in self._lora_base:
+            return None
+        from hybridflow.engine.lora import lora_factors
+
+        return lora_factors(owner)
+
+    def _param(self, owner: nn.Module | None, attr: str) -> torch.Tensor | None:
+        if owner is None:
+            return None
+        return getattr(self._lora_base.get(id(owner), owner), attr, None)
 
     def _zero_copy(self, p: torch.Tensor) -> bool:
         if self._unsharded:
@@ -251,8 +258,7 @@ class WeightView:
         The factors of all projections are cast and stacked by one `_foreach_copy_`; those temporaries are bounded by
         STACK_BYTES. One rounding per element, as `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue."""
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        for buf, layer, role in self._deltas:
-            b, a, scale = _lora_factors(layer)
+        for buf, (b, a, scale), role in self._deltas:
             b, a = _source(b, self.dtype)[0], _source(a, self.dtype)[0]
             key = (role, buf.untyped_storage().data_ptr(), tuple(buf.shape), buf.stride(), tuple(b.shape),
                    tuple(a.shape), scale)
@@ -338,13 +344,13 @@ class WeightView:
         """`owner.<attr>` in the generation dtype: the parameter itself when possible, else a reused buffer keyed by
         (role, attr) inside a decoder layer (a slice of that role's stack), (owner, attr) outside — stable across
         steps, unlike FSDP's temporary unsharded tensors."""
-        p = getattr(owner, attr, None) if owner is not None else None
+        p = self._param(owner, attr)
         if p is None:
             return None
         src, temporary = _source(p, self.dtype)
         temporary = temporary or self._unsharded
-        adapted = attr == "weight" and _lora_factors(owner) is not None
-        if not temporary and not adapted and src.dtype == self.dtype and src.device == self.device:
+        factors = self._factors(owner, attr)
+        if not temporary and factors is None and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
         slot = self._slot if role else None
         buf = self._buffer(("layers", role, attr) if slot else (id(owner), attr), src.shape, temporary, slot)
@@ -352,16 +358,16 @@ class WeightView:
             buf.copy_(src)  # a parameter gathered on its own is copied and freed at once
         else:
             self._copy(buf, src)
-        if adapted:
-            self._deltas.append((buf, owner, role))
+        if factors is not None:
+            self._deltas.append((buf, factors, role))
         return buf
 
     def _get_fused(self, owners: list[nn.Module], roles: list[str], attr: str = "weight"
                    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(fused buffer, row-slice views) when every part needs a copy anyway; else (None, plain `_get`s)."""
-        params = [getattr(o, attr, None) for o in owners]
-        adapted = [attr == "weight" and _lora_factors(o) is not None for o in owners]
-        if any(p is None for p in params) or (not any(adapted) and any(self._zero_copy(p) for p in params)):
+        params = [self._param(o, attr) for o in owners]
+        factors = [self._factors(o, attr) for o in owners]
+        if any(p is None for p in params) or (all(f is None for f in factors) and any(map(self._zero_copy, params))):
             return None, [self._get(o, attr, role) for o, role in zip(owners, roles)]
         rows = [p.shape[0] for p in params]
         slot = self._slot if all(roles) else None
@@ -371,14 +377,14 @@ class WeightView:
         parts = self._parts.get(key)
         if parts is None or parts[0].data_ptr() != buf.data_ptr():
             parts = self._parts[key] = list(buf.split(rows, dim=0))
-        for p, part, owner, lora, role in zip(params, parts, owners, adapted, roles):
+        for p, part, lora, role in zip(params, parts, factors, roles):
             src, temporary = _source(p, self.dtype)
             if temporary and not self._unsharded:
                 part.copy_(src)
             else:
                 self._copy(part, src)
-            if lora:
-                self._deltas.append((part, owner, role))
+            if lora is not None:
+                self._deltas.append((part, lora, role))
         return buf, parts
 
     def _zero_copy_shape(self, p: torch.Tensor) -> bool:
