@@ -191,7 +191,7 @@ class WeightView:
         self._buffers: dict[object, torch.Tensor] = {}  # id(param) or ("fused", id) -> reused generation buffer
         self._gathered: set[object] = set()  # keys whose buffer holds a full (multi-rank) tensor
         self._unsharded = False  # inside `_fsdp_unsharded`: parameters are FSDP's temporary full tensors
-        self._parts: dict[object, list[torch.Tensor]] = {}  # fused buffer key -> its row-slice views
+        self._parts: dict[object, list[torch.Tensor]] = {}  # (fused buffer key, layer) -> its row-slice views
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
         self._deltas: list[tuple[torch.Tensor, Factors, str]] = []  # (buffer holding W, (B, A, s), role): += s·B·A
         # PEFT LoRA layers -> their base Linear (read directly: PEFT's `weight` property walks the wrapper chain)
@@ -276,8 +276,7 @@ class WeightView:
                                    [a for _, _, a in part], scale))
         self._merge(chunks)
 
-    def _merge(self, chunks: list[tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor], float]]
-               ) -> None:
+    def _merge(self, chunks: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float]]) -> None:
         """`w.baddbmm_(stack(bs), stack(as), alpha=scale)` for each (w [n, out, in], bs, as, scale); the factor
         stacks of consecutive chunks are filled by one `_foreach_copy_` (cast included) up to STACK_BYTES at a time.
         A chunk of one matrix (w is then that matrix) is an `addmm_` with no stacks."""
@@ -374,9 +373,10 @@ class WeightView:
         key = ("layers", "+".join(roles), attr) if slot else ("fused", id(owners[0]), attr)
         buf = self._buffer(key, torch.Size([sum(rows), *params[0].shape[1:]]),
                            gathered=not all(self._zero_copy_shape(p) for p in params), slot=slot)
-        parts = self._parts.get(key)
+        parts_key = (key, slot[0] if slot else None)
+        parts = self._parts.get(parts_key)
         if parts is None or parts[0].data_ptr() != buf.data_ptr():
-            parts = self._parts[key] = list(buf.split(rows, dim=0))
+            parts = self._parts[parts_key] = list(buf.split(rows, dim=0))
         for p, part, lora, role in zip(params, parts, factors, roles):
             src, temporary = _source(p, self.dtype)
             if temporary and not self._unsharded:
@@ -434,8 +434,10 @@ class WeightView:
         return weights
 
     def release(self) -> None:
-        """Drop the gathered full-weight buffers (N ranks); keep one-rank dtype-cast buffers, which are smaller
-        than the fp32 master weights they mirror and make the next switch a plain copy with no allocation."""
+        """Drop the gathered full-weight buffers (N ranks; with their cached row views, which would keep them
+        alive); keep one-rank dtype-cast buffers, which are smaller than the fp32 master weights they mirror and make
+        the next switch a plain copy with no allocation."""
         for key in self._gathered:
             self._buffers.pop(key, None)
+        self._parts = {k: v for k, v in self._parts.items() if k[0] not in self._gathered}
         self._gathered.clear()
