@@ -5,8 +5,11 @@ seen by the next generate for free; `sync_weights` only checks that storage did 
 master weights, bf16 generation) → cast into reused buffers, once per `sync_weights`. FSDP2 over N ranks → each
 FSDP2 group (a decoder layer; the root's embeddings/norm/head) is unsharded in its compute dtype — one bf16
 all-gather per layer, not one collective per parameter — copied into reused buffers and resharded (peak = one
-extra layer). Where copies are made anyway, q/k/v and gate/up go into one fused buffer each. LoRA: an adapted
-matrix is always a copy, W + (alpha/r)·B·A (one small GEMM into its buffer at each build); the others stay as above.
+extra layer). Where copies are made anyway, q/k/v and gate/up go into one fused buffer each, and the buffers of one
+projection in every decoder layer are slices of one persistent [layers, ...] stack. LoRA: an adapted matrix is always
+a copy, W + (alpha/r)·B·A, merged in place: W is copied into its slice of the stack, then one `baddbmm_` per
+projection adds the deltas of all layers to a strided view of the stack (no stacking or unstacking of weights); the
+others stay as above.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-STACK_BYTES = 256 * 2**20  # the largest temporary stack of adapted weights the LoRA merge makes
+Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA layer's (B [out, r], A [r, in], alpha/r)
+STACK_BYTES = 256 * 2**20  # the most temporary memory (stacked LoRA factors B, A) the merge allocates at a time
 
 
 @dataclass
@@ -149,13 +153,34 @@ def _source(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     return p.detach().to(dtype).full_tensor(), True
 
 
-def _lora_factors(owner: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(B, A, scale) when `owner` is a PEFT LoRA layer with its adapter active; None otherwise (also without PEFT)."""
-    if owner is None or not hasattr(owner, "lora_A"):
-        return None
-    from hybridflow.engine.lora import lora_factors
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage from a matrix view's first element to its last, inclusive."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
 
-    return lora_factors(owner)
+
+def _regular_runs(items: list[tuple[torch.Tensor, ...]]) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Split items whose first entry is a matrix view (same storage, shape and strides; sorted by storage offset)
+    into maximal runs at a constant offset step that does not overlap: each run is one strided batch."""
+    span = _span(items[0][0])
+    runs, run = [], [items[0]]
+    for item in items[1:]:
+        step = item[0].storage_offset() - run[-1][0].storage_offset()
+        if step >= span and (len(run) == 1 or step == run[1][0].storage_offset() - run[0][0].storage_offset()):
+            run.append(item)
+        else:
+            runs.append(run)
+            run = [item]
+    runs.append(run)
+    return runs
+
+
+def _batched_view(bufs: list[torch.Tensor]) -> torch.Tensor:
+    """The [n, out, in] view of n equal-stride matrix views of one storage (`_regular_runs`); one matrix: itself."""
+    if len(bufs) == 1:
+        return bufs[0]
+    first = bufs[0]
+    step = bufs[1].storage_offset() - first.storage_offset()
+    return first.as_strided((len(bufs), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 class WeightView:
@@ -166,10 +191,27 @@ class WeightView:
         self._buffers: dict[object, torch.Tensor] = {}  # id(param) or ("fused", id) -> reused generation buffer
         self._gathered: set[object] = set()  # keys whose buffer holds a full (multi-rank) tensor
         self._unsharded = False  # inside `_fsdp_unsharded`: parameters are FSDP's temporary full tensors
-        self._parts: dict[object, list[torch.Tensor]] = {}  # fused buffer key -> its row-slice views
+        self._parts: dict[object, list[torch.Tensor]] = {}  # (fused buffer key, layer) -> its row-slice views
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
-        self._deltas: list[tuple[torch.Tensor, nn.Module]] = []  # (buffer holding W, its LoRA layer): += s·B·A
+        self._deltas: list[tuple[torch.Tensor, Factors, str]] = []  # (buffer holding W, (B, A, s), role): += s·B·A
+        # PEFT LoRA layers -> their base Linear (read directly: PEFT's `weight` property walks the wrapper chain)
+        self._lora_base = {id(m): m.get_base_layer() for m in module.modules() if hasattr(m, "lora_A")}
         self._fsdp_modules = [m for m in module.modules() if _is_fsdp(m)]
+        self._slot: tuple[int, int] | None = None  # (index, count) of the decoder layer being read, in `_layer`
+        self._stacked: set[object] = set()  # stacks that handed out a slice in this build (not reallocated mid-build)
+
+    def _factors(self, owner: nn.Module | None, attr: str) -> Factors | None:
+        """(B, A, scale) when `owner.<attr>` is the weight of a PEFT LoRA layer with its adapter active, else None."""
+        if attr != "weight" or owner is None or id(owner) not in self._lora_base:
+            return None
+        from hybridflow.engine.lora import lora_factors
+
+        return lora_factors(owner)
+
+    def _param(self, owner: nn.Module | None, attr: str) -> torch.Tensor | None:
+        if owner is None:
+            return None
+        return getattr(self._lora_base.get(id(owner), owner), attr, None)
 
     def _zero_copy(self, p: torch.Tensor) -> bool:
         if self._unsharded:
@@ -209,31 +251,86 @@ class WeightView:
         self._apply_deltas()
 
     def _apply_deltas(self) -> None:
-        """W += scale·B·A for every pending LoRA delta, batched: deltas of one shape (the same projection in every
-        layer) go through one `baddbmm_` over their stacked copies — ~5 kernels per projection instead of ~3 per
-        matrix (a 0.5B model with all-linear rank-64 adapters has 168 of them). One rounding per element, as
-        `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue. A stack holds at most STACK_BYTES of
-        weights (a 7B model's 56 gate/up matrices would be a 7.6 GB temporary), so the merge needs little memory."""
+        """W += scale·B·A for every pending LoRA delta, in place and batched: the copies of one projection in every
+        layer are equal-stride slices of one stack (`_buffer`), so one `baddbmm_` on a strided view of that stack
+        merges them all — no stacked copy of the weights and no copy back (a row slice of a fused q/k/v or gate/up
+        stack is a valid strided-batched GEMM output as is: rows contiguous, batch stride = one layer's fused matrix).
+        The factors of all projections are cast and stacked by one `_foreach_copy_`; those temporaries are bounded by
+        STACK_BYTES. One rounding per element, as `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue."""
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        for buf, layer in self._deltas:
-            b, a, scale = _lora_factors(layer)
+        for buf, (b, a, scale), role in self._deltas:
             b, a = _source(b, self.dtype)[0], _source(a, self.dtype)[0]
-            groups.setdefault((tuple(buf.shape), tuple(b.shape), tuple(a.shape), scale), []).append((buf, b, a))
+            key = (role, buf.untyped_storage().data_ptr(), tuple(buf.shape), buf.stride(), tuple(b.shape),
+                   tuple(a.shape), scale)
+            groups.setdefault(key, []).append((buf, b, a))
         self._deltas = []
-        for (shape, *_, scale), items in groups.items():
-            per_stack = max(1, STACK_BYTES // (math.prod(shape) * self.dtype.itemsize))  # bounded temporary memory
-            for i in range(0, len(items), per_stack):
-                chunk = items[i: i + per_stack]
-                bufs = [buf for buf, _, _ in chunk]
-                if len(chunk) == 1:
-                    bufs[0].addmm_(chunk[0][1].to(self.dtype), chunk[0][2].to(self.dtype), alpha=scale)
-                    continue
-                w = torch.stack(bufs)
-                w.baddbmm_(torch.stack([b for _, b, _ in chunk]).to(self.dtype),
-                           torch.stack([a for _, _, a in chunk]).to(self.dtype), alpha=scale)
-                torch._foreach_copy_(bufs, list(w.unbind(0)))
+        chunks: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float]] = []
+        for key, items in groups.items():
+            scale = key[-1]
+            items.sort(key=lambda item: item[0].storage_offset())
+            per_item = (math.prod(items[0][1].shape) + math.prod(items[0][2].shape)) * self.dtype.itemsize
+            for run in _regular_runs(items):
+                for i in range(0, len(run), max(1, STACK_BYTES // per_item)):  # bounded temporaries
+                    part = run[i: i + max(1, STACK_BYTES // per_item)]
+                    chunks.append((_batched_view([buf for buf, _, _ in part]), [b for _, b, _ in part],
+                                   [a for _, _, a in part], scale))
+        self._merge(chunks)
 
-    def _buffer(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
+    def _merge(self, chunks: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], float]]) -> None:
+        """`w.baddbmm_(stack(bs), stack(as), alpha=scale)` for each (w [n, out, in], bs, as, scale); the factor
+        stacks of consecutive chunks are filled by one `_foreach_copy_` (cast included) up to STACK_BYTES at a time.
+        A chunk of one matrix (w is then that matrix) is an `addmm_` with no stacks."""
+        todo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        held = 0
+
+        def run_pending() -> None:
+            if dst:
+                torch._foreach_copy_(dst, src)
+            for w, bs, as_, scale in todo:
+                w.baddbmm_(bs, as_, alpha=scale)
+            todo.clear()
+            dst.clear()
+            src.clear()
+
+        for w, bs, as_, scale in chunks:
+            if len(bs) == 1:
+                w.addmm_(bs[0].to(self.dtype), as_[0].to(self.dtype), alpha=scale)
+                continue
+            size = (math.prod(bs[0].shape) + math.prod(as_[0].shape)) * len(bs) * self.dtype.itemsize
+            if held and held + size > STACK_BYTES:
+                run_pending()
+                held = 0
+            b_stack = torch.empty((len(bs), *bs[0].shape), dtype=self.dtype, device=self.device)
+            a_stack = torch.empty((len(as_), *as_[0].shape), dtype=self.dtype, device=self.device)
+            dst += [*b_stack.unbind(0), *a_stack.unbind(0)]
+            src += [*bs, *as_]
+            todo.append((w, b_stack, a_stack, scale))
+            held += size
+        run_pending()
+
+    def _buffer(self, key: object, shape: torch.Size, gathered: bool, slot: tuple[int, int] | None = None
+                ) -> torch.Tensor:
+        """The reused buffer of `key`. With `slot` = (i, layers) (a decoder layer's role) it is slice i of one
+        persistent [layers, *shape] stack, so that one projection's copies in every layer are equal-stride slices of
+        one tensor (the batched in-place LoRA merge); a shape change reallocates the stack at its first use in a
+        build; a layer whose shape differs from an earlier one's in the same build gets a buffer of its own."""
+        if slot is not None:
+            i, count = slot
+            stack = self._buffers.get(key)
+            if stack is None or stack.shape[0] != count or stack.shape[1:] != shape:
+                if key in self._stacked:  # an earlier layer of this build holds a slice of it
+                    return self._buffer_unstacked((key, i), shape, gathered)
+                stack = torch.empty((count, *shape), dtype=self.dtype, device=self.device)
+                self._buffers[key] = stack
+            self._stacked.add(key)
+            if gathered:
+                self._gathered.add(key)
+            return stack[i]
+        return self._buffer_unstacked(key, shape, gathered)
+
+    def _buffer_unstacked(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != shape:
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -242,48 +339,52 @@ class WeightView:
             self._gathered.add(key)
         return buf
 
-    def _get(self, owner: nn.Module | None, attr: str = "weight") -> torch.Tensor | None:
+    def _get(self, owner: nn.Module | None, attr: str = "weight", role: str = "") -> torch.Tensor | None:
         """`owner.<attr>` in the generation dtype: the parameter itself when possible, else a reused buffer keyed by
-        (owner, attr) — stable across steps, unlike FSDP's temporary unsharded tensors."""
-        p = getattr(owner, attr, None) if owner is not None else None
+        (role, attr) inside a decoder layer (a slice of that role's stack), (owner, attr) outside — stable across
+        steps, unlike FSDP's temporary unsharded tensors."""
+        p = self._param(owner, attr)
         if p is None:
             return None
         src, temporary = _source(p, self.dtype)
         temporary = temporary or self._unsharded
-        adapted = attr == "weight" and _lora_factors(owner) is not None
-        if not temporary and not adapted and src.dtype == self.dtype and src.device == self.device:
+        factors = self._factors(owner, attr)
+        if not temporary and factors is None and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
-        buf = self._buffer((id(owner), attr), src.shape, temporary)
+        slot = self._slot if role else None
+        buf = self._buffer(("layers", role, attr) if slot else (id(owner), attr), src.shape, temporary, slot)
         if temporary and not self._unsharded:
             buf.copy_(src)  # a parameter gathered on its own is copied and freed at once
         else:
             self._copy(buf, src)
-        if adapted:
-            self._deltas.append((buf, owner))
+        if factors is not None:
+            self._deltas.append((buf, factors, role))
         return buf
 
-    def _get_fused(self, owners: list[nn.Module], attr: str = "weight"
+    def _get_fused(self, owners: list[nn.Module], roles: list[str], attr: str = "weight"
                    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(fused buffer, row-slice views) when every part needs a copy anyway; else (None, plain `_get`s)."""
-        params = [getattr(o, attr, None) for o in owners]
-        adapted = [attr == "weight" and _lora_factors(o) is not None for o in owners]
-        if any(p is None for p in params) or (not any(adapted) and any(self._zero_copy(p) for p in params)):
-            return None, [self._get(o, attr) for o in owners]
+        params = [self._param(o, attr) for o in owners]
+        factors = [self._factors(o, attr) for o in owners]
+        if any(p is None for p in params) or (all(f is None for f in factors) and any(map(self._zero_copy, params))):
+            return None, [self._get(o, attr, role) for o, role in zip(owners, roles)]
         rows = [p.shape[0] for p in params]
-        key = ("fused", id(owners[0]), attr)
+        slot = self._slot if all(roles) else None
+        key = ("layers", "+".join(roles), attr) if slot else ("fused", id(owners[0]), attr)
         buf = self._buffer(key, torch.Size([sum(rows), *params[0].shape[1:]]),
-                           gathered=not all(self._zero_copy_shape(p) for p in params))
-        parts = self._parts.get(key)
+                           gathered=not all(self._zero_copy_shape(p) for p in params), slot=slot)
+        parts_key = (key, slot[0] if slot else None)
+        parts = self._parts.get(parts_key)
         if parts is None or parts[0].data_ptr() != buf.data_ptr():
-            parts = self._parts[key] = list(buf.split(rows, dim=0))
-        for p, part, owner, lora in zip(params, parts, owners, adapted):
+            parts = self._parts[parts_key] = list(buf.split(rows, dim=0))
+        for p, part, lora, role in zip(params, parts, factors, roles):
             src, temporary = _source(p, self.dtype)
             if temporary and not self._unsharded:
                 part.copy_(src)
             else:
                 self._copy(part, src)
-            if lora:
-                self._deltas.append((part, owner))
+            if lora is not None:
+                self._deltas.append((part, lora, role))
         return buf, parts
 
     def _zero_copy_shape(self, p: torch.Tensor) -> bool:
@@ -292,18 +393,19 @@ class WeightView:
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
         att, mlp = layer.self_attn, layer.mlp
-        qkv, (q, k, v) = self._get_fused([att.q_proj, att.k_proj, att.v_proj])
-        if qkv is not None and all(o.bias is not None for o in (att.q_proj, att.k_proj, att.v_proj)):
-            qkv_bias, (qb, kb, vb) = self._get_fused([att.q_proj, att.k_proj, att.v_proj], "bias")
+        qkv_owners, qkv_roles = [att.q_proj, att.k_proj, att.v_proj], ["q", "k", "v"]
+        qkv, (q, k, v) = self._get_fused(qkv_owners, qkv_roles)
+        if qkv is not None and all(o.bias is not None for o in qkv_owners):
+            qkv_bias, (qb, kb, vb) = self._get_fused(qkv_owners, qkv_roles, "bias")
         else:
-            qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias") for o in (att.q_proj, att.k_proj, att.v_proj)]
-        gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj])
+            qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias", r) for o, r in zip(qkv_owners, qkv_roles)]
+        gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
         return LayerWeights(
-            ln1=self._get(layer.input_layernorm), ln2=self._get(layer.post_attention_layernorm),
-            q=q, k=k, v=v, o=self._get(att.o_proj), q_bias=qb, k_bias=kb, v_bias=vb,
-            o_bias=self._get(att.o_proj, "bias"), q_norm=self._get(getattr(att, "q_norm", None)),
-            k_norm=self._get(getattr(att, "k_norm", None)), gate=gate, up=up, down=self._get(mlp.down_proj),
-            qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up)
+            ln1=self._get(layer.input_layernorm, role="ln1"), ln2=self._get(layer.post_attention_layernorm, role="ln2"),
+            q=q, k=k, v=v, o=self._get(att.o_proj, role="o"), q_bias=qb, k_bias=kb, v_bias=vb,
+            o_bias=self._get(att.o_proj, "bias", "o"), q_norm=self._get(getattr(att, "q_norm", None), role="q_norm"),
+            k_norm=self._get(getattr(att, "k_norm", None), role="k_norm"), gate=gate, up=up,
+            down=self._get(mlp.down_proj, role="down"), qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up)
 
     def build(self) -> ModelWeights:
         """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved."""
@@ -313,9 +415,14 @@ class WeightView:
         inner = m.model
         tied = m.lm_head.weight is inner.embed_tokens.weight
         layers = []
-        for layer in inner.layers:
+        self._stacked.clear()
+        for i, layer in enumerate(inner.layers):
             with self._fsdp_unsharded(layer):
-                layers.append(self._layer(layer))
+                self._slot = (i, len(inner.layers))
+                try:
+                    layers.append(self._layer(layer))
+                finally:
+                    self._slot = None
         with self._fsdp_unsharded(m):
             embed = self._get(inner.embed_tokens)
             lm_head = embed if tied else self._get(m.lm_head)  # tied: one gather/cast, not two
@@ -327,8 +434,10 @@ class WeightView:
         return weights
 
     def release(self) -> None:
-        """Drop the gathered full-weight buffers (N ranks); keep one-rank dtype-cast buffers, which are smaller
-        than the fp32 master weights they mirror and make the next switch a plain copy with no allocation."""
+        """Drop the gathered full-weight buffers (N ranks; with their cached row views, which would keep them
+        alive); keep one-rank dtype-cast buffers, which are smaller than the fp32 master weights they mirror and make
+        the next switch a plain copy with no allocation."""
         for key in self._gathered:
             self._buffers.pop(key, None)
+        self._parts = {k: v for k, v in self._parts.items() if k[0] not in self._gathered}
         self._gathered.clear()

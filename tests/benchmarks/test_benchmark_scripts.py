@@ -108,3 +108,13 @@ def test_lora_gpu_benchmark_smoke(tmp_path):
         assert 0 < trl["result"]["trainable_params"] < trl["result"]["total_params"] / 10  # adapters only
         assert trl["result"]["median_step_s"] > 0
     assert "| lora_7b | ok |" in proc.stdout and (tmp_path / "lora_gpu.md").exists()
+
+
+def test_lora_switch_work_counts_one_merge_per_projection():
+    """The CPU op/byte count of one hybrid switch (issue 24): LoRA = one base copy + one baddbmm_ per adapted
+    projection (7 with all-linear), full fine-tuning = one cast copy; both report the bytes moved."""
+    proc = _run("benchmarks.lora_switch_work", "--preset", "tiny", "--layers", "3", "--rank", "4", "--full",
+                timeout=300)
+    lora, full = proc.stdout.strip().splitlines()[-2:]
+    assert lora.startswith("lora (tiny, 3 layers, rank 4):") and "baddbmm_ 7" in lora and "stack" not in lora, lora
+    assert full.startswith("full (tiny, 3 layers): 1 ops [_foreach_copy_ 1]") and "read " in full, full
