@@ -149,7 +149,10 @@ def _source(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     if to_local is None:
         return p.detach(), False
     if p.device_mesh.size() == 1:
-        return to_local().detach(), False
+        # DTensor keeps its shard as `_local_tensor`, which `to_local()` returns through an autograd function
+        # (~4 µs a parameter: ~2 ms of every LoRA switch at 0.5B, ~500 parameters); read it directly when present.
+        local = getattr(p, "_local_tensor", None)
+        return (to_local() if local is None else local).detach(), False
     return p.detach().to(dtype).full_tensor(), True
 
 
