@@ -90,11 +90,12 @@ class Recorder:
         self.ops: list[Op] = []
         self.replayable = True
 
-    def add(self, p: torch.Tensor, src: torch.Tensor, temporary: bool) -> None:
-        """The slow build uses `src` for parameter `p`."""
+    def add(self, p: torch.Tensor, src: torch.Tensor, temporary: bool, slot: tuple[dict, str] | None = None) -> None:
+        """The slow build uses `src` for parameter `p` (registered at `slot`; default: where the model has it — one
+        of its places if it is shared)."""
         if not self.replayable:
             return
-        slot = self.slot_of.get(id(p))
+        slot = slot or self.slot_of.get(id(p))
         if temporary or slot is None or (hasattr(p, "to_local") and getattr(p, "_local_tensor", None) is None):
             self.replayable = False
             self.sources, self.index, self.slots, self.params, self.ops = [], {}, [], [], []
@@ -105,11 +106,11 @@ class Recorder:
         self.params.append(p)
 
     def depend(self, owner: nn.Module, name: str) -> None:
-        """A parameter the build's result depends on without reading it (a tied lm_head: the plan must see it
-        still tied)."""
+        """`owner.<name>` (a registered parameter) must stay what it is now for the result to hold (tied embeddings
+        and lm_head: both places, so that replacing either unties them and makes the plan stale)."""
         p = owner._parameters.get(name)
         if p is not None:
-            self.add(p, _local(p).detach(), False)
+            self.add(p, _local(p).detach(), False, (owner._parameters, name))
 
     def run(self, op: Op, dtype: torch.dtype, device: torch.device) -> None:
         """Execute `op` (whose sources are tensors) now, and keep it with its sources numbered for replays."""
