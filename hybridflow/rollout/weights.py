@@ -9,7 +9,8 @@ extra layer). Where copies are made anyway, q/k/v and gate/up go into one fused 
 projection in every decoder layer are slices of one persistent [layers, ...] stack. LoRA: an adapted matrix is always
 a copy, W + (alpha/r)·B·A, merged in place: W is copied into its slice of the stack, then one `baddbmm_` per
 projection adds the deltas of all layers to a strided view of the stack (no stacking or unstacking of weights); the
-others stay as above.
+others stay as above. One rank: the first build records what it read and ran (`build_plan.py`); later builds check
+the sources are unchanged and replay the ops (~0.2 ms of checks instead of a ~5 ms model walk at 0.5B with LoRA).
 """
 
 from __future__ import annotations
