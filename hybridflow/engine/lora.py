@@ -101,6 +101,15 @@ def lora_factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] |
     return layer.lora_B[ADAPTER].weight, layer.lora_A[ADAPTER].weight, float(layer.scaling[ADAPTER])
 
 
+def lora_state(layer: nn.Module) -> tuple:
+    """Everything `lora_factors(layer)` depends on besides the factor tensors' contents — the disabled / merged flags,
+    the scale and the adapter's A and B modules — read without nn.Module's `__getattr__` fallback: a cheap key for
+    callers that cache what `lora_factors` gave (the rollout's recorded weight build)."""
+    mods = layer._modules
+    return (layer._disable_adapters, tuple(layer.merged_adapters), layer.scaling.get(ADAPTER),
+            mods["lora_A"]._modules.get(ADAPTER), mods["lora_B"]._modules.get(ADAPTER))
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The base model: every LoRA layer computes only W·x inside (no weights touched). Sets the flag PEFT's

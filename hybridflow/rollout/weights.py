@@ -9,7 +9,8 @@ extra layer). Where copies are made anyway, q/k/v and gate/up go into one fused 
 projection in every decoder layer are slices of one persistent [layers, ...] stack. LoRA: an adapted matrix is always
 a copy, W + (alpha/r)·B·A, merged in place: W is copied into its slice of the stack, then one `baddbmm_` per
 projection adds the deltas of all layers to a strided view of the stack (no stacking or unstacking of weights); the
-others stay as above.
+others stay as above. One rank: the first build records what it read and ran (`build_plan.py`); later builds check
+the sources are unchanged and replay the ops (~0.2 ms of checks instead of a ~5 ms model walk at 0.5B with LoRA).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from hybridflow.rollout.build_plan import ADDMM, COPY, STACKED, BuildPlan, Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +205,9 @@ class WeightView:
         self._fsdp_modules = [m for m in module.modules() if _is_fsdp(m)]
         self._slot: tuple[int, int] | None = None  # (index, count) of the decoder layer being read, in `_layer`
         self._stacked: set[object] = set()  # stacks that handed out a slice in this build (not reallocated mid-build)
+        self._lora_layers = [m for m in module.modules() if hasattr(m, "lora_A")]
+        self._rec: Recorder | None = None  # the slow build being recorded
+        self._plan: BuildPlan | None = None  # the last slow build, replayed by `build` while it is valid
 
     def _factors(self, owner: nn.Module | None, attr: str) -> Factors | None:
         """(B, A, scale) when `owner.<attr>` is the weight of a PEFT LoRA layer with its adapter active, else None."""
@@ -210,6 +216,13 @@ class WeightView:
         from hybridflow.engine.lora import lora_factors
 
         return lora_factors(owner)
+
+    def _read(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """`_source(p)` (unsharded tensors count as temporary), noted by the recorder."""
+        src, temporary = _source(p, self.dtype)
+        temporary = temporary or self._unsharded
+        self._rec.add(p, src, temporary)
+        return src, temporary
 
     def _param(self, owner: nn.Module | None, attr: str) -> torch.Tensor | None:
         if owner is None:
@@ -249,7 +262,7 @@ class WeightView:
         deltas into the copies (inside `_fsdp_unsharded` the adapters are gathered too, so B and A are whole)."""
         dst, src = self._pending
         if dst:
-            torch._foreach_copy_(dst, src)
+            self._rec.run((COPY, dst, src), self.dtype, self.device)
         self._pending = ([], [])
         self._apply_deltas()
 
@@ -262,7 +275,7 @@ class WeightView:
         STACK_BYTES. One rounding per element, as `addmm_`: the GEMM accumulates in fp32 and adds W in its epilogue."""
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for buf, (b, a, scale), role in self._deltas:
-            b, a = _source(b, self.dtype)[0], _source(a, self.dtype)[0]
+            b, a = self._read(b)[0], self._read(a)[0]
             key = (role, buf.untyped_storage().data_ptr(), tuple(buf.shape), buf.stride(), tuple(b.shape),
                    tuple(a.shape), scale)
             groups.setdefault(key, []).append((buf, b, a))
@@ -283,35 +296,22 @@ class WeightView:
         """`w.baddbmm_(stack(bs), stack(as), alpha=scale)` for each (w [n, out, in], bs, as, scale); the factor
         stacks of consecutive chunks are filled by one `_foreach_copy_` (cast included) up to STACK_BYTES at a time.
         A chunk of one matrix (w is then that matrix) is an `addmm_` with no stacks."""
-        todo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        group: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], float]] = []
         held = 0
-
-        def run_pending() -> None:
-            if dst:
-                torch._foreach_copy_(dst, src)
-            for w, bs, as_, scale in todo:
-                w.baddbmm_(bs, as_, alpha=scale)
-            todo.clear()
-            dst.clear()
-            src.clear()
-
         for w, bs, as_, scale in chunks:
             if len(bs) == 1:
-                w.addmm_(bs[0].to(self.dtype), as_[0].to(self.dtype), alpha=scale)
+                self._rec.run((ADDMM, w, bs[0], as_[0], scale), self.dtype, self.device)
                 continue
             size = (math.prod(bs[0].shape) + math.prod(as_[0].shape)) * len(bs) * self.dtype.itemsize
             if held and held + size > STACK_BYTES:
-                run_pending()
-                held = 0
-            b_stack = torch.empty((len(bs), *bs[0].shape), dtype=self.dtype, device=self.device)
-            a_stack = torch.empty((len(as_), *as_[0].shape), dtype=self.dtype, device=self.device)
-            dst += [*b_stack.unbind(0), *a_stack.unbind(0)]
-            src += [*bs, *as_]
-            todo.append((w, b_stack, a_stack, scale))
+                self._rec.run((STACKED, sources, group), self.dtype, self.device)
+                sources, group, held = [], [], 0
+            sources += [*bs, *as_]
+            group.append((w, (len(bs), *bs[0].shape), (len(as_), *as_[0].shape), scale))
             held += size
-        run_pending()
+        if group:
+            self._rec.run((STACKED, sources, group), self.dtype, self.device)
 
     def _buffer(self, key: object, shape: torch.Size, gathered: bool, slot: tuple[int, int] | None = None
                 ) -> torch.Tensor:
@@ -349,8 +349,7 @@ class WeightView:
         p = self._param(owner, attr)
         if p is None:
             return None
-        src, temporary = _source(p, self.dtype)
-        temporary = temporary or self._unsharded
+        src, temporary = self._read(p)
         factors = self._factors(owner, attr)
         if not temporary and factors is None and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
@@ -381,7 +380,7 @@ class WeightView:
         if parts is None or parts[0].data_ptr() != buf.data_ptr():
             parts = self._parts[parts_key] = list(buf.split(rows, dim=0))
         for p, part, lora, role in zip(params, parts, factors, roles):
-            src, temporary = _source(p, self.dtype)
+            src, temporary = self._read(p)
             if temporary and not self._unsharded:
                 part.copy_(src)
             else:
@@ -411,35 +410,57 @@ class WeightView:
             down=self._get(mlp.down_proj, role="down"), qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up)
 
     def build(self) -> ModelWeights:
-        """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved."""
+        """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved. Replays
+        the recorded plan of the last slow build when it is still valid (`build_plan.py`: the same parameter
+        objects, storage, shapes and dtypes, and LoRA flags): the same ops on the same buffers, returning the same
+        `ModelWeights`, without walking the model; else walks it again (`_build_slow`) and records a new plan."""
         for fsdp_module in self._fsdp_modules:  # unsharded leftovers of a forward: we read (or gather) the shards
             fsdp_module.reshard()
+        if self._plan is not None:
+            weights = self._plan.replay(self.dtype, self.device)
+            if weights is not None:
+                return weights
+            self._plan = None
+        return self._build_slow()
+
+    def _build_slow(self) -> ModelWeights:
+        """Walk the model, copy / merge into the buffers, and record the plan (one rank only: on N ranks the
+        sources are gathered temporaries, so every build takes this path)."""
         m = self.module
         inner = m.model
         tied = m.lm_head.weight is inner.embed_tokens.weight
         layers = []
         self._stacked.clear()
-        for i, layer in enumerate(inner.layers):
-            with self._fsdp_unsharded(layer):
-                self._slot = (i, len(inner.layers))
-                try:
-                    layers.append(self._layer(layer))
-                finally:
-                    self._slot = None
-        with self._fsdp_unsharded(m):
-            embed = self._get(inner.embed_tokens)
-            lm_head = embed if tied else self._get(m.lm_head)  # tied: one gather/cast, not two
-            norm = self._get(inner.norm)
-        self._flush()
-        weights = ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
-                               owned_buffers=bool(self._buffers))
-        weights.ptrs = tuple(t.data_ptr() for t in weights.tensors())
+        self._rec = Recorder(m)
+        try:
+            for i, layer in enumerate(inner.layers):
+                with self._fsdp_unsharded(layer):
+                    self._slot = (i, len(inner.layers))
+                    try:
+                        layers.append(self._layer(layer))
+                    finally:
+                        self._slot = None
+            with self._fsdp_unsharded(m):
+                embed = self._get(inner.embed_tokens)
+                lm_head = embed if tied else self._get(m.lm_head)  # tied: one gather/cast, not two
+                norm = self._get(inner.norm)
+            self._flush()
+            weights = ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
+                                   owned_buffers=bool(self._buffers))
+            weights.ptrs = tuple(t.data_ptr() for t in weights.tensors())
+            if tied:  # either replaced later → untied → the plan is stale
+                self._rec.depend(inner.embed_tokens, "weight")
+                self._rec.depend(m.lm_head, "weight")
+            self._plan = self._rec.plan(weights, self._lora_layers)
+        finally:
+            self._rec = None
         return weights
 
     def release(self) -> None:
         """Drop the gathered full-weight buffers (N ranks; with their cached row views, which would keep them
         alive); keep one-rank dtype-cast buffers, which are smaller than the fp32 master weights they mirror and make
         the next switch a plain copy with no allocation."""
+        self._plan = None  # holds the parameters (zero-copy views) and the buffers' views
         for key in self._gathered:
             self._buffers.pop(key, None)
         self._parts = {k: v for k, v in self._parts.items() if k[0] not in self._gathered}
