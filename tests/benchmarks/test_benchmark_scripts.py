@@ -118,3 +118,13 @@ def test_lora_switch_work_counts_one_merge_per_projection():
     lora, full = proc.stdout.strip().splitlines()[-2:]
     assert lora.startswith("lora (tiny, 3 layers, rank 4):") and "baddbmm_ 7" in lora and "stack" not in lora, lora
     assert full.startswith("full (tiny, 3 layers): 1 ops [_foreach_copy_ 1]") and "read " in full, full
+
+
+def test_lora_forward_cost_reports_the_low_rank_terms_of_a_rollout():
+    """The low-rank-term alternative to merging (issue 24): the script times the two GEMMs per adapted projection for
+    every decode step and the prefill, and its rollout total is decode × response length + prefill."""
+    proc = _run("benchmarks.lora_forward_cost", "--device", "cpu", "--preset", "tiny", "--layers", "2", "--rank", "4",
+                "--rows", "4", "--prompt-len", "8", "--response-len", "3", "--iters", "3", timeout=300)
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["adapted_pairs_per_step"] == 14 and row["decode_step_ms"] > 0 and row["prefill_ms"] > 0, row
+    assert abs(row["rollout_ms"] - (3 * row["decode_step_ms"] + row["prefill_ms"])) < 0.02, row
