@@ -6,7 +6,8 @@ since the forward itself is not built — to compare with the measured merge swi
 For every adapted projection of every layer (all-linear: q, k, v, o, gate, up, down) the term is
 `y += s · (x @ Aᵀ) @ Bᵀ`: two GEMMs, one `[tokens, in] × [in, r]` and one `[tokens, r] × [r, out]` added into y.
 Timed as the rollout would run it: decode steps at the batch's rows (all 168 pairs of a step captured in one CUDA
-graph, as the engine's decode graph would hold them), and the prefill of the batch's prompt tokens in chunks.
+graph, as the engine's decode graph would hold them; CUDA-event timing of its replays, `decode_attention.time_graph`),
+and the prefill of the batch's prompt tokens in chunks (median host time, `algorithms.bench`).
 
     python3 -m benchmarks.lora_forward_cost                       # Qwen2.5-0.5B shape, rank 64, 256 rows, 256 + 256
     python3 -m benchmarks.lora_forward_cost --device cpu --layers 2 --rows 8 --prompt-len 16 --response-len 4  # smoke
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
+from benchmarks.algorithms import bench
+from benchmarks.decode_attention import time_graph
 from hybridflow.models.presets import PRESETS
 
 
@@ -55,21 +57,6 @@ class LowRankTerm:
             y.addmm_(mid, b.t(), alpha=self.scale)
 
 
-def _time(fn, device: str, iters: int) -> float:
-    """Median ms of `fn` over `iters` calls (synchronised around each on CUDA)."""
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen2.5-0.5b")
@@ -87,25 +74,15 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
     decode = LowRankTerm(cfg, layers, args.rank, args.rows, dtype, args.device)
-    run_decode = decode
-    if args.device == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            decode()  # warm up cuBLAS on a side stream before capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decode()
-        run_decode = graph.replay
-    decode_ms = _time(run_decode, args.device, args.iters)
-    del decode
+    if args.device == "cuda":  # the step's GEMMs in one CUDA graph, timed by CUDA events over its replays
+        decode_ms = time_graph(lambda _: decode(), iters=1, reps=args.iters) / 1e3
+    else:
+        decode_ms = bench(decode, args.iters, args.device)[0] * 1e3
 
     prompt_tokens = args.rows * args.prompt_len
     chunk = min(args.prefill_chunk, prompt_tokens)
     prefill = LowRankTerm(cfg, layers, args.rank, chunk, dtype, args.device)
-    prefill()
-    prefill_ms = _time(prefill, args.device, max(3, args.iters // 4)) * (prompt_tokens / chunk)
+    prefill_ms = bench(prefill, max(3, args.iters // 4), args.device)[0] * 1e3 * (prompt_tokens / chunk)
 
     row = {"preset": args.preset, "layers": layers, "rank": args.rank, "rows": args.rows,
            "adapted_pairs_per_step": len(projections(cfg)) * layers, "device": args.device,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy
 import torch
@@ -253,17 +254,8 @@ class ModelRunner:
         writes the K/V the replay writes again). False, with a warning and extensions eager from then on, if
         capture fails."""
         t0 = time.perf_counter()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._extend_forward(buf, last_t)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._extend_forward(buf, last_t)
+            graph, logits = self._graph(lambda: self._extend_forward(buf, last_t), warmups=1)
         except Exception as err:  # noqa: BLE001 — capture/compile failures are many types; eager still works
             logger.warning("CUDA-graph capture of a multi-turn extension failed (%s: %s); extensions run eagerly",
                            type(err).__name__, err)
@@ -368,19 +360,25 @@ class ModelRunner:
                     time.perf_counter() - t0, self.ops.is_compiled)
 
     def _capture(self, b: int, L: int) -> None:
+        graph, _ = self._graph(lambda: self._step(b, L, self.mode), warmups=2)
+        torch.cuda.synchronize()
+        self.graphs[(b, L, self.mode)] = graph
+
+    def _graph(self, fn: Callable[[], object], warmups: int) -> tuple[torch.cuda.CUDAGraph, object]:
+        """`fn` captured into a CUDA graph in the runner's memory pool, after `warmups` real runs on a side stream
+        (allocations settle, torch.compile and Triton compile there, not in the capture); (graph, fn's output)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()  # warm-up off the capture stream: allocations settle, torch.compile runs
+        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(b, L, self.mode)
+            for _ in range(warmups):
+                fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(b, L, self.mode)
-        torch.cuda.synchronize()
-        self.graphs[(b, L, self.mode)] = graph
+            out = fn()
+        return graph, out
 
     # ------------------------------------------------------------------------------------------------- harvest
     def done_mask(self) -> torch.Tensor:

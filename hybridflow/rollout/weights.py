@@ -200,12 +200,12 @@ class WeightView:
         self._parts: dict[object, list[torch.Tensor]] = {}  # (fused buffer key, layer) -> its row-slice views
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
         self._deltas: list[tuple[torch.Tensor, Factors, str]] = []  # (buffer holding W, (B, A, s), role): += s·B·A
-        # PEFT LoRA layers -> their base Linear (read directly: PEFT's `weight` property walks the wrapper chain)
-        self._lora_base = {id(m): m.get_base_layer() for m in module.modules() if hasattr(m, "lora_A")}
+        self._lora_layers = [m for m in module.modules() if hasattr(m, "lora_A")]  # PEFT LoRA layers
+        # -> their base Linear (read directly: PEFT's `weight` property walks the wrapper chain)
+        self._lora_base = {id(m): m.get_base_layer() for m in self._lora_layers}
         self._fsdp_modules = [m for m in module.modules() if _is_fsdp(m)]
         self._slot: tuple[int, int] | None = None  # (index, count) of the decoder layer being read, in `_layer`
         self._stacked: set[object] = set()  # stacks that handed out a slice in this build (not reallocated mid-build)
-        self._lora_layers = [m for m in module.modules() if hasattr(m, "lora_A")]
         self._rec: Recorder | None = None  # the slow build being recorded
         self._plan: BuildPlan | None = None  # the last slow build, replayed by `build` while it is valid
 
@@ -285,9 +285,10 @@ class WeightView:
             scale = key[-1]
             items.sort(key=lambda item: item[0].storage_offset())
             per_item = (math.prod(items[0][1].shape) + math.prod(items[0][2].shape)) * self.dtype.itemsize
+            per_chunk = max(1, STACK_BYTES // per_item)  # bounded temporaries
             for run in _regular_runs(items):
-                for i in range(0, len(run), max(1, STACK_BYTES // per_item)):  # bounded temporaries
-                    part = run[i: i + max(1, STACK_BYTES // per_item)]
+                for i in range(0, len(run), per_chunk):
+                    part = run[i: i + per_chunk]
                     chunks.append((_batched_view([buf for buf, _, _ in part]), [b for _, b, _ in part],
                                    [a for _, _, a in part], scale))
         self._merge(chunks)
