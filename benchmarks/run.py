@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -151,24 +152,49 @@ def busy_spans(prof: Any) -> tuple[int, list[tuple[int, int, str, str]], int, in
     return busy, gaps, (spans[0][0] if spans else 0), (end or 0)
 
 
+def host_ranges(prof: Any) -> list[tuple[int, int, str]]:
+    """The profile's host-side ranges (aten ops and `record_function` annotations such as `stage/reward`)."""
+    return [(ev.start_ns(), ev.start_ns() + ev.duration_ns(), ev.name())
+            for ev in prof.profiler.kineto_results.events()
+            if ev.device_type() == torch.autograd.DeviceType.CPU and ev.duration_ns() > 0]
+
+
+def attribute_gap(start: int, end: int, ranges: list[tuple[int, int, str]], top: int = 6) -> dict[str, Any]:
+    """What the host was doing during the idle GPU interval [start, end) (ns): the trainer stages (`stage/*`) and
+    the host ranges that overlap it most, in ms of overlap."""
+    stages: dict[str, float] = defaultdict(float)
+    ops: dict[str, float] = defaultdict(float)
+    for s, e, name in ranges:
+        overlap = min(e, end) - max(s, start)
+        if overlap <= 0:
+            continue
+        (stages if name.startswith("stage/") else ops)[name[:80]] += overlap / 1e6
+    ranked = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+    return {"stages": {k: round(v, 2) for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
+            "host": {k: round(v, 2) for k, v in ranked}}
+
+
 def busy_fraction(trainer: Any, batch: DataProto) -> dict[str, Any]:
-    """One step under torch.profiler (CUDA activity): union of device-activity intervals over the step's wall
-    time, and the kernels that took the most time."""
+    """One step under torch.profiler (host and CUDA activity): union of device-activity intervals over the step's
+    wall time, the kernels that took the most time, and for the largest idle gaps what the host was doing (the
+    host recording makes this step's host work slower than the timed steps'; only the attribution is read from it)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         trainer.step(batch)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     busy, gaps, first, last_end = busy_spans(prof)
+    ranges = host_ranges(prof)
     window = (last_end - first) / 1e9
     top = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:25]
     kernels = [{"name": a.key[:160], "ms": a.device_time_total / 1e3, "calls": a.count} for a in top]
     idle = {f">= {lo} us": sum(g for g, *_ in gaps if g >= lo * 1e3) / 1e6 for lo in (10, 100, 1000)}
-    largest = [{"idle_ms": g / 1e6, "at_ms": at / 1e6, "after": a[:80], "before": b[:80]}
-               for g, at, a, b in sorted(gaps, reverse=True)[:25]]
+    largest = [{"idle_ms": g / 1e6, "at_ms": at / 1e6, "after": a[:80], "before": b[:80],
+                **(attribute_gap(first + at, first + at + g, ranges) if rank < 8 else {})}
+               for rank, (g, at, a, b) in enumerate(sorted(gaps, reverse=True)[:25])]
     return {"busy_s": busy / 1e9, "wall_s": wall, "first_to_last_kernel_s": window,
             "busy_fraction": busy / 1e9 / wall if wall else 0.0, "top_kernels": kernels,
             "idle_ms_in_gaps": idle, "largest_gaps": largest}
@@ -317,8 +343,10 @@ def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict
             lines += [f"- {k['ms']:.1f} ms x{k['calls']}: {k['name']}" for k in r["profile"]["top_kernels"][:20]]
             idle = ", ".join(f"{k}: {v:.1f} ms" for k, v in r["profile"].get("idle_ms_in_gaps", {}).items())
             lines += ["", f"GPU idle in gaps between kernels ({idle}); largest gaps:"]
-            lines += [f"- {g['idle_ms']:.2f} ms at {g['at_ms']:.1f} ms, after {g['after']} / before {g['before']}"
-                      for g in r["profile"].get("largest_gaps", [])[:12]]
+            for g in r["profile"].get("largest_gaps", [])[:12]:
+                lines.append(f"- {g['idle_ms']:.2f} ms at {g['at_ms']:.1f} ms, after {g['after']} / before {g['before']}")
+                if g.get("stages") or g.get("host"):
+                    lines.append(f"  - host meanwhile: stages {g.get('stages')}; ranges {g.get('host')}")
     return "\n".join(lines)
 
 

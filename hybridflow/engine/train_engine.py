@@ -42,11 +42,12 @@ from hybridflow.engine.fsdp import (
 from hybridflow.engine.lora import adapters_disabled, apply_lora, merged_state_dict
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, is_fused
 from hybridflow.engine.packing import build_inputs, scatter_to_responses
 from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.models.loader import load_module, load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.protocol.late import new_columns
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 class BackwardStats:
     """What one `forward_backward` did: the loss function's metrics averaged over micro-batches, tokens, FLOPs."""
 
-    metrics: dict[str, float]
+    metrics: dict[str, torch.Tensor | float]  # device scalars stay on the device (`host_floats` reads them)
     num_tokens: int
     flops: float
 
@@ -111,7 +112,8 @@ class TrainEngine:
         self.flops = FlopsCounter(model.config, with_lm_head=spec.head == "lm")
         self.optimizer = self.lr_scheduler = None
         if spec.optimizer is not None:
-            self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], spec.optimizer.optim)
+            self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], spec.optimizer.optim,
+                                             fused=_wants_fused_optimizer(self.device))
             self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer.optim, spec.optimizer.total_steps)
         self._params_on_device = self._optim_on_device = True
         self._training = False  # inside `training()`
@@ -247,12 +249,17 @@ class TrainEngine:
             dist.all_reduce(local)
         return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
 
-    def forward_backward(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest) -> BackwardStats:
+    def forward_backward(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest,
+                         late: Callable[[], DataProto] | None = None) -> BackwardStats:
         """Accumulate the gradients of `loss_fn` over this rank's mini-batch `batch`, cut by `spec.train_batching`.
 
         `loss_fn(outputs, micro_batch, global_norm)` gets `global_norm[mode]` = the whole mini-batch's normaliser
         over all ranks for each loss_agg_mode. Call inside `with engine.training():`; `step()` applies the sum.
+        `late`: returns `batch`'s rows with columns the loss needs that were not ready at the call (`protocol.late`);
+        it is called once the first micro-batch's forward is queued, so the device computes while it waits.
         """
+        if late is not None:
+            late = _once(late)
         if not self._training:
             raise RuntimeError("forward_backward runs inside `with engine.training():` (placement, train mode, "
                                "cleanup on failure)")
@@ -263,7 +270,7 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)
         batching = self._train_batching_now()
         try:
-            return self._accumulate(batch, loss_fn, head, global_norm, batching)
+            return self._accumulate(batch, loss_fn, head, global_norm, batching, late)
         except torch.cuda.OutOfMemoryError:
             if not (fresh and self._may_retry_oom(batching)):
                 raise
@@ -275,7 +282,7 @@ class TrainEngine:
         logger.warning("out of memory at %d samples per training micro-batch; retrying this and later mini-batches at "
                        "%d (set actor/critic ppo_micro_batch_size_per_gpu to choose)", batching.size,
                        self._train_micro_override)
-        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now())
+        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now(), late)
 
     def _train_batching_now(self) -> MicroBatching:
         size = self._train_micro_override
@@ -288,7 +295,7 @@ class TrainEngine:
                 and self._train_micro_override is None)
 
     def _accumulate(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest, global_norm: dict[str, torch.Tensor],
-                    batching: MicroBatching) -> BackwardStats:
+                    batching: MicroBatching, late: Callable[[], DataProto] | None = None) -> BackwardStats:
         loss_total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
         micro = self._micro_batches(batch, batching)
@@ -299,6 +306,9 @@ class TrainEngine:
             head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
             outputs, n_tok = self._forward_micro(mb.batch, head)
+            if late is not None:  # the forward is queued: wait for the late columns while the device runs it
+                batch = batch.select().union(new_columns(batch, late()))
+                mb, late = batch.select_idxs(idx), None
             mb_dev = mb.to(self.device, non_blocking=True)
             loss, metrics = loss_fn(outputs, mb_dev, global_norm)
             # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
@@ -309,26 +319,37 @@ class TrainEngine:
                 sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
             tokens += n_tok
         self._pending_loss = loss_total if self._pending_loss is None else self._pending_loss + loss_total
-        means = {k: v / len(micro) for k, v in _host_floats(sums).items()}
-        return BackwardStats(metrics=means, num_tokens=tokens, flops=flops)
+        return BackwardStats(metrics={k: v / len(micro) for k, v in sums.items()}, num_tokens=tokens, flops=flops)
 
-    def step(self) -> dict[str, float]:
-        """Clip and apply the accumulated gradients (skipped when the gradient norm or the loss is not finite);
-        returns `loss` (summed over ranks), `grad_norm`, `skipped` (0/1)."""
+    def step(self) -> dict[str, torch.Tensor]:
+        """Clip and apply the accumulated gradients; skipped when the gradient norm or the loss (summed over ranks)
+        is not finite. Returns device scalars `loss` (summed over ranks), `grad_norm`, `skipped` (0/1), left on the
+        device: `train_update` reads an update's metrics once at its end (`host_floats`).
+
+        With the fused optimizer (CUDA) the skip is decided on the device — AdamW's `found_inf` leaves weights,
+        moments and step counts as they were — so nothing here waits for the GPU; otherwise (CPU) the flag is read
+        here and the gradients are dropped."""
         if not self._training or self._pending_loss is None:
             raise RuntimeError("step() applies what forward_backward accumulated inside `with engine.training():`")
         loss_total, self._pending_loss = self._pending_loss, None
-        grad_norm = self._clip_grad_norm()
-        skipped = not (torch.isfinite(grad_norm) and torch.isfinite(loss_total))
-        if skipped:
-            logger.warning("non-finite loss %s or grad norm %s at step %d: optimizer step skipped",
-                           float(loss_total), float(grad_norm), self.global_step)
+        if self.dp_size > 1:  # every rank decides on the same numbers (the norm is already global)
+            dist.all_reduce(loss_total)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grad_norm = self._grad_norm(params)
+        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss_total))
+        # A non-finite norm makes the clipped gradients NaN/0; they are never applied (skip below).
+        torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, grad_norm, foreach=True)
+        if is_fused(self.optimizer):
+            self.optimizer.found_inf = bad.float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif bool(bad):
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-        if self.dp_size > 1:
-            dist.all_reduce(loss_total)
-        return {"loss": float(loss_total), "grad_norm": float(grad_norm), "skipped": float(skipped)}
+        return {"loss": loss_total, "grad_norm": grad_norm, "skipped": bad.float()}
 
     def lr_scheduler_step(self) -> float:
         """End of one update (one training step of the caller): advance the LR schedule; returns the new LR."""
@@ -374,15 +395,10 @@ class TrainEngine:
             return
         _reset_fsdp_iter_state(self.module._get_fsdp_state())
 
-    def _clip_grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if torch.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, norm, foreach=True)
-        return norm
+    @staticmethod
+    def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -464,7 +480,23 @@ def _reset_fsdp_iter_state(root_state: Any) -> None:
     ctx.post_backward_final_callback_queued = False
 
 
-def _host_floats(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+def _once(fn: Callable[[], DataProto]) -> Callable[[], DataProto]:
+    """`fn`'s result, computed on the first call (an out-of-memory retry of the mini-batch calls it again)."""
+    box: list[DataProto] = []
+
+    def call() -> DataProto:
+        if not box:
+            box.append(fn())
+        return box[0]
+
+    return call
+
+
+def _wants_fused_optimizer(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def host_floats(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
     """Device scalars → floats with one copy to the host per device."""
     out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
     by_device: dict[torch.device, list[str]] = defaultdict(list)

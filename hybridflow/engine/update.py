@@ -8,8 +8,10 @@ loss and head. Metrics: mini-batch means, averaged over ranks except `loss`/`gra
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +19,14 @@ import torch.distributed as dist
 
 from hybridflow.engine.flops import peak_flops
 from hybridflow.engine.model_forward import HeadRequest
-from hybridflow.engine.train_engine import LossFn, TrainEngine
+from hybridflow.engine.train_engine import LossFn, TrainEngine, host_floats
 from hybridflow.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 # Already the same on every rank (reduced inside the engine) or deliberately this rank's own.
 _NOT_AVERAGED = ("loss", "grad_norm", "num_tokens", "skipped")
+_ROW = "_update_row"  # with late columns: each row's index in the update's data
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,23 @@ class UpdatePlan:
 
 
 def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: HeadRequest,
-                 plan: UpdatePlan) -> dict[str, float]:
-    """Train `engine` on this rank's `data` per `plan`; returns the update's metrics (bare names)."""
+                 plan: UpdatePlan, late: Callable[[], DataProto] | None = None) -> dict[str, float]:
+    """Train `engine` on this rank's `data` per `plan`; returns the update's metrics (bare names).
+
+    `late` (`protocol.late`): returns `data` with the columns the loss needs that were not ready yet (the
+    advantages, while the driver still scores); only for an update of one mini-batch and one epoch, where the
+    first forward does not depend on them."""
     per_gpu = min(plan.mini_batch_size, len(data))
     if len(data) % per_gpu:
         raise ValueError(f"{len(data)} samples on this rank are not divisible by the per-GPU mini-batch "
                          f"{per_gpu}; make data.train_batch_size a multiple of ppo_mini_batch_size")
+    if late is not None:
+        if plan.epochs != 1 or per_gpu != len(data):
+            raise ValueError(f"late columns need an update of one mini-batch and one epoch, not {plan.epochs} "
+                             f"epoch(s) of {len(data) // per_gpu} mini-batches")
+        data = data.select().union(DataProto.from_dict({_ROW: torch.arange(len(data))}))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    sums: dict[str, float] = defaultdict(float)
+    sums: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     flops = 0.0
     with engine.training():
@@ -51,18 +65,28 @@ def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: He
         start = time.perf_counter()
         seed = plan.seed * 100_003 + engine.global_step
         for mini in data.make_iterator(per_gpu, plan.epochs, seed=seed, shuffle=plan.shuffle):
-            stats = engine.forward_backward(mini, loss_fn, head)
+            if late is not None:  # the rows of `mini`, in its (possibly shuffled) order
+                rows = mini.batch.pop(_ROW)
+                stats = engine.forward_backward(mini, loss_fn, head, lambda rows=rows: late().select_idxs(rows))
+            else:
+                stats = engine.forward_backward(mini, loss_fn, head)
+            # device scalars are summed on the device: the update reads them back once, at its end
             metrics = {**stats.metrics, **engine.step(), "num_tokens": float(stats.num_tokens)}
             flops += stats.flops
             for k, v in metrics.items():
-                sums[k] += v
+                sums[k] = sums[k] + (v.detach() if isinstance(v, torch.Tensor) else v)
                 counts[k] += 1
         lr = engine.lr_scheduler_step()
     sync()
     elapsed = time.perf_counter() - start
-    out = _mean_over_ranks({k: sums[k] / counts[k] for k in sums}, engine)
-    out.update(_perf_metrics(engine, sums["num_tokens"], flops, elapsed))
-    out["skipped"] = sums["skipped"]
+    host = host_floats(sums)
+    if host["skipped"]:
+        logger.warning("%d of %d optimizer steps of this update skipped: non-finite loss or gradient norm (mean loss "
+                       "%s, mean grad norm %s) at step %d", host["skipped"], counts["skipped"],
+                       host["loss"] / counts["loss"], host["grad_norm"] / counts["grad_norm"], engine.global_step)
+    out = _mean_over_ranks({k: host[k] / counts[k] for k in host}, engine)
+    out.update(_perf_metrics(engine, host["num_tokens"], flops, elapsed))
+    out["skipped"] = host["skipped"]
     out["lr"] = lr
     return out
 

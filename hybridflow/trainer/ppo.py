@@ -23,7 +23,7 @@ from hybridflow.algorithms import (
     rollout_is_metrics,
 )
 from hybridflow.config import Config, resolve
-from hybridflow.protocol import DataProto, keys
+from hybridflow.protocol import DataProto, keys, late
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
@@ -127,6 +127,9 @@ class PPOAlgorithm(Algorithm):
         with timer("gen"):  # 1. generate rollout.n responses per prompt (train→generate→train inside)
             batch = (self._generate(batch, metrics, timer) if self.driver is None  # non-sync: generated ahead
                      else self.driver.take(batch, step, metrics))
+        if self._reward_during_update():  # 2, 6 and 8 at once: the host scores while the update's forward runs
+            batch = self._reward_beside_update(self._balance(batch), metrics, timer)
+            return self._finish(batch, step, metrics, timer, start)
         if self._overlap_reward():  # 2-5 at once: the host scores while the workers compute log-probs / values
             batch, outs = self._reward_beside_worker_stages(self._balance(batch), metrics, timer)
         else:
@@ -148,6 +151,10 @@ class PPOAlgorithm(Algorithm):
         if self.global_step > self.cfg.critic.warmup_steps or not self.res.use_critic:
             with timer("update_actor"):  # 8. actor PPO epochs
                 metrics |= reduce_metrics(self.actor.update_actor(batch))
+        return self._finish(batch, step, metrics, timer, start)
+
+    def _finish(self, batch: DataProto, step: int, metrics: dict[str, float], timer: StageTimer,
+                start: float) -> dict[str, float]:
         if self.driver is not None:  # non-sync modes: the rollout workers get policy version `step`
             metrics |= self.driver.after_update(step)
         ema = self.cfg.ref.ema
@@ -174,6 +181,43 @@ class PPOAlgorithm(Algorithm):
                 outs = stages.result()
         metrics |= stage_metrics
         return batch, outs
+
+    def _reward_beside_update(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
+        """Stages 2 and 6 on a thread while stage 8 starts: the actor's update gets the batch without advantages
+        and a late-columns token (`protocol.late`); it queues its first forward, then waits for this thread's
+        scored batch. Only where nothing else could overlap the host's scoring (`_reward_during_update`)."""
+        scored_metrics: dict[str, float] = {}
+
+        def score(view: DataProto) -> DataProto:
+            with timer("reward", sync=False):  # the GPU work in flight is the update's
+                view = self._reward(view, scored_metrics)
+            with timer("adv", sync=False):
+                scored_metrics.update(self._advantages(view))
+            return view
+
+        with ThreadPoolExecutor(1, thread_name_prefix="reward") as pool:
+            scoring = pool.submit(score, batch[:])  # its own dicts: this thread keeps `batch` as it is
+            token = late.offer(scoring.result)
+            try:
+                with timer("update_actor"):
+                    metrics |= reduce_metrics(self.actor.update_actor(self._with_meta(batch,
+                                                                                      **{late.META_KEY: token})))
+            finally:  # an error in either waits for both; a scoring error is the one raised
+                late.discard(token)
+                scored = scoring.result()
+        metrics |= scored_metrics
+        return scored
+
+    def _reward_during_update(self) -> bool:
+        """Score during the actor update when `reward.overlap` is on and there is no stage 3-5 or critic to overlap
+        with (on-policy GRPO-style runs), the reward needs no worker and no decision waits on it, the actor is an
+        in-process worker (local backend), its update is one mini-batch and one epoch, and the stage checks are off
+        (they want the advantages at the call)."""
+        res, cfg = self.res, self.cfg
+        return (cfg.reward.overlap and not (res.recompute_old_log_prob or res.use_reference or res.use_critic)
+                and not res.use_reward_model and not cfg.algorithm.filter_groups.enable and self.driver is None
+                and self.actor.worker_group.backend_kind == "local" and not keys.checks_enabled()
+                and res.actor.num_mini_batches == 1 and cfg.actor.ppo_epochs == 1)
 
     def _worker_stages(self, batch: DataProto, timer: StageTimer, metrics: dict[str, float],
                        device: int | None = None) -> list[DataProto]:

@@ -1,4 +1,5 @@
-"""Stage timers: `with timer("gen"):` records `timing/gen`; `timer.metrics()` returns them for the step."""
+"""Stage timers: `with timer("gen"):` records `timing/gen`; `timer.metrics()` returns them for the step. Each stage is
+also a `stage/<name>` range in a torch profile (benchmarks/run.py names the stage behind each idle GPU gap)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class StageTimer:
         this stage's)."""
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"stage/{name}"):
+                yield
         finally:
             if self._sync and sync:
                 torch.cuda.synchronize()

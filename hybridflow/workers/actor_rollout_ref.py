@@ -16,7 +16,7 @@ from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.engine.lora import merged_state_dict
-from hybridflow.protocol import DataProto, keys
+from hybridflow.protocol import DataProto, keys, late
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.losses import make_actor_loss
 from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
@@ -104,7 +104,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         from hybridflow.engine import train_update
 
         metrics = train_update(self.actor, data, self.loss_fn, actor_head(self.cfg, entropy=True),
-                               actor_plan(self.cfg, self.res.actor))
+                               actor_plan(self.cfg, self.res.actor), late=late.take(data))
         metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -128,3 +128,28 @@ def test_lora_forward_cost_reports_the_low_rank_terms_of_a_rollout():
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["adapted_pairs_per_step"] == 14 and row["decode_step_ms"] > 0 and row["prefill_ms"] > 0, row
     assert abs(row["rollout_ms"] - (3 * row["decode_step_ms"] + row["prefill_ms"])) < 0.02, row
+
+
+def test_idle_gap_attribution_names_the_stage_and_host_ranges():
+    """The profile step names what the host did during each idle GPU gap: the trainer stage (`stage/<name>` from
+    StageTimer) and the host ranges that overlap the gap most."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.run import attribute_gap, host_ranges
+    from hybridflow.trainer.timing import StageTimer
+
+    timer = StageTimer(sync_cuda=False)
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with timer("reward"):
+            for _ in range(20):
+                x = torch.tanh(x @ x)
+    ranges = host_ranges(prof)
+    stage = [r for r in ranges if r[2] == "stage/reward"]
+    assert len(stage) == 1
+    start, end, _ = stage[0]
+    out = attribute_gap(start, end, ranges)
+    assert list(out["stages"]) == ["stage/reward"] and out["stages"]["stage/reward"] > 0
+    assert "aten::mm" in out["host"] and "aten::tanh" in out["host"]
+    assert attribute_gap(end + 1, end + 2, ranges) == {"stages": {}, "host": {}}

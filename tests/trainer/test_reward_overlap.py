@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 from ppo_testlib import tiny_ppo_config
 
+from hybridflow.engine.train_engine import TrainEngine
+from hybridflow.protocol import late
 from hybridflow.trainer.ppo import PPOAlgorithm, PPOTrainer
 
 GAE_KL = ("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.total_training_steps=3",
           "trainer.checkpoint.save_freq=0")
 _WORKER_STAGES = PPOAlgorithm._worker_stages
+_ORIGINAL = (TrainEngine._forward_micro, late.take, PPOAlgorithm._reward)
 
 
 def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict], set[str]]:
@@ -65,12 +68,105 @@ def test_overlap_is_skipped_where_the_reward_must_come_first(tmp_path):
     grpo_no_stage = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, "algorithm.adv_estimator=grpo",
                                     "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
                                     "actor.ppo_mini_batch_size=2")
-    assert PPOAlgorithm._overlap_reward(_Stub(grpo_no_stage)) is False  # nothing to overlap with
+    assert PPOAlgorithm._overlap_reward(_Stub(grpo_no_stage)) is False  # no worker stage: see the next tests
     assert base.reward.overlap is True  # on by default
+
+
+GRPO_NO_STAGE = ("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+                 "trainer.total_training_steps=3", "trainer.checkpoint.save_freq=0")
+
+
+def _run_grpo(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *extra: str
+              ) -> tuple[list[dict], list[str]]:
+    """Three on-policy GRPO steps (one mini-batch: no stage 3-5); `events` records, in order, each training forward
+    and each time the update waited for its late columns, with the thread that scored."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    events: list[str] = []
+    forward, take, reward = _ORIGINAL  # not the spies of an earlier run in the same test
+
+    def forward_spy(self, *args, **kwargs):
+        events.append("forward")
+        return forward(self, *args, **kwargs)
+
+    def take_spy(data):
+        fn = take(data)
+        if fn is None:
+            return None
+
+        def wait():
+            events.append("late")
+            return fn()
+
+        return wait
+
+    def reward_spy(self, *args, **kwargs):
+        events.append(f"reward:{threading.current_thread().name}")
+        return reward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainEngine, "_forward_micro", forward_spy)
+    monkeypatch.setattr(late, "take", take_spy)
+    monkeypatch.setattr(PPOAlgorithm, "_reward", reward_spy)
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, f"reward.overlap={str(overlap).lower()}",
+                          *GRPO_NO_STAGE, *extra)
+    trainer = PPOTrainer(cfg)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    return history, events
+
+
+def test_grpo_without_worker_stages_scores_during_the_update_and_changes_nothing(tmp_path, monkeypatch):
+    """With nothing else to overlap with, the host scores on a thread while the actor update's first forward runs
+    (`protocol.late`); the update waits for the advantages only after queuing that forward. Same run as in order."""
+    seq, seq_events = _run_grpo(tmp_path / "seq", False, monkeypatch, "actor.ppo_micro_batch_size_per_gpu=4")
+    ovl, ovl_events = _run_grpo(tmp_path / "ovl", True, monkeypatch, "actor.ppo_micro_batch_size_per_gpu=4")
+    assert "late" not in seq_events and f"reward:{threading.main_thread().name}" in seq_events
+    assert ovl_events.count("late") == 3  # once per step
+    scorers = {e for e in ovl_events if e.startswith("reward:")}
+    assert len(scorers) == 1 and next(iter(scorers)).startswith("reward:reward")
+    update = [e for e in ovl_events if not e.startswith("reward:")]  # the scoring thread's events interleave
+    # each step: the first micro-batch's forward is queued, then the wait, then the second (8 rows / 4 a micro-batch)
+    assert update == ["forward", "late", "forward"] * 3
+    assert len(seq) == len(ovl) == 3
+    for a, b in zip(_untimed(seq), _untimed(ovl)):
+        assert a.keys() == b.keys()
+        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k] and not (a[k] != a[k] and b[k] != b[k])}
+        assert not diff, diff
+    assert "timing/reward" in ovl[0] and "timing/adv" in ovl[0]
+
+
+def test_scoring_during_the_update_needs_one_pass_one_process_and_no_worker_stage(tmp_path):
+    decide = lambda *o: PPOAlgorithm._reward_during_update(_Stub(tiny_ppo_config(  # noqa: E731
+        tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE, *o)))
+    assert decide() is True
+    assert decide("reward.overlap=false") is False
+    assert decide("actor.ppo_epochs=2") is False  # the first forward of epoch 2 needs epoch 1's advantages
+    assert decide("actor.ppo_mini_batch_size=1") is False  # 2 mini-batches: old log-probs recomputed (stage 3)
+    assert decide("actor.use_kl_loss=true") is False  # reference log-probs: overlapped there instead
+    assert decide("algorithm.filter_groups.enable=true") is False
+
+
+def test_a_failing_reward_during_the_update_is_the_error_raised(tmp_path, monkeypatch):
+    def broken(self, batch, metrics):
+        raise ValueError("reward function broke on row 3")
+
+    monkeypatch.setattr(PPOAlgorithm, "_reward", broken)
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE)
+    trainer = PPOTrainer(cfg)
+    try:
+        with pytest.raises(ValueError, match="reward function broke on row 3"):
+            trainer.fit()
+    finally:
+        trainer.close()
 
 
 class _Stub:
     def __init__(self, cfg) -> None:
+        from types import SimpleNamespace
+
         from hybridflow.config import resolve
 
         self.cfg, self.res = cfg, resolve(cfg)
+        self.driver = None
+        self.actor = SimpleNamespace(worker_group=SimpleNamespace(backend_kind=cfg.trainer.backend))

@@ -1,0 +1,116 @@
+"""The fused optimizer's device-side skip (the CUDA path, run here on the CPU): a non-finite step leaves weights,
+Adam moments and step counts exactly as they were without reading the flag on the host, and finite steps match
+the multi-tensor (foreach) optimizer the CPU uses, up to rounding."""
+
+import pytest
+import torch
+from engine_testlib import make_batch, make_engine, nll_loss, train_step
+from torch.distributed.tensor import DTensor
+
+import hybridflow.engine.train_engine as train_engine
+from hybridflow.engine.optim import is_fused
+
+pytestmark = pytest.mark.usefixtures("dist_group")
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _state(engine):
+    """Weights and every optimizer state tensor, by parameter name."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = _full(p)
+        for key, value in engine.optimizer.state.get(p, {}).items():
+            out[f"{name}/{key}"] = _full(value)
+    return out
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setattr(train_engine, "_wants_fused_optimizer", lambda device: True)
+
+
+def test_fused_skip_keeps_weights_moments_and_step_counts(fused):
+    engine = make_engine()
+    assert is_fused(engine.optimizer)
+    data = make_batch(seed=5)
+    assert train_step(engine, data, nll_loss)["skipped"] == 0
+    before = _state(engine)
+    assert any(k.endswith("/exp_avg") for k in before)
+
+    def nan_loss(outputs, mb, norm):
+        loss, m = nll_loss(outputs, mb, norm)
+        return loss * float("nan"), m
+
+    metrics = train_step(engine, data, nan_loss)
+    assert metrics["skipped"] == 1
+    after = _state(engine)
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed == []
+    assert train_step(engine, data, nll_loss)["skipped"] == 0
+    assert not torch.equal(_state(engine)[next(iter(before))], before[next(iter(before))])
+
+
+def test_fused_steps_match_foreach_steps(monkeypatch):
+    data = [make_batch(seed=s) for s in (1, 2, 3)]
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(train_engine, "_wants_fused_optimizer", lambda device, f=fused: f)
+        engine = make_engine("actor.optim.weight_decay=0.01", "actor.grad_clip=0.5")
+        assert is_fused(engine.optimizer) == fused
+        losses = [train_step(engine, d, nll_loss)["loss"] for d in data]
+        runs[fused] = losses, _state(engine)
+    (l0, s0), (l1, s1) = runs[False], runs[True]
+    assert l0[0] == l1[0]  # the same weights before the first step
+    assert l1 == pytest.approx(l0, rel=1e-4)
+    for k in s0:
+        torch.testing.assert_close(s1[k], s0[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+CUDA_SCRIPT = r'''
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, "tests/engine")
+from engine_testlib import make_batch, make_config, nll_loss
+from hybridflow.engine import TrainEngine, UpdatePlan, train_update, HeadRequest
+from hybridflow.engine.optim import is_fused
+from hybridflow.workers.engine_specs import actor_spec
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+engine = TrainEngine(actor_spec(make_config()), device="cuda")
+assert is_fused(engine.optimizer)
+head, data = HeadRequest("lm", 1.0, 1024, False), make_batch(seed=5)
+step = lambda fn: train_update(engine, data, fn, head, UpdatePlan(len(data)))
+def nan_loss(outputs, mb, norm):
+    loss, m = nll_loss(outputs, mb, norm)
+    return loss * float("nan"), m
+def state():
+    out = []
+    for p in engine.module.parameters():
+        out.append(p.full_tensor().clone())
+        out += [v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                for v in engine.optimizer.state[p].values()]
+    return out
+assert step(nll_loss)["skipped"] == 0
+before = state()
+assert step(nan_loss)["skipped"] == 1
+assert all(torch.equal(a, b) for a, b in zip(before, state()))
+assert step(nll_loss)["skipped"] == 0
+assert not all(torch.equal(a, b) for a, b in zip(before, state()))
+dist.destroy_process_group()
+print("fused cuda ok")
+'''
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused optimizer's CUDA path needs a GPU")
+def test_fused_skip_on_cuda_with_fsdp2():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", CUDA_SCRIPT], cwd=root, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(root)})
+    assert proc.returncode == 0 and "fused cuda ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
