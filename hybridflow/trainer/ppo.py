@@ -183,30 +183,41 @@ class PPOAlgorithm(Algorithm):
         return batch, outs
 
     def _reward_beside_update(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
-        """Stages 2 and 6 on a thread while stage 8 starts: the actor's update gets the batch without advantages
-        and a late-columns token (`protocol.late`); it queues its first forward, then waits for this thread's
-        scored batch. Only where nothing else could overlap the host's scoring (`_reward_during_update`)."""
-        scored_metrics: dict[str, float] = {}
+        """Stages 2 and 6 inside stage 8: the actor's update gets the batch without advantages and a late-columns
+        token (`protocol.late`); it queues its first micro-batch's forward, then calls back here, on this thread,
+        to score and compute the advantages while the device runs that forward. (On this thread, not a second one:
+        a scoring thread would hold the GIL while the update's host code launches kernels.) Only where nothing
+        else could overlap the host's scoring (`_reward_during_update`)."""
+        done: dict[str, Any] = {}
 
-        def score(view: DataProto) -> DataProto:
-            with timer("reward", sync=False):  # the GPU work in flight is the update's
-                view = self._reward(view, scored_metrics)
-            with timer("adv", sync=False):
-                scored_metrics.update(self._advantages(view))
+        def score() -> DataProto:
+            try:
+                view = batch[:]  # its own dicts: the update's batch stays as sent
+                with timer("reward", sync=False):  # the forward in flight is the update's
+                    view = self._reward(view, metrics)
+                with timer("adv", sync=False):
+                    metrics.update(self._advantages(view))
+            except BaseException as exc:
+                done["error"] = exc
+                raise
+            done["batch"] = view
             return view
 
-        with ThreadPoolExecutor(1, thread_name_prefix="reward") as pool:
-            scoring = pool.submit(score, batch[:])  # its own dicts: this thread keeps `batch` as it is
-            token = late.offer(scoring.result)
-            try:
-                with timer("update_actor"):
-                    metrics |= reduce_metrics(self.actor.update_actor(self._with_meta(batch,
-                                                                                      **{late.META_KEY: token})))
-            finally:  # an error in either waits for both; a scoring error is the one raised
-                late.discard(token)
-                scored = scoring.result()
-        metrics |= scored_metrics
-        return scored
+        token = late.offer(score)
+        try:
+            with timer("update_actor"):
+                update = self.actor.update_actor(self._with_meta(batch, **{late.META_KEY: token}))
+        except Exception:
+            if "error" in done:  # the scoring failed inside the worker call: raise its own error, not the wrapper
+                raise done["error"] from None
+            raise
+        finally:
+            late.discard(token)
+        if "batch" not in done:
+            raise RuntimeError("the actor update returned without taking its late columns (advantages); "
+                               "set reward.overlap=false and report this")
+        metrics |= reduce_metrics(update)
+        return done["batch"]
 
     def _reward_during_update(self) -> bool:
         """Score during the actor update when `reward.overlap` is on and there is no stage 3-5 or critic to overlap
