@@ -8,16 +8,21 @@ Workload (issue 12): 32 prompts x 8 samples, 256 random prompt tokens + 256 resp
 bf16, one optimizer step per generation (on-policy, so old_log_prob is skipped) — the same as
 `benchmarks/trl_grpo.py`. Batches are built here (random token ids) and fed to `PPOTrainer.step`, so the step
 loop is the trainer's own. Reported per preset: `timing/*`, tokens/s, decode % of the HBM roofline, actor-update
-MFU, peak memory, `timing/switch`, GPU busy fraction over one profiled step (torch.profiler, CUDA activity only).
+MFU, peak memory, `timing/switch`, GPU busy fraction over one profiled step (torch.profiler, host and CUDA
+activity: each large idle gap is attributed to the trainer stage and host ops running meanwhile). The process sets
+its CPU threads as the `hybridflow` commands do (`trainer.cpu_threads`, OpenMP passive waits).
 Output: `<out>/bench_<preset>.json` plus a markdown table printed last.
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as hybridflow/cli.py: before torch loads its OpenMP runtime
+
 import argparse
 import json
 import logging
-import os
 import platform
 import subprocess
 import time
@@ -237,8 +242,10 @@ def track_generate_peak(trainer: Any, dev: torch.device) -> None:
 
 def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]) -> dict[str, Any]:
     from hybridflow.trainer.ppo import PPOTrainer
+    from hybridflow.utils.threads import apply_cpu_threads
 
     cfg = bench_config(args, preset)
+    threads = apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device)  # what `hybridflow train` does
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     startup = time.perf_counter() - t0
@@ -271,7 +278,7 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
     rows, R = args.prompts * args.n, args.response_len
     gen_s = med.get("timing/generate", med["timing/gen"])
     res: dict[str, Any] = {
-        "preset": preset, "startup_s": startup, "steps": steps, "median": med, "profile": prof,
+        "preset": preset, "startup_s": startup, "steps": steps, "median": med, "profile": prof, "cpu_threads": threads,
         "step_s": med["timing/step"],
         "tokens_per_s": rows * (args.prompt_len + R) / med["timing/step"],
         "decode_tok_s": rows * R / gen_s,
@@ -319,6 +326,7 @@ def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict
     tag = f" [{env['tag']}]" if env.get("tag") else ""
     lines = [f"GRPO step loop{tag} — {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}",
              f"overrides: {env.get('overrides') or 'none'}"]
+    lines += [f"{r['preset']}: {r['cpu_threads']}" for r in results if r.get("cpu_threads")]
     if ceilings:
         lines.append(f"measured: copy {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
                      f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")

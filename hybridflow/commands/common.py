@@ -23,7 +23,7 @@ def load_from_args(items: list[str], validate: bool = True, *, preflight: bool =
                    reward: bool = True, runs: bool = False) -> Config:
     """The config of the command line; `preflight` also checks what it points at (model, data files when `data`,
     reward functions when `reward`) before anything loads — see `hybridflow.config.preflight`. `runs`: the command
-    runs a model, so a CPU run gets its thread count (`trainer.cpu_threads`, printed on stderr)."""
+    runs a model, so it gets its CPU thread count (`trainer.cpu_threads`, printed on stderr)."""
     files, overrides = split_args(items)
     cfg = load_config(files, overrides, validate=validate)
     if preflight:
@@ -33,9 +33,7 @@ def load_from_args(items: list[str], validate: bool = True, *, preflight: bool =
     if runs:
         from hybridflow.utils.threads import apply_cpu_threads
 
-        line = apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device)
-        if line:
-            print(line, file=sys.stderr)
+        print(apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device), file=sys.stderr)
     return cfg
 
 

@@ -557,7 +557,7 @@ class TrainerConfig:
     total_training_steps: int | None  # null = epochs × batches per epoch
     seed: int
     device: str  # auto | cpu | cuda
-    cpu_threads: int  # CPU runs: intra-op threads, 0 = auto (hybridflow.utils.threads)
+    cpu_threads: int  # intra-op threads, 0 = auto (hybridflow.utils.threads)
     backend: str  # auto | local | ray
     nnodes: int
     n_gpus_per_node: int  # processes per node (GPUs, or CPU ranks when device=cpu)

@@ -1,4 +1,4 @@
-"""CPU thread count for runs on the CPU (`trainer.cpu_threads`, 0 = auto).
+"""CPU thread count of a run (`trainer.cpu_threads`, 0 = auto).
 
 Why: torch's default is one intra-op thread per core. On a machine where another process is busy, those threads
 spin-wait for a core they do not get: `hybridflow sft` on the tiny model took 3.7-5.2 s a step with the default
@@ -6,6 +6,11 @@ threads on a busy 2-core box and 0.09 s with one thread (issue 25). `auto` uses 
 (cores minus the 1-minute load average, at least 1); the CLI also sets OpenMP's passive wait policy before torch
 loads (`OMP_WAIT_POLICY=PASSIVE`, unless set), so a thread that waits sleeps instead of spinning. An explicit
 `OMP_NUM_THREADS` in the environment, or `trainer.cpu_threads=N`, wins.
+
+On a GPU run the host only feeds the device: its tensor ops are small (rewards, advantages, batch shuffles and
+packing), and on the H200 box (16 cores) one [256, 256] multiply-and-sum took 58 us on torch's default 16 threads
+against 21-37 us on 1-4; in the 0.5B GRPO step the host's scoring took 40 ms with 16 threads and 11 ms with 4
+(1.53 -> 1.40 s a step, docs/benchmarks.md "GPU round 7"). So `auto` there is at most `GPU_RUN_THREADS`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import logging
 import os
 
 logger = logging.getLogger(__name__)
+
+GPU_RUN_THREADS = 4
 
 
 def free_cores(cpu_count: int | None = None, load: float | None = None) -> int:
@@ -26,8 +33,8 @@ def free_cores(cpu_count: int | None = None, load: float | None = None) -> int:
 
 
 def choose_cpu_threads(setting: int, env: dict[str, str] | None = None, cpu_count: int | None = None,
-                       load: float | None = None) -> tuple[int, str]:
-    """(threads, why) for `trainer.cpu_threads=setting`."""
+                       load: float | None = None, cap: int | None = None) -> tuple[int, str]:
+    """(threads, why) for `trainer.cpu_threads=setting`; `cap` bounds the automatic choice only."""
     env = os.environ if env is None else env
     if setting < 0:
         raise ValueError(f"trainer.cpu_threads={setting}: use 0 (auto: the free cores) or a positive count")
@@ -40,17 +47,18 @@ def choose_cpu_threads(setting: int, env: dict[str, str] | None = None, cpu_coun
     if load is None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     n = free_cores(cores, load)
+    if cap is not None and n > cap:
+        return cap, f"auto: {cores} cores, load {load:.1f}, at most {cap} on a GPU run"
     return n, f"auto: {cores} cores, load {load:.1f}"
 
 
-def apply_cpu_threads(setting: int, device: str) -> str | None:
-    """Set torch's intra-op threads for a CPU run; returns the line the run header prints (None on GPU runs,
-    whose CPU threads only feed the GPU)."""
+def apply_cpu_threads(setting: int, device: str) -> str:
+    """Set torch's intra-op threads for a run on `device` (a GPU run: at most `GPU_RUN_THREADS` when automatic);
+    returns the line the run header prints."""
     import torch
 
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        return None
-    n, why = choose_cpu_threads(setting)
+    gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    n, why = choose_cpu_threads(setting, cap=GPU_RUN_THREADS if gpu else None)
     torch.set_num_threads(n)
     line = f"cpu threads: {n} ({why}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"
     logger.info(line)

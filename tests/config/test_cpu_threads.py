@@ -51,3 +51,15 @@ def test_the_cli_sets_a_passive_openmp_wait_policy_before_torch_loads() -> None:
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's choice stays
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split()[0] == "ACTIVE"
+
+
+def test_a_gpu_run_caps_the_automatic_threads_only() -> None:
+    """The host of a GPU run only feeds the device: auto is at most GPU_RUN_THREADS; explicit settings still win."""
+    from hybridflow.utils.threads import GPU_RUN_THREADS
+
+    cap = GPU_RUN_THREADS
+    assert choose_cpu_threads(0, env={}, cpu_count=16, load=0.0, cap=cap) == (
+        cap, f"auto: 16 cores, load 0.0, at most {cap} on a GPU run")
+    assert choose_cpu_threads(0, env={}, cpu_count=2, load=0.0, cap=cap) == (2, "auto: 2 cores, load 0.0")
+    assert choose_cpu_threads(12, env={}, cpu_count=16, load=0.0, cap=cap)[0] == 12
+    assert choose_cpu_threads(0, env={"OMP_NUM_THREADS": "16"}, cpu_count=16, load=0.0, cap=cap)[0] == 16

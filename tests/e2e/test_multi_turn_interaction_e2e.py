@@ -41,14 +41,13 @@ def test_interaction_turn_rewards_reach_the_scores(tmp_path: Path) -> None:
     ])
     trainer = PPOTrainer(cfg)
     seen = []
-    actor = trainer.algorithm.actor
-    update = actor.update_actor
+    advantages = trainer.algorithm._advantages  # the scored batch (rewards in), whichever order the step scores in
 
     def spy(batch):
         seen.append(batch)
-        return update(batch)
+        return advantages(batch)
 
-    actor.update_actor = spy
+    trainer.algorithm._advantages = spy
     try:
         history = trainer.fit()
     finally:
