@@ -77,7 +77,7 @@ def move_model(model: torch.nn.Module, device: torch.device) -> None:
 def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move optimizer state tensors (exp_avg, exp_avg_sq; `step` too for the fused optimizer, which keeps it beside
     the parameters; otherwise it stays on CPU) to `device`."""
-    keep_step = not optimizer.defaults.get("fused")
+    keep_step = not all(group.get("fused") for group in optimizer.param_groups)
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and not (key == "step" and keep_step):

@@ -27,7 +27,22 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fuse
 
 
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(optimizer.defaults.get("fused"))
+    """Whether every parameter group steps with the fused kernel (the one that honours `found_inf`)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def set_kind(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Make every parameter group step as this engine's optimizer does, after a checkpoint load: torch's
+    `load_state_dict` replaces the groups with the saved ones, flags included, so a checkpoint from a CPU run (or
+    from before the fused step) would bring `foreach` back under a fused engine, whose skip flag the multi-tensor
+    kernel refuses. The step counts move to where the kind keeps them (fused: float32 beside the parameter;
+    foreach: the CPU)."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = (True, None) if fused else (None, True)
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(dtype=torch.float32, device=p.device if fused else "cpu")
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int | None) -> int:

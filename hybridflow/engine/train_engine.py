@@ -43,6 +43,7 @@ from hybridflow.engine.lora import adapters_disabled, apply_lora, merged_state_d
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, is_fused
+from hybridflow.engine.optim import set_kind as set_optimizer_kind
 from hybridflow.engine.packing import build_inputs, scatter_to_responses
 from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.models.loader import load_module, load_tokenizer
@@ -412,6 +413,8 @@ class TrainEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._enter(optim=True)
         ckpt.set_engine_state(self.module, self.optimizer, state, trainable_only=self.lora_targets is not None)
+        if self.optimizer is not None:  # the saved groups' fused/foreach flags came with the state: ours win
+            set_optimizer_kind(self.optimizer, fused=_wants_fused_optimizer(self.device))
         extra = state.get("extra") or {}
         self.global_step = int(extra.get("global_step", 0))
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
@@ -481,12 +484,20 @@ def _reset_fsdp_iter_state(root_state: Any) -> None:
 
 
 def _once(fn: Callable[[], DataProto]) -> Callable[[], DataProto]:
-    """`fn`'s result, computed on the first call (an out-of-memory retry of the mini-batch calls it again)."""
+    """`fn`'s outcome — its result or its error — from the first call (an out-of-memory retry of the mini-batch
+    calls it again: the late columns are computed once, and a failure is not retried)."""
     box: list[DataProto] = []
+    failed: list[BaseException] = []
 
     def call() -> DataProto:
+        if failed:
+            raise failed[0]
         if not box:
-            box.append(fn())
+            try:
+                box.append(fn())
+            except BaseException as exc:
+                failed.append(exc)
+                raise
         return box[0]
 
     return call

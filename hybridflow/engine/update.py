@@ -46,7 +46,9 @@ def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: He
 
     `late` (`protocol.late`): returns `data` with the columns the loss needs that were not ready yet (the
     advantages, while the driver still scores); only for an update of one mini-batch and one epoch, where the
-    first forward does not depend on them."""
+    first forward does not depend on them. Its host time is not the update's: on the CPU, where nothing runs
+    meanwhile, it is left out of `step_time_s`, throughput and MFU; on a GPU it overlaps the queued forward and
+    only what outlasts that forward shows in them."""
     per_gpu = min(plan.mini_batch_size, len(data))
     if len(data) % per_gpu:
         raise ValueError(f"{len(data)} samples on this rank are not divisible by the per-GPU mini-batch "
@@ -56,6 +58,7 @@ def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: He
             raise ValueError(f"late columns need an update of one mini-batch and one epoch, not {plan.epochs} "
                              f"epoch(s) of {len(data) // per_gpu} mini-batches")
         data = data.select().union(DataProto.from_dict({_ROW: torch.arange(len(data))}))
+        late = _timed(late, late_s := [0.0])
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sums: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -79,6 +82,8 @@ def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: He
         lr = engine.lr_scheduler_step()
     sync()
     elapsed = time.perf_counter() - start
+    if late is not None and engine.device.type == "cpu":
+        elapsed -= late_s[0]
     host = host_floats(sums)
     if host["skipped"]:
         logger.warning("%d of %d optimizer steps of this update skipped: non-finite loss or gradient norm (mean loss "
@@ -89,6 +94,17 @@ def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: He
     out["skipped"] = host["skipped"]
     out["lr"] = lr
     return out
+
+
+def _timed(fn: Callable[[], DataProto], seconds: list[float]) -> Callable[[], DataProto]:
+    def call() -> DataProto:
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            seconds[0] += time.perf_counter() - start
+
+    return call
 
 
 def _mean_over_ranks(metrics: dict[str, float], engine: TrainEngine) -> dict[str, float]:

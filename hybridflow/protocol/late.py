@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from hybridflow.protocol.data_proto import DataProto
+from hybridflow.protocol.indexing import values_equal
 
 META_KEY = "late_columns"
 
@@ -52,7 +53,12 @@ def take(data: DataProto) -> LateFn | None:
 
 
 def new_columns(batch: DataProto, late: DataProto) -> DataProto:
-    """`late`'s tensor columns that `batch` lacks (rows in the same order)."""
+    """`late`'s tensor columns that `batch` lacks. The rows must be the same, in the same order, and a column both
+    hold must not have changed (what the update already read would be stale): checked, not assumed."""
     if len(late) != len(batch):
         raise ValueError(f"late columns have {len(late)} rows, the batch {len(batch)}")
+    for key in sorted(set(late.batch) & set(batch.batch)):
+        if not values_equal(late.batch[key], batch.batch[key]):
+            raise ValueError(f"late columns: {key!r} differs from the batch the update started with; the late "
+                             "function may only add columns (or set reward.overlap=false)")
     return late.select([k for k in late.batch if k not in batch.batch], [], [])

@@ -114,3 +114,36 @@ def test_fused_skip_on_cuda_with_fsdp2():
     proc = subprocess.run([sys.executable, "-c", CUDA_SCRIPT], cwd=root, capture_output=True, text=True, timeout=300,
                           env=os.environ | {"PYTHONPATH": str(root)})
     assert proc.returncode == 0 and "fused cuda ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_a_checkpoint_of_the_other_optimizer_kind_loads_and_steps(saved_fused, monkeypatch, tmp_path):
+    """torch's load_state_dict brings the saved groups' fused/foreach flags: a CPU (foreach) checkpoint resumed by a
+    fused engine must still step and skip with the fused kernel, and a fused checkpoint resumed on the CPU with
+    foreach; the weights and moments are the saved ones."""
+    data = make_batch(seed=5)
+    monkeypatch.setattr(train_engine, "_wants_fused_optimizer", lambda device: saved_fused)
+    saver = make_engine()
+    train_step(saver, data, nll_loss)
+    saver.save(tmp_path / "ckpt")
+    saved = _state(saver)
+
+    monkeypatch.setattr(train_engine, "_wants_fused_optimizer", lambda device: not saved_fused)
+    engine = make_engine()
+    engine.load(tmp_path / "ckpt")
+    assert is_fused(engine.optimizer) == (not saved_fused)
+    assert all((g["fused"], g["foreach"]) == ((True, None) if not saved_fused else (None, True))
+               for g in engine.optimizer.param_groups)
+    loaded = _state(engine)
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+    def nan_loss(outputs, mb, norm):
+        loss, m = nll_loss(outputs, mb, norm)
+        return loss * float("nan"), m
+
+    assert train_step(engine, data, nan_loss)["skipped"] == 1
+    assert all(torch.equal(v, saved[k]) for k, v in _state(engine).items())
+    assert train_step(engine, data, nll_loss)["skipped"] == 0
+    steps = [s["step"] for s in engine.optimizer.state.values()]
+    assert steps and all(float(s) == 2.0 for s in steps)  # one saved step + this one; the skipped one not counted

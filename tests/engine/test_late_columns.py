@@ -61,3 +61,33 @@ def test_late_columns_need_one_mini_batch_and_one_epoch():
         train_update(engine, data, weighted_nll, head_of(engine), UpdatePlan(len(data) // 2), late=lambda: data)
     with pytest.raises(ValueError, match="one mini-batch and one epoch"):
         train_update(engine, data, weighted_nll, head_of(engine), UpdatePlan(len(data), 2), late=lambda: data)
+
+
+def test_the_late_functions_host_time_is_not_the_updates_on_the_cpu():
+    import time
+
+    engine = make_engine()
+    full = _data()
+    partial = full.select([k for k in full.batch if k != "row_weight"], [], [])
+
+    def slow():
+        time.sleep(2.0)
+        return _data()
+
+    metrics = train_update(engine, partial, weighted_nll, head_of(engine), UpdatePlan(len(full)), late=slow)
+    assert 0 < metrics["step_time_s"] < 2.0
+
+
+def test_a_late_column_that_changed_a_column_the_update_read_is_refused():
+    engine = make_engine()
+    full = _data()
+    partial = full.select([k for k in full.batch if k != "row_weight"], [], [])
+
+    def changed():
+        out = _data()
+        out.batch["response_mask"] = out.batch["response_mask"].clone()
+        out.batch["response_mask"][0, 0] = 1 - out.batch["response_mask"][0, 0]
+        return out
+
+    with pytest.raises(ValueError, match="'response_mask' differs"):
+        train_update(engine, partial, weighted_nll, head_of(engine), UpdatePlan(len(full)), late=changed)

@@ -143,7 +143,13 @@ def test_scoring_during_the_update_needs_one_pass_one_process_and_no_worker_stag
     assert decide("actor.ppo_epochs=2") is False  # the first forward of epoch 2 needs epoch 1's advantages
     assert decide("actor.ppo_mini_batch_size=1") is False  # 2 mini-batches: old log-probs recomputed (stage 3)
     assert decide("actor.use_kl_loss=true") is False  # reference log-probs: overlapped there instead
+    assert decide("algorithm.adv_estimator=gae") is False  # critic values: overlapped there instead
     assert decide("algorithm.filter_groups.enable=true") is False
+    assert decide("reward.sources=[{name: model, weight: 1.0}]", "reward.reward_model.enable=true") is False
+    assert decide("trainer.backend=ray") is False  # the update runs in another process: no token reaches it
+    stub = _Stub(tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE))
+    stub.driver = object()  # one_step_off / async: the batch was generated ahead and is scored on arrival
+    assert PPOAlgorithm._reward_during_update(stub) is False
 
 
 def test_a_failing_reward_during_the_update_is_the_error_raised(tmp_path, monkeypatch):
