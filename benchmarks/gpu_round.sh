@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One device call on one H200 that measures what issues 12 and 25 report, each tool in its own process:
-#   run(kind=nvidia-h200, carry=[".whl"], command="BENCH_COMMIT=<sha> bash benchmarks/gpu_round.sh", timeout_s=600)
+# The device calls on one H200 that measure what issues 12 and 25 report, each tool in its own process:
+#   run(kind=nvidia-h200, carry=[".whl"], command="BENCH_COMMIT=<sha> ROUND_PART=1 bash benchmarks/gpu_round.sh", timeout_s=600)
 # 1. TRL's GRPOTrainer (HF generate, no vLLM) on the anchor workload at 0.5B and 1.5B, FIRST, so that our table
 #    (which reads trl_<preset>.json from the same directory) carries the speed-up column (wheels from .whl or
 #    .whl-trl: trl, datasets, dill, multiprocess, xxhash),
 # 2. our GRPO step loop, tuned, 0.5B and 1.5B, with the profile (busy fraction, top kernels, idle gaps),
-# 3. the same loop with the default config (`auto` sizes) at 0.5B and 1.5B.
+# 3. the same loop with the default config (`auto` sizes) at 0.5B and 1.5B,
+# 4. PPO with a critic (GAE) at 0.5B, default config, with the profile (issue 25 item 5).
+# All four stages need ~12 minutes, over one call's 10: ROUND_PART=1 runs stages 1-2, ROUND_PART=2 stages 3-4
+# (two calls; the table of part 2 reads TRL's step from the same $OUT only if part 1 ran in that call), unset = all.
 # The GPU tests need a call of their own (`bash benchmarks/gpu_tests.sh`): with the benchmarks beside them they were
 # cut at 83% by a 120 s stage limit. Each stage has its own time limit so a hang in one still returns the others.
 # Prefix the command with BENCH_COMMIT=$(git rev-parse --short HEAD) as run here: the device copy's git metadata
@@ -14,6 +17,8 @@ set -u
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+PART=${ROUND_PART:-all}
+if [ "$PART" != 2 ]; then
 for d in .whl .whl-trl; do
   if ls "$d"/trl-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$d"/*.whl
@@ -27,9 +32,15 @@ for d in .whl .whl-trl; do
 done
 timeout 210 python3 -m benchmarks.run --suite gpu --out "$OUT" >"$OUT/bench.log" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/bench.log"
+fi
+if [ "$PART" != 1 ]; then
 for p in qwen2.5-0.5b qwen2.5-1.5b; do
   timeout 80 python3 -m benchmarks.run --preset $p --no-tuned --no-profile --steps 2 --tag default \
     --out "$OUT" >>"$OUT/bench.log" 2>&1
   echo "default $p rc=$?" | tee -a "$OUT/bench.log"
 done
+timeout 120 python3 -m benchmarks.run --preset qwen2.5-0.5b --no-tuned --steps 2 --tag ppo_gae \
+  --override algorithm.adv_estimator=gae --out "$OUT" >>"$OUT/bench.log" 2>&1
+echo "ppo_gae rc=$?" | tee -a "$OUT/bench.log"
+fi
 cat "$OUT/bench.md"
