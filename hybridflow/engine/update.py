@@ -77,7 +77,7 @@ def train_update(engine: TrainEngine, data: DataProto, loss_fn: LossFn, head: He
             metrics = {**stats.metrics, **engine.step(), "num_tokens": float(stats.num_tokens)}
             flops += stats.flops
             for k, v in metrics.items():
-                sums[k] = sums[k] + (v.detach() if isinstance(v, torch.Tensor) else v)
+                sums[k] = sums[k] + v
                 counts[k] += 1
         lr = engine.lr_scheduler_step()
     sync()

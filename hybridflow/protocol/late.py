@@ -1,10 +1,10 @@
 """Late columns: tensor columns that reach a worker call after it started, within one process.
 
 Decision: in an on-policy GRPO step there is no old-log-prob, reference or value pass for the host's rule reward to
-overlap with, so the GPU would wait for the reward and the advantages. Instead the driver scores on a thread and
-calls the actor's update at once with a batch that lacks the advantages and carries a token (`META_KEY` in
-`meta_info`); the update launches its first forward, then `take(token)()` waits for the scored batch and the loss
-reads the advantages from it. This needs the worker in the driver's process (the local backend): a token is only
+overlap with, so the GPU would wait for the reward and the advantages. Instead the driver calls the actor's update
+at once with a batch that lacks the advantages and carries a token (`META_KEY` in `meta_info`) for a function that
+scores; the update queues its first forward, then calls that function (on the same thread: the host scores while the
+device computes) and the loss reads the advantages from the scored batch. This needs the worker in the driver's process (the local backend): a token is only
 valid in the process that offered it, and the trainer offers one only there.
 """
 

@@ -225,10 +225,20 @@ class PPOAlgorithm(Algorithm):
         in-process worker (local backend), its update is one mini-batch and one epoch, and the stage checks are off
         (they want the advantages at the call)."""
         res, cfg = self.res, self.cfg
-        return (cfg.reward.overlap and not (res.recompute_old_log_prob or res.use_reference or res.use_critic)
-                and not res.use_reward_model and not cfg.algorithm.filter_groups.enable and self.driver is None
+        return (self._reward_may_overlap() and not self._has_worker_stages() and self.driver is None
                 and self.actor.worker_group.backend_kind == "local" and not keys.checks_enabled()
                 and res.actor.num_mini_batches == 1 and cfg.actor.ppo_epochs == 1)
+
+    def _reward_may_overlap(self) -> bool:
+        """`reward.overlap` is on, the reward needs no worker (a reward model) and no decision waits on it (DAPO's
+        group filter)."""
+        return (self.cfg.reward.overlap and not self.res.use_reward_model
+                and not self.cfg.algorithm.filter_groups.enable)
+
+    def _has_worker_stages(self) -> bool:
+        """Stages 3-5 exist: old-policy log-probs, reference log-probs or critic values."""
+        res = self.res
+        return res.recompute_old_log_prob or res.use_reference or res.use_critic
 
     def _worker_stages(self, batch: DataProto, timer: StageTimer, metrics: dict[str, float],
                        device: int | None = None) -> list[DataProto]:
@@ -255,9 +265,7 @@ class PPOAlgorithm(Algorithm):
     def _overlap_reward(self) -> bool:
         """Score on the host while the workers run stages 3-5: when asked, when there is such a stage, and when the
         reward needs no worker (a reward model) and no decision waits on it (DAPO's group filter)."""
-        res = self.res
-        return (self.cfg.reward.overlap and (res.recompute_old_log_prob or res.use_reference or res.use_critic)
-                and not res.use_reward_model and not self.cfg.algorithm.filter_groups.enable)
+        return self._reward_may_overlap() and self._has_worker_stages()
 
     def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
         batch = self._with_seeds(batch)

@@ -40,6 +40,12 @@ def nll_loss(outputs, micro_batch, global_norm):
     return loss, {"nll_share": loss.detach()}
 
 
+def nan_loss(outputs, micro_batch, global_norm):
+    """`nll_loss` times NaN: a step the engine must skip."""
+    loss, metrics = nll_loss(outputs, micro_batch, global_norm)
+    return loss * float("nan"), metrics
+
+
 def make_engine(*overrides: str, role: str = "actor", total_training_steps: int | None = None) -> TrainEngine:
     """The actor's (or critic's) engine for `make_config(*overrides)`, on the CPU."""
     cfg = make_config(*overrides)

@@ -4,7 +4,7 @@ the multi-tensor (foreach) optimizer the CPU uses, up to rounding."""
 
 import pytest
 import torch
-from engine_testlib import make_batch, make_engine, nll_loss, train_step
+from engine_testlib import make_batch, make_engine, nan_loss, nll_loss, train_step
 from torch.distributed.tensor import DTensor
 
 import hybridflow.engine.train_engine as train_engine
@@ -40,10 +40,6 @@ def test_fused_skip_keeps_weights_moments_and_step_counts(fused):
     before = _state(engine)
     assert any(k.endswith("/exp_avg") for k in before)
 
-    def nan_loss(outputs, mb, norm):
-        loss, m = nll_loss(outputs, mb, norm)
-        return loss * float("nan"), m
-
     metrics = train_step(engine, data, nan_loss)
     assert metrics["skipped"] == 1
     after = _state(engine)
@@ -73,7 +69,7 @@ def test_fused_steps_match_foreach_steps(monkeypatch):
 CUDA_SCRIPT = r'''
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, "tests/engine")
-from engine_testlib import make_batch, make_config, nll_loss
+from engine_testlib import make_batch, make_config, nan_loss, nll_loss
 from hybridflow.engine import TrainEngine, UpdatePlan, train_update, HeadRequest
 from hybridflow.engine.optim import is_fused
 from hybridflow.workers.engine_specs import actor_spec
@@ -82,9 +78,6 @@ engine = TrainEngine(actor_spec(make_config()), device="cuda")
 assert is_fused(engine.optimizer)
 head, data = HeadRequest("lm", 1.0, 1024, False), make_batch(seed=5)
 step = lambda fn: train_update(engine, data, fn, head, UpdatePlan(len(data)))
-def nan_loss(outputs, mb, norm):
-    loss, m = nll_loss(outputs, mb, norm)
-    return loss * float("nan"), m
 def state():
     out = []
     for p in engine.module.parameters():
@@ -137,10 +130,6 @@ def test_a_checkpoint_of_the_other_optimizer_kind_loads_and_steps(saved_fused, m
     loaded = _state(engine)
     assert loaded.keys() == saved.keys()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
-
-    def nan_loss(outputs, mb, norm):
-        loss, m = nll_loss(outputs, mb, norm)
-        return loss * float("nan"), m
 
     assert train_step(engine, data, nan_loss)["skipped"] == 1
     assert all(torch.equal(v, saved[k]) for k, v in _state(engine).items())

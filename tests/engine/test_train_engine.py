@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from engine_testlib import logprobs, make_batch, make_config, make_engine, nll_loss, train_step
+from engine_testlib import logprobs, make_batch, make_config, make_engine, nan_loss, nll_loss, train_step
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -211,10 +211,6 @@ def test_non_finite_loss_skips_the_optimizer_step():
     engine = _engine()
     data = make_batch(seed=5)
     before = _weights(engine)
-
-    def nan_loss(outputs, mb, norm):
-        loss, m = nll_loss(outputs, mb, norm)
-        return loss * float("nan"), m
 
     metrics = train_step(engine, data, nan_loss)
     assert metrics["skipped"] == 1

@@ -167,6 +167,9 @@ def test_a_failing_reward_during_the_update_is_the_error_raised(tmp_path, monkey
 
 
 class _Stub:
+    _reward_may_overlap = PPOAlgorithm._reward_may_overlap
+    _has_worker_stages = PPOAlgorithm._has_worker_stages
+
     def __init__(self, cfg) -> None:
         from types import SimpleNamespace
 
