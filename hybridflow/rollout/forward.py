@@ -56,6 +56,19 @@ def qkv_normed(xn: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch
                heads: tuple[int, int, int], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`qkv` after the input RMSNorm: xn [..., hidden] is rms_norm(x, lw.ln1) (the previous `mlp_block_norm`
     computed it, fused with its residual add)."""
+    q, k, v = qkv_project(xn, lw, heads, eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in x's dtype (cos/sin broadcastable to x)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def qkv_project(xn: torch.Tensor, lw: LayerWeights, heads: tuple[int, int, int],
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv_normed` before RoPE: projections and the q/k norms (for kernels that apply RoPE themselves)."""
     h, hkv, d = heads
     if lw.qkv is not None and (lw.qkv_bias is not None or lw.q_bias is None):
         q, k, v = F.linear(xn, lw.qkv, lw.qkv_bias).split([h * d, hkv * d, hkv * d], dim=-1)
@@ -66,9 +79,6 @@ def qkv_normed(xn: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch
         v = F.linear(xn, lw.v, lw.v_bias).unflatten(-1, (hkv, d))
     if lw.q_norm is not None:
         q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
     return q, k, v
 
 
@@ -126,6 +136,11 @@ class DecodeOps:
     mlp_block_norm: Callable = mlp_block_norm
     embed_norm: Callable = embed_norm
     fuse_norms: bool = True
+    # Opt-in (off by default): decode applies RoPE inside the K/V-store kernel (to k) and the attention kernel (to
+    # q), given each row's cos/sin, so `qkv_project` replaces `qkv_normed` and the RoPE kernel goes. Only with
+    # `fuse_norms` and both `kv_store` and `attention` set (their torch references take cos/sin too).
+    qkv_project: Callable = qkv_project
+    rope_in_kernels: bool = False
 
     @classmethod
     def compiled(cls) -> DecodeOps:
@@ -148,7 +163,8 @@ def _compiled_ops() -> DecodeOps:
                      sample=GuardedCompile(sampling.sample, "the rollout's sampler"),
                      qkv_normed=GuardedCompile(qkv_normed, "the rollout's qkv_normed"),
                      mlp_block_norm=GuardedCompile(mlp_block_norm, "the rollout's mlp_block_norm"),
-                     embed_norm=GuardedCompile(embed_norm, "the rollout's embed_norm"), is_compiled=True)
+                     embed_norm=GuardedCompile(embed_norm, "the rollout's embed_norm"),
+                     qkv_project=GuardedCompile(qkv_project, "the rollout's qkv_project"), is_compiled=True)
 
 
 def _triton_kernels(device: torch.device) -> tuple[Callable | None, Callable | None]:
@@ -237,19 +253,26 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     else:
         end_b = cidx_b + 1
     cos, sin = rope.cos[pos_b], rope.sin[pos_b]
+    rope_k = ops.rope_in_kernels and fuse and ops.kv_store is not None and ops.attention is not None
+    kernel_rope = dict(cos=cos, sin=sin) if rope_k else {}
     for layer, lw in enumerate(w.layers):
-        q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps) if fuse else ops.qkv(x, lw, cos, sin, heads, spec.eps)
+        if rope_k:
+            q, k, v = ops.qkv_project(xn, lw, heads, spec.eps)
+        elif fuse:
+            q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps)
+        else:
+            q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
         kc, vc = cache.k[layer], cache.v[layer]
         if ops.kv_store is None:
             kc[rows, :, cidx_b] = k
             vc[rows, :, cidx_b] = v
         else:
-            ops.kv_store(kc, vc, k, v, cidx_b)
+            ops.kv_store(kc, vc, k, v, cidx_b, **kernel_rope)
         qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
         if ops.attention is None:
             o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask)
         else:
-            o = ops.attention(qg, kc, vc, start_b, end_b)
+            o = ops.attention(qg, kc, vc, start_b, end_b, **kernel_rope)
         if fuse:  # the next layer's input norm, or the final norm after the last layer
             nxt = w.layers[layer + 1].ln1 if layer + 1 < len(w.layers) else w.norm
             x, xn = ops.mlp_block_norm(x, o.reshape(b, -1), lw, nxt, spec.eps)
