@@ -126,7 +126,9 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
     res = {
         "engine": "hybridflow", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
         "compiled": bool(runner.ops.is_compiled), "cuda_graphs": runner.use_graphs,
-        "compiled_ok": {n: getattr(getattr(runner.ops, n), "ok", False) for n in ("qkv", "mlp_block", "sample")},
+        "compiled_ok": {n: getattr(getattr(runner.ops, n), "ok", False)
+                        for n in ("qkv_normed", "mlp_block_norm", "embed_norm", "sample")},
+        "fuse_norms": runner.ops.fuse_norms,
         "attention": getattr(runner.ops.attention, "__name__", "sdpa"),
         "sampler": f"{runner.ops.sample.__module__}.{getattr(runner.ops.sample, '__name__', 'compiled')}", "fp32_master": args.fp32_master,
         "fused_qkv": runner.weights.layers[0].qkv is not None,

@@ -37,6 +37,9 @@ from hybridflow.rollout.triton_util import INTERPRETED as _INTERPRETED
 from hybridflow.rollout.triton_util import jit as _jit
 from hybridflow.rollout.triton_util import tl, triton, triton_available
 
+if triton is not None:
+    from hybridflow.rollout.kv_store_kernel import rope_offsets, rope_rows
+
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,15 +68,16 @@ def _attn_tile(q, k_base, v_base, n0, hi, m_i, l_i, acc, scale_log2, sk_t, sk_d,
 
 @_jit
 def _decode_kernel(
-    Q, K, V, Start, End, Rows, Out, MidO, MidLse,
+    Q, K, V, Start, End, Rows, Out, MidO, MidLse, Cos, Sin,
     scale_log2,
-    sq_b, sq_h, sq_g, sq_d,
+    sq_b, sq_h, sq_g, sq_d, sc_b, sc_d, ss_b, ss_d,
     sk_b, sk_h, sk_t, sk_d,
     sv_b, sv_h, sv_t, sv_d,
     so_b, so_h, so_g, so_d,
     NUM_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -103,7 +107,15 @@ def _decode_kernel(
     mask_d = offs_d < HEAD_DIM
 
     q_ptrs = Q + row64 * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :] * sq_d
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if HAS_ROPE:  # q = q * cos + rotate_half(q) * sin in q's dtype, cos/sin of this row
+        qr_ptrs = (Q + row64 * sq_b + head * sq_h + offs_g[:, None] * sq_g
+                   + rope_offsets(offs_d, HEAD_DIM)[None, :] * sq_d)
+        qr = tl.load(qr_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        c = tl.load(Cos + row64 * sc_b + offs_d * sc_d, mask=mask_d, other=0.0)
+        s = tl.load(Sin + row64 * ss_b + offs_d * ss_d, mask=mask_d, other=0.0)
+        q = rope_rows(q, qr, c[None, :], s[None, :], offs_d[None, :], HEAD_DIM)
+    q = q.to(K.dtype.element_ty)
     k_base = K + crow64 * sk_b + head * sk_h
     v_base = V + crow64 * sv_b + head * sv_h
 
@@ -192,7 +204,8 @@ def _auto_splits(b: int, hkv: int, t: int, device: torch.device, block_n: int) -
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                      end: torch.Tensor, scale: float | None = None, *, rows: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+                     num_stages: int = 2, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> torch.Tensor:
     """o[i, h, g] = softmax(q[i, h, g] . K[r, h, start[i]:end[i]] * scale) @ V[r, h, start[i]:end[i]], r = rows[i]
     (default r = i).
 
@@ -203,10 +216,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns o [b, Hkv, G, D] in q's dtype (contiguous); softmax in fp32; scale defaults to 1/sqrt(D).
     `num_splits` None picks split-K from shapes only (see `_auto_splits`); 1 disables it. `block_n`
     (columns per chunk, power of 2 >= 16), `num_warps` and `num_stages` are launch knobs for tuning.
+    With cos/sin [b, D] (q's dtype) q gets RoPE first, bit for bit as `forward.apply_rope` in that dtype.
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use decode_attention_ref")
     b, hkv, g, d = q.shape
+    if (cos is None) != (sin is None) or (cos is not None and (cos.shape != (b, d) or sin.shape != (b, d)
+                                                               or cos.dtype != q.dtype or d % 2)):
+        raise ValueError(f"cos/sin must both be [b={b}, D={d}] of q's dtype with D even")
     if (rows is None and k_cache.shape[0] < b) or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
     if rows is not None and rows.shape != (b,):
@@ -234,9 +251,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o = mid_lse = out  # unused (SPLITS == 1 branch is compiled out)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, start, end, start if rows is None else rows, out, mid_o, mid_lse,
+        *((cos, sin) if cos is not None else (q, q)),  # unused without RoPE (compiled out)
         scale * math.log2(math.e),
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *q.stride(), *((*cos.stride(), *sin.stride()) if cos is not None else (0, 0, 0, 0)),
+        *k_cache.stride(), *v_cache.stride(), *out.stride(),
         BLOCK_N=block_n, SPLITS=splits, DOT_PREC=prec, WHILE_LOOP=_INTERPRETED, HAS_ROWS=rows is not None,
+        HAS_ROPE=cos is not None,
         num_warps=num_warps, num_stages=num_stages, **meta,
     )
     if splits > 1:
@@ -245,8 +265,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                         end: torch.Tensor, scale: float | None = None, *,
-                         rows: torch.Tensor | None = None) -> torch.Tensor:
+                         end: torch.Tensor, scale: float | None = None, *, rows: torch.Tensor | None = None,
+                         cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference / fallback: SDPA over all T columns of rows [:b] with the [start, end) mask.
 
     Same contract as `decode_attention` (rows with an empty range give zeros). Computes in q's dtype (SDPA
@@ -254,6 +274,10 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     length first where it matters.
     """
     b = q.shape[0]
+    if cos is not None:
+        from hybridflow.rollout.forward import apply_rope
+
+        q = apply_rope(q, cos[:, None, None], sin[:, None, None])
     k, v = (k_cache[:b], v_cache[:b]) if rows is None else (k_cache[rows], v_cache[rows])
     cols = torch.arange(k.shape[2], device=q.device)
     valid = (cols >= start[:, None]) & (cols < end[:, None])  # [b, T]

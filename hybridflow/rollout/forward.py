@@ -5,7 +5,9 @@ decoding matches `generate` token for token in fp32. Decode folds the GQA group 
 (q [b, Hkv, G, D] against the cache's [b, Hkv, T, D]) so the KV cache is read once, never expanded.
 The pure per-layer pieces (`qkv`, `mlp_block`) are separate so the GPU path can `torch.compile` them for fusion
 while cache writes and attention stay eager (no compiled mutation of the cache); on CUDA with Triton both are our
-kernels (one launch writes a layer's K and V for all rows, one attends over each row's column range).
+kernels (one launch writes a layer's K and V for all rows, one attends over each row's column range). Decode and
+`extend_ranged` cut the layer after the next input norm instead (`mlp_block_norm` → `qkv_normed`), so the
+residual add ending one layer and the RMSNorm starting the next compile into one kernel.
 
 Legend: B prompts, P prompt length, b decode rows, T cache length, H heads, Hkv kv heads, G = H / Hkv, D head dim.
 """
@@ -47,8 +49,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def qkv(x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, heads: tuple[int, int, int],
         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., hidden] (pre-norm residual) → q [..., H, D], k, v [..., Hkv, D] with RoPE applied."""
+    return qkv_normed(rms_norm(x, lw.ln1, eps), lw, cos, sin, heads, eps)
+
+
+def qkv_normed(xn: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+               heads: tuple[int, int, int], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv` after the input RMSNorm: xn [..., hidden] is rms_norm(x, lw.ln1) (the previous `mlp_block_norm`
+    computed it, fused with its residual add)."""
+    q, k, v = qkv_project(xn, lw, heads, eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in x's dtype (cos/sin broadcastable to x)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def qkv_project(xn: torch.Tensor, lw: LayerWeights, heads: tuple[int, int, int],
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv_normed` before RoPE: projections and the q/k norms (for kernels that apply RoPE themselves)."""
     h, hkv, d = heads
-    xn = rms_norm(x, lw.ln1, eps)
     if lw.qkv is not None and (lw.qkv_bias is not None or lw.q_bias is None):
         q, k, v = F.linear(xn, lw.qkv, lw.qkv_bias).split([h * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
@@ -58,9 +79,6 @@ def qkv(x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
         v = F.linear(xn, lw.v, lw.v_bias).unflatten(-1, (hkv, d))
     if lw.q_norm is not None:
         q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
     return q, k, v
 
 
@@ -73,6 +91,22 @@ def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float)
     else:
         gate, up = F.linear(xn, lw.gate), F.linear(xn, lw.up)
     return x + F.linear(F.silu(gate) * up, lw.down)
+
+
+def mlp_block_norm(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, next_norm: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mlp_block`, then the next RMSNorm of the new residual (the next layer's ln1, or the final norm after the
+    last layer): (x, rms_norm(x, next_norm)). One compiled function, so the MLP's residual add and the norm that
+    reads it fuse into one kernel; the same ops in the same order as `mlp_block` followed by `rms_norm`."""
+    x = mlp_block(x, attn, lw, eps)
+    return x, rms_norm(x, next_norm, eps)
+
+
+def embed_norm(tok: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's start and the first layer's input norm: (x, rms_norm(x, ln1)), x = embed[tok]."""
+    x = F.embedding(tok, embed)
+    return x, rms_norm(x, ln1, eps)
 
 
 def sdpa_attention(q_bHGD: torch.Tensor, k_bHTD: torch.Tensor, v_bHTD: torch.Tensor,
@@ -94,6 +128,19 @@ class DecodeOps:
     attention: Callable | None = None
     kv_store: Callable | None = None
     is_compiled: bool = False
+    # The fused-norm composition (`fuse_norms`, the default): each layer is `qkv_normed` and `mlp_block_norm`,
+    # which also returns the next layer's normed input, so a layer's last residual add and the next input RMSNorm
+    # are one compiled function (one kernel) instead of the tail of one and the head of the next; `embed_norm`
+    # starts the stream. False: `qkv` and `mlp_block` as before (kept for comparison and for any caller).
+    qkv_normed: Callable = qkv_normed
+    mlp_block_norm: Callable = mlp_block_norm
+    embed_norm: Callable = embed_norm
+    fuse_norms: bool = True
+    # Opt-in (off by default): decode applies RoPE inside the K/V-store kernel (to k) and the attention kernel (to
+    # q), given each row's cos/sin, so `qkv_project` replaces `qkv_normed` and the RoPE kernel goes. Only with
+    # `fuse_norms` and both `kv_store` and `attention` set (their torch references take cos/sin too).
+    qkv_project: Callable = qkv_project
+    rope_in_kernels: bool = False
 
     @classmethod
     def compiled(cls) -> DecodeOps:
@@ -113,7 +160,11 @@ class DecodeOps:
 @functools.lru_cache(maxsize=1)
 def _compiled_ops() -> DecodeOps:
     return DecodeOps(qkv=GuardedCompile(qkv, "the rollout's qkv"), mlp_block=GuardedCompile(mlp_block, "the rollout's mlp_block"),
-                     sample=GuardedCompile(sampling.sample, "the rollout's sampler"), is_compiled=True)
+                     sample=GuardedCompile(sampling.sample, "the rollout's sampler"),
+                     qkv_normed=GuardedCompile(qkv_normed, "the rollout's qkv_normed"),
+                     mlp_block_norm=GuardedCompile(mlp_block_norm, "the rollout's mlp_block_norm"),
+                     embed_norm=GuardedCompile(embed_norm, "the rollout's embed_norm"),
+                     qkv_project=GuardedCompile(qkv_project, "the rollout's qkv_project"), is_compiled=True)
 
 
 def _triton_kernels(device: torch.device) -> tuple[Callable | None, Callable | None]:
@@ -190,7 +241,11 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     rows = torch.arange(b, device=tok_b.device) if ops.kv_store is None else None
     valid_bT.scatter_(1, cidx_b[:, None], True)
-    x = F.embedding(tok_b, w.embed)
+    fuse = ops.fuse_norms
+    if fuse:
+        x, xn = ops.embed_norm(tok_b, w.embed, w.layers[0].ln1, spec.eps)
+    else:
+        x = F.embedding(tok_b, w.embed)
     if ops.attention is None:  # additive mask built once per step (not converted from bool inside every layer)
         valid = valid_bT[:, :kv_len]
         attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
@@ -198,21 +253,32 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     else:
         end_b = cidx_b + 1
     cos, sin = rope.cos[pos_b], rope.sin[pos_b]
+    rope_k = ops.rope_in_kernels and fuse and ops.kv_store is not None and ops.attention is not None
+    kernel_rope = dict(cos=cos, sin=sin) if rope_k else {}
     for layer, lw in enumerate(w.layers):
-        q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
+        if rope_k:
+            q, k, v = ops.qkv_project(xn, lw, heads, spec.eps)
+        elif fuse:
+            q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps)
+        else:
+            q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
         kc, vc = cache.k[layer], cache.v[layer]
         if ops.kv_store is None:
             kc[rows, :, cidx_b] = k
             vc[rows, :, cidx_b] = v
         else:
-            ops.kv_store(kc, vc, k, v, cidx_b)
+            ops.kv_store(kc, vc, k, v, cidx_b, **kernel_rope)
         qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
         if ops.attention is None:
             o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask)
         else:
-            o = ops.attention(qg, kc, vc, start_b, end_b)
-        x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
-    return F.linear(rms_norm(x, w.norm, spec.eps), w.lm_head)
+            o = ops.attention(qg, kc, vc, start_b, end_b, **kernel_rope)
+        if fuse:  # the next layer's input norm, or the final norm after the last layer
+            nxt = w.layers[layer + 1].ln1 if layer + 1 < len(w.layers) else w.norm
+            x, xn = ops.mlp_block_norm(x, o.reshape(b, -1), lw, nxt, spec.eps)
+        else:
+            x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
+    return F.linear(xn if fuse else rms_norm(x, w.norm, spec.eps), w.lm_head)
 
 
 def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, ids_N: torch.Tensor,
@@ -234,14 +300,21 @@ def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeO
     hkv, group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
     store = ops.kv_store or _store_kv_torch
     end_N = col_N + 1
-    x = F.embedding(ids_N, w.embed)
+    fuse, n_layers = ops.fuse_norms, len(w.layers)
+    if fuse:
+        x, xn = ops.embed_norm(ids_N, w.embed, w.layers[0].ln1, spec.eps)
+    else:
+        x = F.embedding(ids_N, w.embed)
     cos, sin = rope.cos[pos_N], rope.sin[pos_N]
     for layer, lw in enumerate(w.layers):
-        q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)  # [N, heads, D]
+        q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps) if fuse else ops.qkv(x, lw, cos, sin, heads, spec.eps)
         kc, vc = cache.k[layer], cache.v[layer]
         store(kc, vc, k, v, col_N, slot_N)
         o = ops.attention(q.view(N, hkv, group, d), kc, vc, start_N, end_N, rows=slot_N)
-        x = ops.mlp_block(x, o.reshape(N, -1), lw, spec.eps)
+        if fuse and layer + 1 < n_layers:  # the last layer's final norm runs on the S returned rows only
+            x, xn = ops.mlp_block_norm(x, o.reshape(N, -1), lw, w.layers[layer + 1].ln1, spec.eps)
+        else:
+            x = ops.mlp_block(x, o.reshape(N, -1), lw, spec.eps)
     return F.linear(rms_norm(x[last_S], w.norm, spec.eps), w.lm_head)
 
 

@@ -153,3 +153,13 @@ def test_idle_gap_attribution_names_the_stage_and_host_ranges():
     assert list(out["stages"]) == ["stage/reward"] and out["stages"]["stage/reward"] > 0
     assert "aten::mm" in out["host"] and "aten::tanh" in out["host"]
     assert attribute_gap(end + 1, end + 2, ranges) == {"stages": {}, "host": {}}
+
+
+def test_decode_fusion_benchmark_smoke():
+    """Issue 25's decode-fusion benchmark in its CPU smoke mode: both compositions run one decode step, report
+    step time and op counts, and give the same logits (eager on the CPU: the same ops in the same order)."""
+    proc = _run("benchmarks.decode_fusion", "--smoke", timeout=300)
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["composition"] for r in row["results"]] == ["previous", "fused_norms"], row
+    assert all(r["step_ms"] > 0 and r["kernels_per_step"] > 0 for r in row["results"]), row
+    assert row["max_abs_logit_diff"] == 0.0 and row["argmax_agree"] == 1.0, row

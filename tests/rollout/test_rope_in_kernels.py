@@ -1,0 +1,106 @@
+"""RoPE inside the decode kernels (`DecodeOps.rope_in_kernels`, opt-in): the K/V-store kernel rotates k and the
+decode-attention kernel rotates q from each row's cos/sin, rounding as torch does in the activation dtype, so the
+cache and the attention output equal the torch RoPE path bit for bit (fp32 and bf16). The kernels run here under
+the Triton interpreter (a subprocess with TRITON_INTERPRET=1; there bf16 is only close: the interpreter truncates
+fp32 -> bf16, and its bf16 tl.dot is wrong) and on a GPU natively; the wiring in
+`forward.decode` is also checked through the torch references on the CPU."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from rollout_helpers import CUDA, DEV, needs_kernel, rerun_under_triton_interpreter
+
+pytest.importorskip("triton")
+from rollout_helpers import make_engine  # noqa: E402
+from test_decode_fusion import P, model_of, run_decode  # noqa: E402
+
+from hybridflow.rollout import forward, triton_util  # noqa: E402
+from hybridflow.rollout.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from hybridflow.rollout.kv_store_kernel import store_kv, store_kv_ref  # noqa: E402
+
+
+def rope_rows(b, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(b, d // 2, generator=g) * 50
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen3"])
+def test_decode_wiring_through_the_torch_references(kind):
+    runner = make_engine(model_of(kind), P, 6)._prepare()
+    ops = forward.DecodeOps(attention=decode_attention_ref, kv_store=store_kv_ref)
+    a = run_decode(runner, dataclasses.replace(ops, rope_in_kernels=True))
+    b = run_decode(runner, ops)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1] + a[2], b[1] + b[2]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_rope_equals_torch_rope(dtype):
+    b, hkv, T, d = 5, 2, 24, 64
+    g = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn(b + 2, hkv, T, d, generator=g).to(DEV, dtype) for _ in range(2))
+    qkv = torch.randn(b, (4 + 2 * hkv) * d, generator=g).to(DEV, dtype)  # strided k/v views, as forward's
+    k = qkv[:, 4 * d:(4 + hkv) * d].unflatten(-1, (hkv, d))
+    v = qkv[:, (4 + hkv) * d:].unflatten(-1, (hkv, d))
+    cidx = torch.tensor([0, 3, 7, 23, 11], device=DEV)
+    cos, sin = rope_rows(b, d, dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(want_k, want_v, k, v, cidx, cos=cos, sin=sin)
+    store_kv(kc, vc, k, v, cidx, cos=cos, sin=sin)
+    assert torch.equal(vc, want_v)
+    if dtype == torch.float32 or CUDA:
+        assert torch.equal(kc, want_k)
+    else:  # the interpreter casts fp32 -> bf16 by truncation (compiled Triton rounds to nearest even, as torch)
+        torch.testing.assert_close(kc, want_k, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(want_k[torch.arange(b), :, cidx], k)  # RoPE really acted
+
+
+BF16_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="bf16 tl.dot is wrong under the "
+                                                                 "3.6 interpreter; GPU only"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_GPU])
+def test_decode_attention_rope_equals_torch_rope(dtype):
+    b, hkv, G, T, d = 4, 2, 3, 40, 64
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(b, hkv, T, d, generator=g).to(DEV, dtype) for _ in range(2))
+    q = torch.randn(b, hkv, G, d, generator=g).to(DEV, dtype)
+    start = torch.tensor([0, 5, 0, 9], device=DEV)
+    end = torch.tensor([40, 17, 1, 30], device=DEV)
+    cos, sin = rope_rows(b, d, dtype)
+    roped = forward.apply_rope(q, cos[:, None, None], sin[:, None, None])
+    got = decode_attention(q, kc, vc, start, end, cos=cos, sin=sin)
+    assert torch.equal(got, decode_attention(roped, kc, vc, start, end))
+    ref = decode_attention_ref(q, kc, vc, start, end, cos=cos, sin=sin)
+    torch.testing.assert_close(got, ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["tiny", "qwen3"])
+def test_decode_with_rope_in_kernels_equals_torch_rope(kind):
+    runner = make_engine(model_of(kind).to(DEV), P, 6)._prepare()
+    runner.cache = copy.deepcopy(runner.cache)
+    ops = forward.DecodeOps(attention=decode_attention, kv_store=store_kv)
+    a = run_decode(runner, dataclasses.replace(ops, rope_in_kernels=True))
+    b = run_decode(runner, ops)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1] + a[2], b[1] + b[2]))
+
+
+def test_mismatched_rope_rows_are_refused():
+    k = torch.zeros(2, 2, 64)
+    cos = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="cos/sin"):
+        store_kv(torch.zeros(2, 2, 8, 64), torch.zeros(2, 2, 8, 64), k, k, torch.zeros(2, dtype=torch.long),
+                 cos=cos, sin=cos)
+
+
+@pytest.mark.skipif(CUDA or triton_util.INTERPRETED, reason="the kernel runs in this process")
+def test_kernel_under_interpreter():
+    rerun_under_triton_interpreter(__file__)
