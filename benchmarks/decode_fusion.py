@@ -9,7 +9,8 @@ One decode step = `forward.decode` (logits) on `--rows` rows whose K/V caches ho
 Qwen2.5-0.5B shape from `hybridflow.models.presets` with random weights, bf16. On CUDA each composition is
 captured in a CUDA graph (as the engine does) and replayed `--reps` times: `step_ms` per step. `kernels_per_step`
 counts the GPU kernels of one replay through torch.profiler (on CPU: the aten ops of one eager step), and
-`top_kernels` lists the most frequent names (`kernels_per_eager_step`: the same count for one step run outside the
+`top_kernels` lists the most frequent names, `kernel_time_us` the names taking the most GPU time in one replay
+(name, count, µs, share) (`kernels_per_eager_step`: the same count for one step run outside the
 graph). `max_abs_logit_diff` compares the two compositions' logits on the same
 inputs (0 on CPU eager: the same ops in the same order; on GPU inductor may round a fused add differently).
 With the Triton kernels (CUDA) a third case also applies RoPE inside the K/V-store and attention kernels
@@ -66,19 +67,24 @@ def step_fn(spec, weights, cache, rope, state, ops, L: int):
     return step
 
 
-def count_kernels(run, cuda: bool) -> tuple[int, list]:
+def count_kernels(run, cuda: bool) -> tuple[int, list, list]:
+    """(kernels in one call of `run`, the 12 most frequent names with counts, the 16 names taking the most GPU
+    time with [name, count, total µs, share of the kernels' summed time]; on CPU aten ops and no times)."""
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         run()
         if cuda:
             torch.cuda.synchronize()
-    names = collections.Counter()
+    names, us = collections.Counter(), collections.Counter()
     for e in prof.events():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             names[e.name] += 1
+            us[e.name] += e.time_range.elapsed_us()
         elif not cuda and e.name.startswith("aten::") and e.cpu_parent is None:
             names[e.name] += 1
-    return sum(names.values()), [[n[:90], c] for n, c in names.most_common(12)]
+    total = sum(us.values()) or 1.0
+    by_time = [[n[:90], names[n], round(t, 1), round(t / total, 3)] for n, t in us.most_common(16)]
+    return sum(names.values()), [[n[:90], c] for n, c in names.most_common(12)], by_time
 
 
 def measure(name: str, ops, args, parts, dev: torch.device) -> tuple[dict, torch.Tensor]:
@@ -107,8 +113,8 @@ def measure(name: str, ops, args, parts, dev: torch.device) -> tuple[dict, torch
         t1.record()
         torch.cuda.synchronize()
         ms = t0.elapsed_time(t1) / args.reps
-        kernels, top = count_kernels(graph.replay, cuda=True)
-        eager_kernels, _ = count_kernels(step, cuda=True)  # a cross-check should a profiler not see graph kernels
+        kernels, top, by_time = count_kernels(graph.replay, cuda=True)
+        eager_kernels, _, _ = count_kernels(step, cuda=True)  # a cross-check should a profiler not see graph kernels
         out = logits.float().clone()
     else:
         with torch.no_grad():
@@ -118,11 +124,11 @@ def measure(name: str, ops, args, parts, dev: torch.device) -> tuple[dict, torch
             for _ in range(args.reps):
                 step()
             ms = (time.perf_counter() - t0) * 1e3 / args.reps
-            kernels, top = count_kernels(step, cuda=False)
+            kernels, top, by_time = count_kernels(step, cuda=False)
             eager_kernels = kernels
     row = dict(composition=name, step_ms=ms, kernels_per_step=kernels, kernels_per_layer=kernels / spec.num_layers,
                kernels_per_eager_step=eager_kernels,
-               warmup_s=t_compile, top_kernels=top,
+               warmup_s=t_compile, top_kernels=top, kernel_time_us=by_time,
                compiled_ok={n: getattr(getattr(ops, n), "ok", None) for n in
                             ("qkv", "mlp_block", "qkv_normed", "mlp_block_norm", "embed_norm")})
     return row, out

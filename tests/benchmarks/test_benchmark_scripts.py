@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--prompts", "4", "--n", "2", "--prompt-len", "16", "--response-len", "8", "--steps", "1"]
 
 
-def _run(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+def _run(module: str, *args: str, timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | (env or {})
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -163,3 +163,13 @@ def test_decode_fusion_benchmark_smoke():
     assert [r["composition"] for r in row["results"]] == ["previous", "fused_norms"], row
     assert all(r["step_ms"] > 0 and r["kernels_per_step"] > 0 for r in row["results"]), row
     assert row["max_abs_logit_diff"] == 0.0 and row["argmax_agree"] == 1.0, row
+
+
+def test_decode_gemm_benchmark_smoke():
+    """Issue 25's skinny-GEMM benchmark in its CPU smoke mode: the Triton GEMM (with and without split-K) runs under
+    the interpreter and matches x @ w^T."""
+    pytest.importorskip("triton")
+    proc = _run("benchmarks.decode_gemm", "--smoke", env={"TRITON_INTERPRET": "1"}, timeout=300)
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["smoke"] and row["max_abs_err"] < 1e-4, row
+
