@@ -34,6 +34,7 @@ from hybridflow.models.presets import preset_config
 from hybridflow.rollout import forward
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.weights import WeightView, arch_spec
+from hybridflow.utils.compile import GuardedCompile
 
 
 def build(args, dev: torch.device, dtype: torch.dtype):
@@ -58,6 +59,38 @@ def build(args, dev: torch.device, dtype: torch.dtype):
     cols = torch.arange(T, device=dev)
     state["valid"] = (cols[None] >= state["start"][:, None]) & (cols[None] < L - 1)
     return model, spec, weights, cache, rope, state
+
+
+def _add32(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x + h rounded once from fp32 — what bf16 `x + h` computes, but written so Inductor cannot turn the residual
+    add into cuBLAS's addmm (beta = 1 needs a copy of x into the output first: two memcpys per layer)."""
+    return (x.float() + h.float()).to(x.dtype)
+
+
+def mlp_block_add32(x, attn, lw, eps):
+    """`forward.mlp_block` with both residual adds as `_add32`."""
+    x = _add32(x, torch.nn.functional.linear(attn, lw.o, lw.o_bias))
+    xn = forward.rms_norm(x, lw.ln2, eps)
+    if lw.gate_up is not None:
+        gate, up = torch.nn.functional.linear(xn, lw.gate_up).chunk(2, dim=-1)
+    else:
+        gate, up = torch.nn.functional.linear(xn, lw.gate), torch.nn.functional.linear(xn, lw.up)
+    return _add32(x, torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, lw.down))
+
+
+def mlp_block_norm_add32(x, attn, lw, next_norm, eps):
+    x = mlp_block_add32(x, attn, lw, eps)
+    return x, forward.rms_norm(x, next_norm, eps)
+
+
+class StaticCompile:
+    """torch.compile(fn, dynamic=False): one specialised graph per shape (the engine compiles with dynamic=True)."""
+
+    def __init__(self, fn):
+        self.fn, self.ok = torch.compile(fn, dynamic=False), True
+
+    def __call__(self, *a, **k):
+        return self.fn(*a, **k)
 
 
 def step_fn(spec, weights, cache, rope, state, ops, L: int):
@@ -157,13 +190,29 @@ def main(argv: list[str] | None = None) -> dict:
                attention=getattr(ops.attention, "__name__", "sdpa"), kv_store=getattr(ops.kv_store, "__name__", None))
     rows, logits = [], []
     with torch.inference_mode():
-        cases = [("previous", dict(fuse_norms=False)), ("fused_norms", dict(fuse_norms=True))]
+        wrap = (lambda fn, what: GuardedCompile(fn, what)) if ops.is_compiled else (lambda fn, what: fn)
+        add32 = dict(mlp_block=wrap(mlp_block_add32, "mlp_block_add32"),
+                     mlp_block_norm=wrap(mlp_block_norm_add32, "mlp_block_norm_add32"))
+        cases = [("previous", dict(fuse_norms=False)), ("fused_norms", dict(fuse_norms=True)),
+                 ("previous+add32", dict(fuse_norms=False, **add32)), ("fused_norms+add32", dict(fuse_norms=True, **add32))]
         if ops.kv_store is not None and ops.attention is not None:  # the Triton kernels: RoPE inside them too
-            cases.append(("fused_norms+rope_in_kernels", dict(fuse_norms=True, rope_in_kernels=True)))
+            cases += [("fused_norms+rope_in_kernels", dict(fuse_norms=True, rope_in_kernels=True)),
+                      ("fused_norms+rope_in_kernels+add32", dict(fuse_norms=True, rope_in_kernels=True, **add32))]
+            if ops.is_compiled:
+                cases.append(("fused_norms+rope_in_kernels+add32+static", dict(
+                    fuse_norms=True, rope_in_kernels=True, mlp_block_norm=StaticCompile(mlp_block_norm_add32),
+                    qkv_project=StaticCompile(forward.qkv_project), embed_norm=StaticCompile(forward.embed_norm))))
+        spec, cache = parts[0], parts[2]
+        b, col = args.rows, args.context - 1
+        new_k = []
         for name, kw in cases:
             row, out = measure(name, dataclasses.replace(ops, **kw), args, parts, dev)
             rows.append(row)
             logits.append(out)
+            new_k.append(torch.stack([c[torch.arange(b, device=dev), :, col] for c in cache.k]).float())
+        for row, k in zip(rows[1:], new_k[1:]):
+            row["k_written_mismatch_frac_vs_previous"] = (k != new_k[0]).float().mean().item()
+            row["k_written_max_abs_diff_vs_previous"] = (k - new_k[0]).abs().max().item()
     res["results"] = rows
     for row, out in zip(rows[1:], logits[1:]):
         row["max_abs_logit_diff_vs_previous"] = (out - logits[0]).abs().max().item()

@@ -216,7 +216,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns o [b, Hkv, G, D] in q's dtype (contiguous); softmax in fp32; scale defaults to 1/sqrt(D).
     `num_splits` None picks split-K from shapes only (see `_auto_splits`); 1 disables it. `block_n`
     (columns per chunk, power of 2 >= 16), `num_warps` and `num_stages` are launch knobs for tuning.
-    With cos/sin [b, D] (q's dtype) q gets RoPE first, bit for bit as `forward.apply_rope` in that dtype.
+    With cos/sin [b, D] (q's dtype) q gets RoPE first (`rope_rows`: fp32, one rounding, as compiled
+    `forward.apply_rope`).
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use decode_attention_ref")

@@ -19,14 +19,13 @@ from hybridflow.rollout.triton_util import jit, tl, triton
 
 @jit
 def rope_rows(x, xr, c, s, offs, HEAD_DIM: tl.constexpr):
-    """RoPE of loaded head vectors: x * cos + rotate_half(x) * sin, rounded to x's dtype after each op as torch
-    does in that dtype (products of two bf16/fp16 values are exact in fp32, so the roundings match). xr is x loaded
-    at the rotated offsets (`rope_offsets`); c, s the row's cos/sin, broadcastable to x."""
+    """RoPE of loaded head vectors: x * cos + rotate_half(x) * sin computed in fp32 and rounded once to x's dtype,
+    as the compiled (Inductor) `forward.apply_rope` does; eager torch in bf16 rounds after each op instead, so the
+    two differ by at most a rounding step (tests bound it). xr is x loaded at the rotated offsets
+    (`rope_offsets`); c, s the row's cos/sin, broadcastable to x."""
     xr = xr.to(tl.float32)
     xr = tl.where(offs < HEAD_DIM // 2, -xr, xr)
-    a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
-    b = (xr * s.to(tl.float32)).to(x.dtype)
-    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+    return (x.to(tl.float32) * c.to(tl.float32) + xr * s.to(tl.float32)).to(x.dtype)
 
 
 @jit
@@ -65,8 +64,8 @@ def store_kv(k_cache_SHTD: torch.Tensor, v_cache_SHTD: torch.Tensor, k_bHD: torc
              cidx_b: torch.Tensor, rows_b: torch.Tensor | None = None, *, cos: torch.Tensor | None = None,
              sin: torch.Tensor | None = None) -> None:
     """k_cache[r, :, cidx[i]] = k[i] and v_cache[r, :, cidx[i]] = v[i] for i < b with r = rows[i] (default i), in
-    one launch (any strides). With cos/sin [b, D] (k's dtype) k[i] is stored with RoPE applied, bit for bit as
-    `forward.apply_rope` in that dtype."""
+    one launch (any strides). With cos/sin [b, D] (k's dtype) k[i] is stored with RoPE applied (`rope_rows`: fp32,
+    one rounding)."""
     b, hkv, d = k_bHD.shape
     if (cos is None) != (sin is None) or (cos is not None and (cos.shape != (b, d) or sin.shape != (b, d)
                                                                or cos.dtype != k_bHD.dtype or d % 2)):

@@ -33,23 +33,24 @@ def model_of(kind: str) -> torch.nn.Module:
 
 
 def run_decode(runner, ops, B: int = 4, seed: int = 1):
-    """Prefill B prompts, then STEPS decode steps through `ops`; (logits per step, the cache's K and V)."""
+    """Prefill B prompts, then STEPS decode steps through `ops`; (logits per step, the cache's K and V). On the
+    runner's device (the inputs are made on the CPU and moved)."""
     cache = copy.deepcopy(runner.cache)
-    vocab = runner.spec.vocab
+    vocab, dev = runner.spec.vocab, runner.weights.embed.device
     prompts = make_prompts(B, P, vocab, seed=seed)
-    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    ids, mask = prompts.batch["input_ids"].to(dev), prompts.batch["attention_mask"].to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    slots = torch.arange(B)
-    new = torch.randint(3, vocab, (B, STEPS), generator=torch.Generator().manual_seed(seed + 1))
+    slots = torch.arange(B, device=dev)
+    new = torch.randint(3, vocab, (B, STEPS), generator=torch.Generator().manual_seed(seed + 1)).to(dev)
     T = cache.max_len
-    valid = torch.zeros(B, T, dtype=torch.bool)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
     valid[:, :P] = mask.bool()
     start = P - mask.sum(-1)
     with torch.no_grad():
         out = [forward.prefill(runner.weights, runner.spec, runner.rope, ids, mask, pos, cache, slots, slots)]
         for s in range(STEPS):
             out.append(forward.decode(runner.weights, runner.spec, runner.rope, ops, new[:, s], pos[:, -1] + 1 + s,
-                                      torch.full((B,), P + s), valid, start, cache, T))
+                                      torch.full((B,), P + s, device=dev), valid, start, cache, T))
     return torch.stack(out, 1), cache.k, cache.v
 
 
