@@ -1,21 +1,22 @@
-"""Decode-step micro-benchmark for issue 25 item 2: the previous per-layer composition (`qkv` + `mlp_block`, the
-final norm outside) vs the fused-norm one (`mlp_block_norm` returns the next layer's normed input, `qkv_normed`
-takes it), both with the engine's GPU ops (torch.compile'd pieces, Triton attention / KV store / sampler).
+"""Decode-step micro-benchmark for issue 25 item 2: the engine's decode composition against the ones it replaced,
+all with the engine's GPU ops (torch.compile'd pieces, Triton attention / KV store / sampler).
 
 Run on one GPU from the repo root:  python3 -m benchmarks.decode_fusion [--out $OUT/decode_fusion.json]
 CPU smoke (nothing measured, just that it runs):  python3 -m benchmarks.decode_fusion --smoke
 
-One decode step = `forward.decode` (logits) on `--rows` rows whose K/V caches hold `--context` columns, the
-Qwen2.5-0.5B shape from `hybridflow.models.presets` with random weights, bf16. On CUDA each composition is
-captured in a CUDA graph (as the engine does) and replayed `--reps` times: `step_ms` per step. `kernels_per_step`
-counts the GPU kernels of one replay through torch.profiler (on CPU: the aten ops of one eager step), and
-`top_kernels` lists the most frequent names, `kernel_time_us` the names taking the most GPU time in one replay
-(name, count, µs, share) (`kernels_per_eager_step`: the same count for one step run outside the
-graph). `max_abs_logit_diff` compares the two compositions' logits on the same
-inputs (0 on CPU eager: the same ops in the same order; on GPU inductor may round a fused add differently).
-With the Triton kernels (CUDA) a third case also applies RoPE inside the K/V-store and attention kernels
-(`DecodeOps.rope_in_kernels`, opt-in).
-Prints one JSON line (and writes it to --out).
+Cases: `engine` (the default `DecodeOps`: fused norms — `mlp_block_norm` returns the next layer's normed input —
+RoPE inside the K/V-store and attention kernels, `residual_add`, pieces compiled with shapes specialised first);
+`unfused` (`qkv` + `mlp_block`, RoPE in torch); `fused_norms` (RoPE in torch); `plain_add` (residual adds as
+`x + linear`, which Inductor folds into cuBLAS addmm with a copy of x); `unfused+plain_add`; and on CUDA
+`all_dynamic` (every dimension symbolic in the compile) and `unfused+plain_add+all_dynamic` (the composition before
+session 12). One decode step = `forward.decode` (logits) on `--rows` rows whose K/V caches hold `--context`
+columns, a preset's shape (Qwen2.5-0.5B by default) with random weights, bf16. On CUDA each case is captured in a
+CUDA graph (as the engine does) and replayed `--reps` times: `step_ms` per step. `kernels_per_step` counts the GPU
+kernels of one replay through torch.profiler (on CPU: the aten ops of one eager step), `top_kernels` lists the
+most frequent names, `kernel_time_us` the names taking the most GPU time in one replay (name, count, µs, share)
+(`kernels_per_eager_step`: the same count for one step outside the graph). Against the first case: the logits'
+largest difference and argmax agreement, and which fraction of the K values written this step differ (0 on CPU
+eager: the same ops in the same order). Prints one JSON line (and writes it to --out).
 """
 
 from __future__ import annotations
@@ -61,36 +62,20 @@ def build(args, dev: torch.device, dtype: torch.dtype):
     return model, spec, weights, cache, rope, state
 
 
-def _add32(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """x + h rounded once from fp32 — what bf16 `x + h` computes, but written so Inductor cannot turn the residual
-    add into cuBLAS's addmm (beta = 1 needs a copy of x into the output first: two memcpys per layer)."""
-    return (x.float() + h.float()).to(x.dtype)
-
-
-def mlp_block_add32(x, attn, lw, eps):
-    """`forward.mlp_block` with both residual adds as `_add32`."""
-    x = _add32(x, torch.nn.functional.linear(attn, lw.o, lw.o_bias))
+def mlp_block_plain_add(x, attn, lw, eps):
+    """`forward.mlp_block` as it was before `residual_add`: `x + linear(...)`, which Inductor folds into addmm."""
+    x = x + torch.nn.functional.linear(attn, lw.o, lw.o_bias)
     xn = forward.rms_norm(x, lw.ln2, eps)
     if lw.gate_up is not None:
         gate, up = torch.nn.functional.linear(xn, lw.gate_up).chunk(2, dim=-1)
     else:
         gate, up = torch.nn.functional.linear(xn, lw.gate), torch.nn.functional.linear(xn, lw.up)
-    return _add32(x, torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, lw.down))
+    return x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, lw.down)
 
 
-def mlp_block_norm_add32(x, attn, lw, next_norm, eps):
-    x = mlp_block_add32(x, attn, lw, eps)
+def mlp_block_norm_plain_add(x, attn, lw, next_norm, eps):
+    x = mlp_block_plain_add(x, attn, lw, eps)
     return x, forward.rms_norm(x, next_norm, eps)
-
-
-class StaticCompile:
-    """torch.compile(fn, dynamic=False): one specialised graph per shape (the engine compiles with dynamic=True)."""
-
-    def __init__(self, fn):
-        self.fn, self.ok = torch.compile(fn, dynamic=False), True
-
-    def __call__(self, *a, **k):
-        return self.fn(*a, **k)
 
 
 def step_fn(spec, weights, cache, rope, state, ops, L: int):
@@ -190,18 +175,22 @@ def main(argv: list[str] | None = None) -> dict:
                attention=getattr(ops.attention, "__name__", "sdpa"), kv_store=getattr(ops.kv_store, "__name__", None))
     rows, logits = [], []
     with torch.inference_mode():
-        wrap = (lambda fn, what: GuardedCompile(fn, what)) if ops.is_compiled else (lambda fn, what: fn)
-        add32 = dict(mlp_block=wrap(mlp_block_add32, "mlp_block_add32"),
-                     mlp_block_norm=wrap(mlp_block_norm_add32, "mlp_block_norm_add32"))
-        cases = [("previous", dict(fuse_norms=False)), ("fused_norms", dict(fuse_norms=True)),
-                 ("previous+add32", dict(fuse_norms=False, **add32)), ("fused_norms+add32", dict(fuse_norms=True, **add32))]
-        if ops.kv_store is not None and ops.attention is not None:  # the Triton kernels: RoPE inside them too
-            cases += [("fused_norms+rope_in_kernels", dict(fuse_norms=True, rope_in_kernels=True)),
-                      ("fused_norms+rope_in_kernels+add32", dict(fuse_norms=True, rope_in_kernels=True, **add32))]
-            if ops.is_compiled:
-                cases.append(("fused_norms+rope_in_kernels+add32+static", dict(
-                    fuse_norms=True, rope_in_kernels=True, mlp_block_norm=StaticCompile(mlp_block_norm_add32),
-                    qkv_project=StaticCompile(forward.qkv_project), embed_norm=StaticCompile(forward.embed_norm))))
+        def wrap(fn, dynamic=None):
+            return GuardedCompile(fn, fn.__name__, dynamic=dynamic) if ops.is_compiled else fn
+
+        plain = dict(mlp_block=wrap(mlp_block_plain_add), mlp_block_norm=wrap(mlp_block_norm_plain_add))
+        cases = [("engine", {}),  # the engine's default composition
+                 ("unfused", dict(fuse_norms=False, rope_in_kernels=False)),
+                 ("fused_norms", dict(rope_in_kernels=False)),
+                 ("plain_add", plain),
+                 ("unfused+plain_add", dict(fuse_norms=False, rope_in_kernels=False, **plain))]
+        if ops.is_compiled:  # every dimension symbolic, as all compiled pieces were before
+            cases.append(("all_dynamic", {n: wrap(getattr(forward, n), dynamic=True) for n in
+                                          ("qkv", "mlp_block", "qkv_normed", "mlp_block_norm", "embed_norm",
+                                           "qkv_project")}))
+            cases.append(("unfused+plain_add+all_dynamic", dict(
+                fuse_norms=False, rope_in_kernels=False, qkv=wrap(forward.qkv, dynamic=True),
+                mlp_block=wrap(mlp_block_plain_add, dynamic=True))))
         spec, cache = parts[0], parts[2]
         b, col = args.rows, args.context - 1
         new_k = []
@@ -214,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["k_written_mismatch_frac_vs_previous"] = (k != new_k[0]).float().mean().item()
             row["k_written_max_abs_diff_vs_previous"] = (k - new_k[0]).abs().max().item()
     res["results"] = rows
-    for row, out in zip(rows[1:], logits[1:]):
+    for row, out in zip(rows[1:], logits[1:]):  # "previous" = the first case, the engine's composition
         row["max_abs_logit_diff_vs_previous"] = (out - logits[0]).abs().max().item()
         row["argmax_agree_vs_previous"] = (out.argmax(-1) == logits[0].argmax(-1)).float().mean().item()
         row["speedup_vs_previous"] = rows[0]["step_ms"] / row["step_ms"]

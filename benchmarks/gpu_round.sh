@@ -7,8 +7,8 @@
 # 2. our GRPO step loop, tuned, 0.5B and 1.5B, with the profile (busy fraction, top kernels, idle gaps),
 # 3. the same loop with the default config (`auto` sizes) at 0.5B and 1.5B,
 # 4. PPO with a critic (GAE) at 0.5B, default config, with the profile (issue 25 item 5).
-# All four stages need ~12 minutes, over one call's 10: ROUND_PART=1 runs stages 1-2, ROUND_PART=2 stages 3-4
-# (two calls; the table of part 2 reads TRL's step from the same $OUT only if part 1 ran in that call), unset = all.
+# All four stages need ~10-12 minutes, over one call's 10: ROUND_PART=1 runs stages 1-3 (TRL, tuned and defaults
+# side by side in one call), ROUND_PART=2 stage 4; unset = all.
 # The GPU tests need a call of their own (`bash benchmarks/gpu_tests.sh`): with the benchmarks beside them they were
 # cut at 83% by a 120 s stage limit. Each stage has its own time limit so a hang in one still returns the others.
 # Prefix the command with BENCH_COMMIT=$(git rev-parse --short HEAD) as run here: the device copy's git metadata
@@ -32,13 +32,13 @@ for d in .whl .whl-trl; do
 done
 timeout 210 python3 -m benchmarks.run --suite gpu --out "$OUT" >"$OUT/bench.log" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/bench.log"
-fi
-if [ "$PART" != 1 ]; then
 for p in qwen2.5-0.5b qwen2.5-1.5b; do
   timeout 80 python3 -m benchmarks.run --preset $p --no-tuned --no-profile --steps 2 --tag default \
     --out "$OUT" >>"$OUT/bench.log" 2>&1
   echo "default $p rc=$?" | tee -a "$OUT/bench.log"
 done
+fi
+if [ "$PART" != 1 ]; then
 timeout 120 python3 -m benchmarks.run --preset qwen2.5-0.5b --no-tuned --steps 2 --tag ppo_gae \
   --override algorithm.adv_estimator=gae --out "$OUT" >>"$OUT/bench.log" 2>&1
 echo "ppo_gae rc=$?" | tee -a "$OUT/bench.log"

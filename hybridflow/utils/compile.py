@@ -11,12 +11,13 @@ logger = logging.getLogger(__name__)
 
 
 class GuardedCompile:
-    """`torch.compile(fn, dynamic=True)`, compiled at the first call; on its first failure (Dynamo, Inductor or the
-    kernel launch) it logs why and runs `fn` eagerly for the rest of the process — never retried, so a broken
-    compiler costs one attempt, not one per call."""
+    """`torch.compile(fn, dynamic=dynamic)`, compiled at the first call; on its first failure (Dynamo, Inductor or
+    the kernel launch) it logs why and runs `fn` eagerly for the rest of the process — never retried, so a broken
+    compiler costs one attempt, not one per call. `dynamic`: True (default) compiles every dimension symbolic
+    once; None specialises on the first shapes and makes dynamic only the dimensions that change later."""
 
-    def __init__(self, fn: Callable, what: str) -> None:
-        self.fn, self.what = fn, what
+    def __init__(self, fn: Callable, what: str, dynamic: bool | None = True) -> None:
+        self.fn, self.what, self.dynamic = fn, what, dynamic
         self.compiled: Callable | None = None
         self.failed = False
 
@@ -24,7 +25,7 @@ class GuardedCompile:
         if not self.failed:
             try:
                 if self.compiled is None:
-                    self.compiled = torch.compile(self.fn, dynamic=True)
+                    self.compiled = torch.compile(self.fn, dynamic=self.dynamic)
                 return self.compiled(*args, **kwargs)
             except torch.OutOfMemoryError:
                 raise  # out of memory is the workload's, not the compiler's: eager would not fit either

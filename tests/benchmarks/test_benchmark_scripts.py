@@ -160,8 +160,8 @@ def test_decode_fusion_benchmark_smoke():
     step time and op counts, and give the same logits (eager on the CPU: the same ops in the same order)."""
     proc = _run("benchmarks.decode_fusion", "--smoke", timeout=300)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [r["composition"] for r in row["results"]] == ["previous", "fused_norms", "previous+add32",
-                                                         "fused_norms+add32"], row
+    assert [r["composition"] for r in row["results"]] == ["engine", "unfused", "fused_norms", "plain_add",
+                                                         "unfused+plain_add"], row
     assert all(r["step_ms"] > 0 and r["kernels_per_step"] > 0 for r in row["results"]), row
     assert row["max_abs_logit_diff"] == 0.0 and row["argmax_agree"] == 1.0, row
 
