@@ -179,19 +179,23 @@ class TrainEngine:
             raise ValueError(f"{what}; this engine's module has the {self.spec.head!r} head (EngineSpec.head)")
 
     @torch.no_grad()
-    def infer(self, data: DataProto, head: HeadRequest, *, disable_adapters: bool = False) -> dict[str, torch.Tensor]:
+    def infer(self, data: DataProto, head: HeadRequest, *, disable_adapters: bool = False,
+              beside: Callable[[], object] | None = None) -> dict[str, torch.Tensor]:
         """Forward passes over `data` in `spec.infer_batching` micro-batches; CPU float32 outputs in row order:
         lm → `log_probs` [B, R] (+ `entropy` [B, R]) of `responses` under softmax(logits / temperature);
         value → `values` [B, R], the scalar head at the position before each response token (critic);
         score → `scores` [B], the scalar head at each sequence's last valid token (reward model).
-        `disable_adapters` (LoRA): the base model's outputs — the reference policy without a second model."""
+        `disable_adapters` (LoRA): the base model's outputs — the reference policy without a second model.
+        `beside`: host work (the driver's reward scoring, `protocol.late`) called once every forward is queued,
+        before the outputs are copied to the host, so it runs while the device computes; its result is ignored."""
         self._check_head(head)
         if disable_adapters and self.lora_targets is None:
             raise ValueError("disable_adapters=True needs LoRA adapters (model.lora.rank > 0); this engine has none")
         with adapters_disabled(self.module) if disable_adapters else contextlib.nullcontext():
-            return self._infer(data, head)
+            return self._infer(data, head, beside)
 
-    def _infer(self, data: DataProto, head: HeadRequest) -> dict[str, torch.Tensor]:
+    def _infer(self, data: DataProto, head: HeadRequest,
+               beside: Callable[[], object] | None = None) -> dict[str, torch.Tensor]:
         missing = [k for k in INPUT_KEYS if k not in data.batch]
         if missing:
             raise ValueError(f"batch lacks {missing}; the engine needs {list(INPUT_KEYS)} (verl layout)")
@@ -206,6 +210,8 @@ class TrainEngine:
                 for k, v in out.items():
                     parts[k].append(v.float())
                 order += idx
+            if beside is not None:  # the forwards are queued: the host works while the device runs them
+                beside()
             # one copy to the host at the end (a .cpu() per micro-batch would stall the GPU each time)
             if sorted(order) != list(range(len(data))):
                 raise RuntimeError(f"micro-batches covered {len(order)} rows, not each of the {len(data)} once")

@@ -169,8 +169,13 @@ class PPOAlgorithm(Algorithm):
 
     def _reward_beside_worker_stages(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer
                                      ) -> tuple[DataProto, list[DataProto]]:
-        """Stage 2 on this thread while stages 3-5 run on another (they never read rewards; they get `batch[:]`,
-        their own dicts, as this thread writes the scores into `batch`). An error in either waits for both."""
+        """Stage 2 while stages 3-5 run (they never read rewards; they get `batch[:]`, their own dicts, as the
+        scoring writes into `batch`). In-process workers (local backend): on this thread, inside the first stage,
+        which queues its forwards and then calls back to score (`protocol.late`) while the device computes — a
+        second thread would hold the GIL while the stage launches kernels. Otherwise the stages run on a thread
+        while this one scores. An error in either waits for both and is the one raised."""
+        if self.actor.worker_group.backend_kind == "local":
+            return self._reward_inside_worker_stages(batch, metrics, timer)
         stage_metrics: dict[str, float] = {}
         with ThreadPoolExecutor(1, thread_name_prefix="worker-stages") as pool:
             stages = pool.submit(self._worker_stages, batch[:], timer, stage_metrics, _cuda_device())
@@ -181,6 +186,33 @@ class PPOAlgorithm(Algorithm):
                 outs = stages.result()
         metrics |= stage_metrics
         return batch, outs
+
+    def _reward_inside_worker_stages(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer
+                                     ) -> tuple[DataProto, list[DataProto]]:
+        done: dict[str, Any] = {}
+
+        def score() -> DataProto:
+            try:
+                with timer("reward", sync=False):  # the forwards in flight are the stage's
+                    done["batch"] = self._reward(batch, metrics)
+            except BaseException as exc:
+                done["error"] = exc
+                raise
+            return done["batch"]
+
+        token = late.offer(score)
+        try:
+            outs = self._worker_stages(batch[:], timer, metrics, late_token=token)
+        except Exception:
+            if "error" in done:  # the scoring failed inside the worker call: raise its own error, not the wrapper
+                raise done["error"] from None
+            raise
+        finally:
+            late.discard(token)
+        if "batch" not in done:
+            raise RuntimeError("the first worker stage returned without scoring the rewards beside it; set "
+                               "reward.overlap=false and report this")
+        return done["batch"], outs
 
     def _reward_beside_update(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
         """Stages 2 and 6 inside stage 8: the actor's update gets the batch without advantages and a late-columns
@@ -241,25 +273,32 @@ class PPOAlgorithm(Algorithm):
         return res.recompute_old_log_prob or res.use_reference or res.use_critic
 
     def _worker_stages(self, batch: DataProto, timer: StageTimer, metrics: dict[str, float],
-                       device: int | None = None) -> list[DataProto]:
+                       device: int | None = None, late_token: str | None = None) -> list[DataProto]:
         """3. log-probs of the sampling policy, 4. reference log-probs (only when KL is used), 5. critic values:
         the outputs to union into the batch (their metrics go to `metrics`). None of them reads the rewards, so
-        with `reward.overlap` they run on a thread while the driver scores (`device`: the CUDA device there)."""
+        with `reward.overlap` the driver scores beside them: `late_token` goes to the first stage, which calls the
+        scoring once its forwards are queued; or they run on a thread (`device`: the CUDA device there)."""
         if device is not None:
             torch.cuda.set_device(device)
+        sent = {"token": late_token}
+
+        def arg() -> DataProto:  # the batch, carrying the token to the first stage only
+            token, sent["token"] = sent["token"], None
+            return batch if token is None else self._with_meta(batch, **{late.META_KEY: token})
+
         outs = []
         if self.res.recompute_old_log_prob:
             with timer("old_log_prob"):
-                outs.append(self.actor.compute_log_prob(batch))
+                outs.append(self.actor.compute_log_prob(arg()))
             if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:  # the actor loss applies the weights
                 metrics |= rollout_is_metrics(outs[-1].batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                               batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
         if self.res.use_reference:
             with timer("ref"):
-                outs.append(self.actor.compute_ref_log_prob(batch))
+                outs.append(self.actor.compute_ref_log_prob(arg()))
         if self.res.use_critic:
             with timer("values"):
-                outs.append(self.groups.critic.compute_values(batch))
+                outs.append(self.groups.critic.compute_values(arg()))
         return outs
 
     def _overlap_reward(self) -> bool:

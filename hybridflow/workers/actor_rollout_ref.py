@@ -84,17 +84,18 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.OLD_LOG_PROB)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        out = self.actor.infer(data, actor_head(self.cfg, entropy=True))
+        out = self.actor.infer(data, actor_head(self.cfg, entropy=True), beside=late.take(data))
         return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.REF)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        beside = late.take(data)
         if self.cfg.model.lora.enabled:
-            out = self.actor.infer(data, ref_head(self.cfg), disable_adapters=True)
+            out = self.actor.infer(data, ref_head(self.cfg), disable_adapters=True, beside=beside)
         else:
             assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
-            out = self.ref.infer(data, ref_head(self.cfg))
+            out = self.ref.infer(data, ref_head(self.cfg), beside=beside)
         return DataProto.from_dict({keys.REF_LOG_PROB.name: out["log_probs"]})
 
     # ------------------------------------------------------------------------------------------- update

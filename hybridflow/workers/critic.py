@@ -10,7 +10,7 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto, keys
+from hybridflow.protocol import DataProto, keys, late
 from hybridflow.workers.engine_specs import VALUES, critic_plan, critic_spec
 from hybridflow.workers.losses import make_critic_loss
 
@@ -37,7 +37,8 @@ class CriticWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.VALUES_STAGE)
     def compute_values(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict({keys.VALUES.name: self.critic.infer(data, VALUES)["values"]})
+        values = self.critic.infer(data, VALUES, beside=late.take(data))["values"]
+        return DataProto.from_dict({keys.VALUES.name: values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     @keys.checked_stage(keys.UPDATE_CRITIC)

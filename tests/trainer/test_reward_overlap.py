@@ -21,22 +21,37 @@ _WORKER_STAGES = PPOAlgorithm._worker_stages
 _ORIGINAL = (TrainEngine._forward_micro, late.take, PPOAlgorithm._reward)
 
 
-def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict], set[str]]:
+def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *extra: str
+         ) -> tuple[list[dict], set[str], list[str]]:
+    """Three PPO-GAE steps with KL: (metrics, threads the worker stages ran on, events in order: each forward and
+    each scoring with its thread)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     threads: set[str] = set()
+    events: list[str] = []
+    forward, _, reward = _ORIGINAL
 
     def spy(self, *args, **kwargs):
         threads.add(threading.current_thread().name)
         return _WORKER_STAGES(self, *args, **kwargs)
 
+    def forward_spy(self, *args, **kwargs):
+        events.append("forward")
+        return forward(self, *args, **kwargs)
+
+    def reward_spy(self, *args, **kwargs):
+        events.append(f"reward:{threading.current_thread().name}")
+        return reward(self, *args, **kwargs)
+
     monkeypatch.setattr(PPOAlgorithm, "_worker_stages", spy)
-    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, f"reward.overlap={str(overlap).lower()}", *GAE_KL)
+    monkeypatch.setattr(TrainEngine, "_forward_micro", forward_spy)
+    monkeypatch.setattr(PPOAlgorithm, "_reward", reward_spy)
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, f"reward.overlap={str(overlap).lower()}", *GAE_KL, *extra)
     trainer = PPOTrainer(cfg)
     try:
         history = trainer.fit()
     finally:
         trainer.close()
-    return history, threads
+    return history, threads, events
 
 
 def _untimed(history: list[dict]) -> list[dict]:
@@ -44,18 +59,55 @@ def _untimed(history: list[dict]) -> list[dict]:
              and "throughput" not in k} for m in history]
 
 
-def test_overlap_runs_the_worker_stages_beside_the_reward_and_changes_nothing(tmp_path, monkeypatch):
-    seq, seq_threads = _run(tmp_path / "seq", False, monkeypatch)
-    ovl, ovl_threads = _run(tmp_path / "ovl", True, monkeypatch)
-    assert seq_threads == {threading.main_thread().name}
-    assert len(ovl_threads) == 1 and next(iter(ovl_threads)).startswith("worker-stages")
-    assert len(seq) == len(ovl) == 3  # step 2's losses depend on step 1's update: equal weights in between
+def test_overlap_scores_inside_the_first_worker_stage_and_changes_nothing(tmp_path, monkeypatch):
+    """In-process workers: the stages run on the driver's thread and the first one (old log-probs) calls the scoring
+    back once its forwards are queued, before its outputs come to the host. Same run as scoring first."""
+    seq, seq_threads, seq_events = _run(tmp_path / "seq", False, monkeypatch)
+    ovl, ovl_threads, ovl_events = _run(tmp_path / "ovl", True, monkeypatch)
+    main = threading.main_thread().name
+    assert seq_threads == ovl_threads == {main}
+    n_steps = 3
+    per_step = len(seq_events) // n_steps
+    assert seq_events[0] == f"reward:{main}" and seq_events.count(f"reward:{main}") == n_steps
+    first = ovl_events[:per_step]
+    assert first[0] == "forward" and first.count(f"reward:{main}") == 1
+    assert "forward" in first[first.index(f"reward:{main}") + 1:]  # later stages and the updates come after
+    assert sorted(ovl_events) == sorted(seq_events)
+    assert len(seq) == len(ovl) == n_steps  # step 2's losses depend on step 1's update: equal weights in between
     for a, b in zip(_untimed(seq), _untimed(ovl)):
         assert a.keys() == b.keys()
         diff = {k: (a[k], b[k]) for k in a if a[k] != b[k] and not (a[k] != a[k] and b[k] != b[k])}  # NaN == NaN
         assert not diff, diff
     for key in ("timing/old_log_prob", "timing/ref", "timing/values", "timing/reward"):
         assert key in ovl[0], key
+
+
+def test_overlap_runs_the_worker_stages_on_a_thread_for_out_of_process_workers(tmp_path, monkeypatch):
+    """Workers in other processes (Ray) cannot call back into the driver: the stages run on a thread there while
+    the driver scores. Checked with the local workers made to look remote; the run is the same as scoring first."""
+    from hybridflow.controller.worker_group import WorkerGroup
+
+    seq, _, _ = _run(tmp_path / "seq", False, monkeypatch)
+    monkeypatch.setattr(WorkerGroup, "backend_kind", property(lambda self: "remote-for-test"))
+    ovl, ovl_threads, _ = _run(tmp_path / "ovl", True, monkeypatch)
+    assert len(ovl_threads) == 1 and next(iter(ovl_threads)).startswith("worker-stages")
+    for a, b in zip(_untimed(seq), _untimed(ovl)):
+        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k] and not (a[k] != a[k] and b[k] != b[k])}
+        assert not diff, diff
+
+
+def test_a_failing_reward_inside_a_worker_stage_is_the_error_raised(tmp_path, monkeypatch):
+    def broken(self, batch, metrics):
+        raise ValueError("reward function broke on row 5")
+
+    monkeypatch.setattr(PPOAlgorithm, "_reward", broken)
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, *GAE_KL)
+    trainer = PPOTrainer(cfg)
+    try:
+        with pytest.raises(ValueError, match="broke on row 5"):
+            trainer.fit()
+    finally:
+        trainer.close()
 
 
 def test_overlap_is_skipped_where_the_reward_must_come_first(tmp_path):
