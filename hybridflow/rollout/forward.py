@@ -94,9 +94,12 @@ def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float)
 
 
 def residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """x + h summed in fp32 and rounded once to x's dtype: what torch computes for `x + h` in bf16/fp16 (and the
-    same op in fp32), written so that Inductor does not fold the add into the projection as cuBLAS addmm, which
-    first copies x into the output (two extra kernels per layer; the add fuses with the next norm instead)."""
+    """x + h. Under torch.compile written as an fp32 sum rounded once to x's dtype — the same bits as torch's
+    bf16/fp16 `x + h` — so that Inductor does not fold the add into the projection as cuBLAS addmm, which first
+    copies x into the output (two extra kernels per layer; the add fuses with the next norm instead). Eager: the
+    plain add (one kernel instead of four)."""
+    if not torch.compiler.is_compiling():
+        return x + h
     return (x.float() + h.float()).to(x.dtype)
 
 
@@ -153,8 +156,9 @@ class DecodeOps:
     @classmethod
     def compiled(cls) -> DecodeOps:
         """One process-wide compiled set. Shapes are specialised at the first call and only the dimensions that
-        change later (the batch bucket, an extension's token count) become dynamic — at most two compiles a
-        piece; every layer reuses the same code. Fully dynamic shapes (hidden sizes too) made the 0.5B/1.5B decode
+        change later (the batch bucket, an extension's token count) become dynamic — a few compiles a piece
+        (the first shape, the dynamic one, a size-1 batch), far under Dynamo's recompile limit; every layer reuses
+        the same code. Fully dynamic shapes (hidden sizes too) made the 0.5B/1.5B decode
         step 6-10% slower on an H200 (looped reductions and generic pointwise kernels)."""
         return _compiled_ops()
 
@@ -301,8 +305,9 @@ def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeO
     [start_N[i], col_N[i]] — its slot's history and, causally, the extension's earlier tokens, whose K/V the same
     layer wrote first. Logits [S, V] of the tokens `last_S` (each slot's last new token).
 
-    Every layer is the decode step's four launches-worth of work — `ops.qkv` and `ops.mlp_block` (compiled with
-    dynamic shapes: no recompile per call), one K/V store and one range-attention kernel (`ops.attention`, with a
+    Every layer is the decode step's four launches-worth of work — `ops.qkv_normed` and `ops.mlp_block_norm`
+    (compiled; the token count becomes a dynamic dimension after its first change: no recompile per call), one
+    K/V store and one range-attention kernel (`ops.attention`, with a
     row map from query token to cache slot) — so a call costs ~4 × layers launches whatever its shape, where the
     SDPA path (`extend_batch`) spends ~40 per layer on masks, gathers and permutes. No host sync, no
     data-dependent shape: with fixed N and S it can be captured in a CUDA graph. Duplicate tokens (same slot,

@@ -172,8 +172,9 @@ class PPOAlgorithm(Algorithm):
         """Stage 2 while stages 3-5 run (they never read rewards; they get `batch[:]`, their own dicts, as the
         scoring writes into `batch`). In-process workers (local backend): on this thread, inside the first stage,
         which queues its forwards and then calls back to score (`protocol.late`) while the device computes — a
-        second thread would hold the GIL while the stage launches kernels. Otherwise the stages run on a thread
-        while this one scores. An error in either waits for both and is the one raised."""
+        second thread would hold the GIL while the stage launches kernels; that stage's timing then includes the
+        scoring's host time). Otherwise the stages run on a thread while this one scores. An error in either waits
+        for both and is the one raised."""
         if self.actor.worker_group.backend_kind == "local":
             return self._reward_inside_worker_stages(batch, metrics, timer)
         stage_metrics: dict[str, float] = {}
@@ -189,30 +190,14 @@ class PPOAlgorithm(Algorithm):
 
     def _reward_inside_worker_stages(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer
                                      ) -> tuple[DataProto, list[DataProto]]:
-        done: dict[str, Any] = {}
-
         def score() -> DataProto:
-            try:
-                with timer("reward", sync=False):  # the forwards in flight are the stage's
-                    done["batch"] = self._reward(batch, metrics)
-            except BaseException as exc:
-                done["error"] = exc
-                raise
-            return done["batch"]
+            with timer("reward", sync=False):  # the forwards in flight are the stage's
+                return self._reward(batch, metrics)
 
-        token = late.offer(score)
-        try:
-            outs = self._worker_stages(batch[:], timer, metrics, late_token=token)
-        except Exception:
-            if "error" in done:  # the scoring failed inside the worker call: raise its own error, not the wrapper
-                raise done["error"] from None
-            raise
-        finally:
-            late.discard(token)
-        if "batch" not in done:
-            raise RuntimeError("the first worker stage returned without scoring the rewards beside it; set "
-                               "reward.overlap=false and report this")
-        return done["batch"], outs
+        outs, scored = self._scoring_inside(
+            score, lambda token: self._worker_stages(batch[:], timer, metrics, late_token=token),
+            "the first worker stage returned without scoring the rewards beside it")
+        return scored, outs
 
     def _reward_beside_update(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
         """Stages 2 and 6 inside stage 8: the actor's update gets the batch without advantages and a late-columns
@@ -220,36 +205,51 @@ class PPOAlgorithm(Algorithm):
         to score and compute the advantages while the device runs that forward. (On this thread, not a second one:
         a scoring thread would hold the GIL while the update's host code launches kernels.) Only where nothing
         else could overlap the host's scoring (`_reward_during_update`)."""
+        def score() -> DataProto:
+            view = batch[:]  # its own dicts: the update's batch stays as sent
+            with timer("reward", sync=False):  # the forward in flight is the update's
+                view = self._reward(view, metrics)
+            with timer("adv", sync=False):
+                metrics.update(self._advantages(view))
+            return view
+
+        def update(token: str) -> list[dict[str, float]]:
+            with timer("update_actor"):
+                return self.actor.update_actor(self._with_meta(batch, **{late.META_KEY: token}))
+
+        result, scored = self._scoring_inside(score, update, "the actor update returned without taking its late "
+                                                             "columns (advantages)")
+        metrics |= reduce_metrics(result)
+        return scored
+
+    @staticmethod
+    def _scoring_inside(score: Callable[[], DataProto], call: Callable[[str], Any], missed: str
+                        ) -> tuple[Any, DataProto]:
+        """`call(token)` with `score` offered under `token` (`protocol.late`): an in-process worker call that runs
+        the driver's scoring on this thread while its device work is queued. (call's result, the scored batch).
+        A scoring error is the error raised (not the worker's wrapper of it); a call that never scored is refused."""
         done: dict[str, Any] = {}
 
-        def score() -> DataProto:
+        def run() -> DataProto:
             try:
-                view = batch[:]  # its own dicts: the update's batch stays as sent
-                with timer("reward", sync=False):  # the forward in flight is the update's
-                    view = self._reward(view, metrics)
-                with timer("adv", sync=False):
-                    metrics.update(self._advantages(view))
+                done["batch"] = score()
             except BaseException as exc:
                 done["error"] = exc
                 raise
-            done["batch"] = view
-            return view
+            return done["batch"]
 
-        token = late.offer(score)
+        token = late.offer(run)
         try:
-            with timer("update_actor"):
-                update = self.actor.update_actor(self._with_meta(batch, **{late.META_KEY: token}))
+            result = call(token)
         except Exception:
-            if "error" in done:  # the scoring failed inside the worker call: raise its own error, not the wrapper
+            if "error" in done:
                 raise done["error"] from None
             raise
         finally:
             late.discard(token)
         if "batch" not in done:
-            raise RuntimeError("the actor update returned without taking its late columns (advantages); "
-                               "set reward.overlap=false and report this")
-        metrics |= reduce_metrics(update)
-        return done["batch"]
+            raise RuntimeError(f"{missed}; set reward.overlap=false and report this")
+        return result, done["batch"]
 
     def _reward_during_update(self) -> bool:
         """Score during the actor update when `reward.overlap` is on and there is no stage 3-5 or critic to overlap

@@ -44,7 +44,7 @@ def rope_rows(b, d, dtype, seed=0):
     return ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
 
 
-@pytest.mark.parametrize("kind", ["tiny", "qwen3"])
+@pytest.mark.parametrize("kind", ["tiny", "qwen", "qwen3"])  # qwen: fused q/k/v with bias, k and q strided views
 def test_decode_wiring_through_the_torch_references(kind):
     runner = make_engine(model_of(kind), P, 6)._prepare()
     ops = forward.DecodeOps(attention=decode_attention_ref, kv_store=store_kv_ref)
@@ -54,8 +54,18 @@ def test_decode_wiring_through_the_torch_references(kind):
 
 
 def test_rope_in_kernels_is_the_default_only_with_both_kernels():
-    assert forward.DecodeOps().rope_in_kernels
-    assert forward.DecodeOps.compiled().rope_in_kernels
+    """On by default, but it acts only where both kernels take cos/sin: with the torch K/V write (kv_store None)
+    decode applies RoPE itself and never hands cos/sin to the attention."""
+    assert forward.DecodeOps().rope_in_kernels and forward.DecodeOps.compiled().rope_in_kernels
+    runner = make_engine(model_of("qwen3"), P, 6)._prepare()
+
+    def attention_without_rope(q, kc, vc, start, end, rows=None, **rope):
+        assert not rope, "cos/sin reached the attention although K was written by torch"
+        return decode_attention_ref(q, kc, vc, start, end, rows=rows)
+
+    a = run_decode(runner, forward.DecodeOps(attention=attention_without_rope))
+    b = run_decode(runner, forward.DecodeOps(attention=decode_attention_ref, rope_in_kernels=False))
+    assert torch.equal(a[0], b[0])
 
 
 @needs_kernel
@@ -112,7 +122,7 @@ def test_decode_attention_rope_equals_torch_rope(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["tiny", "qwen3"])
+@pytest.mark.parametrize("kind", ["tiny", "qwen", "qwen3"])
 def test_decode_with_rope_in_kernels_equals_torch_rope(kind):
     runner = make_engine(model_of(kind).to(DEV), P, 6)._prepare()
     runner.cache = copy.deepcopy(runner.cache)

@@ -28,11 +28,25 @@ def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *extra:
     tmp_path.mkdir(parents=True, exist_ok=True)
     threads: set[str] = set()
     events: list[str] = []
-    forward, _, reward = _ORIGINAL
 
     def spy(self, *args, **kwargs):
         threads.add(threading.current_thread().name)
         return _WORKER_STAGES(self, *args, **kwargs)
+
+    monkeypatch.setattr(PPOAlgorithm, "_worker_stages", spy)
+    _spy_forwards_and_scoring(monkeypatch, events)
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, f"reward.overlap={str(overlap).lower()}", *GAE_KL, *extra)
+    trainer = PPOTrainer(cfg)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    return history, threads, events
+
+
+def _spy_forwards_and_scoring(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
+    """Append "forward" for each training-engine forward and "reward:<thread>" for each scoring to `events`."""
+    forward, _, reward = _ORIGINAL  # not the spies of an earlier run in the same test
 
     def forward_spy(self, *args, **kwargs):
         events.append("forward")
@@ -42,16 +56,8 @@ def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *extra:
         events.append(f"reward:{threading.current_thread().name}")
         return reward(self, *args, **kwargs)
 
-    monkeypatch.setattr(PPOAlgorithm, "_worker_stages", spy)
     monkeypatch.setattr(TrainEngine, "_forward_micro", forward_spy)
     monkeypatch.setattr(PPOAlgorithm, "_reward", reward_spy)
-    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, f"reward.overlap={str(overlap).lower()}", *GAE_KL, *extra)
-    trainer = PPOTrainer(cfg)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
-    return history, threads, events
 
 
 def _untimed(history: list[dict]) -> list[dict]:
@@ -97,10 +103,20 @@ def test_overlap_runs_the_worker_stages_on_a_thread_for_out_of_process_workers(t
 
 
 def test_a_failing_reward_inside_a_worker_stage_is_the_error_raised(tmp_path, monkeypatch):
+    """The scoring fails inside the old-log-prob stage's call (it took the token): its own error comes out."""
+    inside: list[bool] = []
+    take = late.take
+
     def broken(self, batch, metrics):
+        inside.append(True)
         raise ValueError("reward function broke on row 5")
 
+    def take_spy(data):
+        fn = take(data)
+        return None if fn is None else (lambda: (inside.append(False), fn())[1])
+
     monkeypatch.setattr(PPOAlgorithm, "_reward", broken)
+    monkeypatch.setattr(late, "take", take_spy)
     cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, *GAE_KL)
     trainer = PPOTrainer(cfg)
     try:
@@ -108,6 +124,7 @@ def test_a_failing_reward_inside_a_worker_stage_is_the_error_raised(tmp_path, mo
             trainer.fit()
     finally:
         trainer.close()
+    assert inside == [False, True]  # the stage called the late function, which ran the scoring
 
 
 def test_overlap_is_skipped_where_the_reward_must_come_first(tmp_path):
@@ -134,11 +151,7 @@ def _run_grpo(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *e
     each time the update asked for its late columns, and each scoring with its thread."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     events: list[str] = []
-    forward, take, reward = _ORIGINAL  # not the spies of an earlier run in the same test
-
-    def forward_spy(self, *args, **kwargs):
-        events.append("forward")
-        return forward(self, *args, **kwargs)
+    take = _ORIGINAL[1]
 
     def take_spy(data):
         fn = take(data)
@@ -151,13 +164,8 @@ def _run_grpo(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *e
 
         return wait
 
-    def reward_spy(self, *args, **kwargs):
-        events.append(f"reward:{threading.current_thread().name}")
-        return reward(self, *args, **kwargs)
-
-    monkeypatch.setattr(TrainEngine, "_forward_micro", forward_spy)
+    _spy_forwards_and_scoring(monkeypatch, events)
     monkeypatch.setattr(late, "take", take_spy)
-    monkeypatch.setattr(PPOAlgorithm, "_reward", reward_spy)
     cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, f"reward.overlap={str(overlap).lower()}",
                           *GRPO_NO_STAGE, *extra)
     trainer = PPOTrainer(cfg)
