@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
             cases.append(("unfused+plain_add+all_dynamic", dict(
                 fuse_norms=False, rope_in_kernels=False, qkv=wrap(forward.qkv, dynamic=True),
                 mlp_block=wrap(mlp_block_plain_add, dynamic=True))))
-        spec, cache = parts[0], parts[2]
+        cache = parts[2]
         b, col = args.rows, args.context - 1
         new_k = []
         for name, kw in cases:

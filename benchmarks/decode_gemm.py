@@ -118,7 +118,8 @@ def bench_shape(name: str, N: int, K: int, M: int, layers: int, reps: int, dev: 
         part = torch.empty(cfg[5], M, N, device=dev, dtype=torch.float32) if cfg[5] > 1 else None
         try:
             err = (triton_linear(x, ws[0], cfg, part=part).float() - ref).abs().max().item()
-            us = time_graph(lambda: [triton_linear(x, w, cfg, o, part) for w, o in zip(ws, outs)], reps) / n_w
+            us = time_graph(lambda cfg=cfg, part=part: [triton_linear(x, w, cfg, o, part) for w, o in zip(ws, outs)],
+                            reps) / n_w
         except Exception as e:  # noqa: BLE001 — a config may not compile (shared memory); recorded, not hidden
             rows.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:120]}"))
             continue
