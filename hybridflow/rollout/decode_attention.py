@@ -38,7 +38,7 @@ from hybridflow.rollout.triton_util import jit as _jit
 from hybridflow.rollout.triton_util import tl, triton, triton_available
 
 if triton is not None:
-    from hybridflow.rollout.kv_store_kernel import rope_offsets, rope_rows
+    from hybridflow.rollout.kv_store_kernel import check_rope_rows, rope_offsets, rope_rows
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -108,7 +108,7 @@ def _decode_kernel(
 
     q_ptrs = Q + row64 * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :] * sq_d
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    if HAS_ROPE:  # q = q * cos + rotate_half(q) * sin in q's dtype, cos/sin of this row
+    if HAS_ROPE:  # q = q * cos + rotate_half(q) * sin (fp32, one rounding), cos/sin of this row
         qr_ptrs = (Q + row64 * sq_b + head * sq_h + offs_g[:, None] * sq_g
                    + rope_offsets(offs_d, HEAD_DIM)[None, :] * sq_d)
         qr = tl.load(qr_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
@@ -222,9 +222,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if triton is None:
         raise RuntimeError("triton is not installed; use decode_attention_ref")
     b, hkv, g, d = q.shape
-    if (cos is None) != (sin is None) or (cos is not None and (cos.shape != (b, d) or sin.shape != (b, d)
-                                                               or cos.dtype != q.dtype or d % 2)):
-        raise ValueError(f"cos/sin must both be [b={b}, D={d}] of q's dtype with D even")
+    check_rope_rows(cos, sin, b, d, q.dtype, "q")
     if (rows is None and k_cache.shape[0] < b) or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
     if rows is not None and rows.shape != (b,):

@@ -28,6 +28,14 @@ def rope_rows(x, xr, c, s, offs, HEAD_DIM: tl.constexpr):
     return (x.to(tl.float32) * c.to(tl.float32) + xr * s.to(tl.float32)).to(x.dtype)
 
 
+def check_rope_rows(cos: torch.Tensor | None, sin: torch.Tensor | None, b: int, d: int, dtype: torch.dtype,
+                    what: str) -> None:
+    """The kernels' RoPE inputs: both or neither, each [b, D] of the rotated tensor's dtype, D even."""
+    if (cos is None) != (sin is None) or (cos is not None and (cos.shape != (b, d) or sin.shape != (b, d)
+                                                               or cos.dtype != dtype or d % 2)):
+        raise ValueError(f"cos/sin must both be [b={b}, D={d}] of {what}'s dtype with D even")
+
+
 @jit
 def rope_offsets(offs, HEAD_DIM: tl.constexpr):
     """rotate_half's source index: d + D/2 for the first half (negated), d - D/2 for the second."""
@@ -51,7 +59,7 @@ def _kv_store_kernel(KCache, VCache, NewK, NewV, Cidx, Rows, Cos, Sin,
     mask = offs < HEAD_DIM
     k = tl.load(NewK + row * snk_b + head * snk_h + offs * snk_d, mask=mask)
     v = tl.load(NewV + row * snv_b + head * snv_h + offs * snv_d, mask=mask)
-    if HAS_ROPE:  # k = k * cos + rotate_half(k) * sin, cos/sin of this row
+    if HAS_ROPE:  # k = k * cos + rotate_half(k) * sin (fp32, one rounding), cos/sin of this row
         kr = tl.load(NewK + row * snk_b + head * snk_h + rope_offsets(offs, HEAD_DIM) * snk_d, mask=mask)
         c = tl.load(Cos + row * sc_b + offs * sc_d, mask=mask)
         s = tl.load(Sin + row * ss_b + offs * ss_d, mask=mask)
@@ -67,9 +75,7 @@ def store_kv(k_cache_SHTD: torch.Tensor, v_cache_SHTD: torch.Tensor, k_bHD: torc
     one launch (any strides). With cos/sin [b, D] (k's dtype) k[i] is stored with RoPE applied (`rope_rows`: fp32,
     one rounding)."""
     b, hkv, d = k_bHD.shape
-    if (cos is None) != (sin is None) or (cos is not None and (cos.shape != (b, d) or sin.shape != (b, d)
-                                                               or cos.dtype != k_bHD.dtype or d % 2)):
-        raise ValueError(f"cos/sin must both be [b={b}, D={d}] of k's dtype with D even")
+    check_rope_rows(cos, sin, b, d, k_bHD.dtype, "k")
     if v_bHD.shape != k_bHD.shape or cidx_b.shape != (b,) or (rows_b is not None and rows_b.shape != (b,)):
         raise ValueError(f"k {tuple(k_bHD.shape)}, v {tuple(v_bHD.shape)}, cidx {tuple(cidx_b.shape)} and rows "
                          f"{None if rows_b is None else tuple(rows_b.shape)} must be [b, Hkv, D], [b, Hkv, D], [b], [b]")
