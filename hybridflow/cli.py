@@ -80,6 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except ConfigError as err:  # any command: a bad key or value is a usage error (exit 2), not a traceback
         return fail(err)
+    except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM: the user's own stop is one line, not a traceback
+        from hybridflow.trainer.stop import exit_code
+
+        print(f"stopped: {err}" if str(err) else "stopped (Ctrl-C)", file=sys.stderr)
+        return exit_code(err)
 
 
 if __name__ == "__main__":

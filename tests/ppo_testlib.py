@@ -26,3 +26,11 @@ def tiny_ppo_config(tmp_path: Path, ckpt_dir: Path, mini_batch: int, *extra: str
         "actor.optim.lr=1e-3", "reward.sources=[{name: custom, weight: 1.0}]", f"reward.custom.path={reward}",
         "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.default_local_dir={ckpt_dir}",
         *extra])
+
+
+WALL_CLOCK = ("timing/", "perf/", "memory/", "tokens_per_s", "step_time_s", "throughput", "mfu")
+
+
+def deterministic_metrics(metrics: dict) -> dict:
+    """`metrics` without the wall-clock and memory readings (equal runs agree on everything else)."""
+    return {k: v for k, v in metrics.items() if not any(s in k for s in WALL_CLOCK)}

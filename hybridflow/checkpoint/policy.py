@@ -48,6 +48,7 @@ class CheckpointPolicy:
         self.rollback = RollbackTracker.from_config(t.rollback) if t.rollback.enable else None
         self.guard = NonFiniteGuard(t.max_consecutive_bad_steps, rollback_enabled=t.rollback.enable)
         self.save_freq = t.checkpoint.save_freq
+        self.last_saved: tuple[int, str] | None = None  # (step, path) of this run's newest save
         self.rollbacks: list[dict[str, Any]] = []  # one entry per rollback taken (also a tracker event)
         for subdir, group in self.targets.items():
             group.init_checkpoint(subdir or None)
@@ -152,10 +153,23 @@ class CheckpointPolicy:
             best = self.rollback.best_step
             for group in self.targets.values():
                 group.protect_checkpoints([] if best is None else [best])
+        self._save(step, extra)
+
+    def save_final(self, step: int, extra: Callable[[], dict[str, Any]]) -> str | None:
+        """Save `step` now, as the run ends early (a stop signal, data run out), unless it is saved already or
+        checkpoints are off (`save_freq=0`); returns the checkpoint's path (None when nothing was saved)."""
+        if not self.targets or self.save_freq == 0:
+            return None
+        if self.last_saved is None or self.last_saved[0] != step:
+            self._save(step, extra)
+        return None if self.last_saved is None else self.last_saved[1]
+
+    def _save(self, step: int, extra: Callable[[], dict[str, Any]]) -> None:
         state = {**extra(), "rollback": self.rollback.state_dict() if self.rollback is not None else None,
                  "guard": self.guard.state_dict()}
-        for group in self.targets.values():
-            group.save_checkpoint(step, state)
+        paths = [group.save_checkpoint(step, state)[0] for group in self.targets.values()]
+        where = paths[0] if len(paths) == 1 else self.cfg.trainer.default_local_dir
+        self.last_saved = (step, str(where))
 
     def close(self) -> None:
         """Wait for the last save (raising its error)."""

@@ -85,6 +85,11 @@ class StatefulDataLoader:
         return len(self.sampler)
 
     @property
+    def num_rows(self) -> int:
+        """Rows of the dataset (an epoch's batches hold them all, less a dropped last partial batch)."""
+        return self.sampler.num_samples
+
+    @property
     def batch_size(self) -> int:
         return self.sampler.batch_size
 

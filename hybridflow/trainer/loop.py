@@ -18,6 +18,8 @@ from hybridflow.checkpoint.policy import CheckpointPolicy
 from hybridflow.config import Config, to_dict
 from hybridflow.data.contract import skipped_rows_event
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.plan import step_plan_text
+from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
@@ -95,6 +97,7 @@ class Trainer:
         self.epoch = 0
         self.history: list[dict[str, float]] = []
         self._once_metrics: dict[str, float] = {}  # sent with the first logged step of this process
+        self.stop = StopRequest()  # replaced by `fit`'s signal-backed request while training
         self.ckpt = CheckpointPolicy(cfg, algorithm.checkpoint_groups(), algorithm.guarded, tracker,
                                      on_rollback=algorithm.on_rollback)
 
@@ -107,18 +110,22 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self) -> list[dict[str, float]]:
-        """Train up to `total_steps`; returns the per-step metrics (also sent to the tracker)."""
+        """Train up to `total_steps`; returns the per-step metrics (also sent to the tracker). The first SIGINT or
+        SIGTERM stops after the step in flight with a checkpoint and raises `Interrupted` (trainer/stop.py)."""
         self._resume()
         self._report_skipped_rows()
-        if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
-            self._log(self.validate(), step=0)
-        if self.tracker is not None:
-            self.tracker.start_progress(self.total_steps, initial_step=self.global_step)
-        try:
-            self._train_loop()
-        finally:
+        if self.global_step < self.total_steps:
+            self._announce_plan()
+        with graceful_stop() as self.stop:
+            if self.cfg.trainer.val_before_train and self.validator is not None and self.global_step == 0:
+                self._log(self.validate(), step=0)
             if self.tracker is not None:
-                self.tracker.stop_progress()
+                self.tracker.start_progress(self.total_steps, initial_step=self.global_step)
+            try:
+                self._train_loop()
+            finally:
+                if self.tracker is not None:
+                    self.tracker.stop_progress()
         return self.history
 
     def _train_loop(self) -> None:
@@ -131,29 +138,81 @@ class Trainer:
             else:
                 logger.info(message)
             return
-        test_freq = self.cfg.trainer.test_freq
+        self._stop_if_requested()
         for batch in self.algorithm.batches(self._batches(), self.global_step):
             self.global_step += 1
             self.steps_run += 1
             self.ckpt.poll()  # a failed background save surfaces here
             metrics = self.step(batch)
             metrics |= self.ckpt.check_finite(metrics, self.global_step)  # skipped-step count, stop or roll back
-            is_last = self.global_step >= self.total_steps
-            val: dict[str, float] = {}
-            if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
-                val = self.validate()
-            done = bool(val) and self.algorithm.reached_target(metrics | val)
-            self._log(metrics | val, step=self.global_step)
-            self.ckpt.after_validation(val, self.global_step)  # may roll back to the best checkpoint
-            self.ckpt.maybe_save(self.global_step, is_last or done, self._extra)
-            if self.tracker is not None:
-                self.tracker.advance(self.global_step)
-            if done:
-                logger.info("stop criterion met at step %d of at most %d", self.global_step, self.total_steps)
-                break
-            if is_last:
-                self.algorithm.missed_target(self.history, self.global_step)
-                break
+            if self._end_step(metrics, is_last=self.global_step >= self.total_steps):
+                return
+            self._stop_if_requested()
+        self._data_ran_out()
+
+    def _end_step(self, metrics: dict[str, float], is_last: bool) -> bool:
+        """Validate (every `trainer.test_freq` steps and at the last), log, roll back, save; True when the run ends
+        here (last step or stop criterion met)."""
+        test_freq = self.cfg.trainer.test_freq
+        val: dict[str, float] = {}
+        if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
+            val = self.validate()
+        done = bool(val) and self.algorithm.reached_target(metrics | val)
+        self._log(metrics | val, step=self.global_step)
+        self.ckpt.after_validation(val, self.global_step)  # may roll back to the best checkpoint
+        self.ckpt.maybe_save(self.global_step, is_last or done, self._extra)
+        if self.tracker is not None:
+            self.tracker.advance(self.global_step)
+        if done:
+            logger.info("stop criterion met at step %d of at most %d", self.global_step, self.total_steps)
+        elif is_last:
+            self.algorithm.missed_target(self.history, self.global_step)
+        return done or is_last
+
+    def _data_ran_out(self) -> None:
+        """The batches ended before `total_steps` (a finite batch source, or dynamic sampling drawing extra batches
+        within `trainer.total_epochs`): say so, then validate and save the last step as a planned end would."""
+        message = (f"the training data ran out at step {self.global_step} of {self.total_steps} "
+                   f"({self.epoch} epoch(s) of {len(self.loader)} batches): set trainer.total_training_steps to "
+                   "cycle the data for as many steps as planned")
+        if self.tracker is not None:
+            self.tracker.event("data_exhausted", message, self.global_step, level="warning")
+        else:
+            logger.warning(message)
+        if self.steps_run == 0:
+            return
+        val = self.validate() if self.validator is not None else {}
+        if val:
+            self._log(val, step=self.global_step)
+        self.ckpt.save_final(self.global_step, self._extra)
+        self.algorithm.missed_target(self.history, self.global_step)
+
+    def _stop_if_requested(self) -> None:
+        """After a stop signal: save the step just trained (unless checkpoints are off) and raise `Interrupted`."""
+        if not self.stop.requested:
+            return
+        assert self.stop.signum is not None, "a requested stop carries its signal"
+        step = self.global_step
+        if self.steps_run == 0:
+            saved = "nothing trained in this run yet, nothing to save"
+        else:
+            path = self.ckpt.save_final(step, self._extra)
+            self.ckpt.close()  # the message below may say "saved" only once the write is done
+            saved = (f"checkpoint saved to {path}; rerun the same command to resume" if path is not None else
+                     "no checkpoint saved (trainer.checkpoint.save_freq=0): the progress of this run is lost")
+        message = f"interrupted by {self.stop.signal_name} at step {step} of {self.total_steps}; {saved}"
+        if self.tracker is not None:
+            self.tracker.event("interrupted", message, step, level="warning")
+        raise Interrupted(message, self.stop.signum)
+
+    def _announce_plan(self) -> None:
+        """The run's plan on its first line: steps, and the epochs of data they are (trainer/plan.py)."""
+        message = step_plan_text(self.total_steps, self.global_step, len(self.loader),
+                                 self.loader.num_rows, self.loader.batch_size)
+        if self.tracker is not None:
+            self.tracker.event("plan", message, self.global_step)
+        else:
+            logger.info(message)
 
     def _batches(self) -> Iterator[DataProto]:
         epochs = self.algorithm.total_epochs

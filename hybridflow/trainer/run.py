@@ -17,6 +17,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config
+from hybridflow.trainer.stop import Interrupted
 
 if TYPE_CHECKING:
     from hybridflow.tracking import Tracker
@@ -24,9 +25,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived (a scheduler stopping the job): raised in the main thread so cleanups and `run_end` run;
-    a `KeyboardInterrupt`, so the run is recorded as `interrupted`."""
+class Terminated(Interrupted):
+    """SIGTERM arrived outside the training loop (while loading, validating before training, closing): raised in
+    the main thread so cleanups and `run_end` run; recorded as `interrupted`, exit code 143. Inside the loop the
+    first SIGTERM stops after the step with a checkpoint instead (`hybridflow.trainer.stop`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, signal.SIGTERM)
 
 
 def versions_line() -> str:

@@ -18,6 +18,7 @@ class ListLoader:
     """Two batches per epoch (the slice of `StatefulDataLoader` the loop uses)."""
 
     epoch, batch_in_epoch = 0, 0
+    num_rows, batch_size = 4, 2
 
     def __iter__(self) -> Iterator[DataProto]:
         return iter([DataProto.from_dict({}), DataProto.from_dict({})])

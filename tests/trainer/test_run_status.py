@@ -15,8 +15,9 @@ from hybridflow.checkpoint import NonFiniteError
 from hybridflow.config import load_config
 from hybridflow.tracking.jsonl import read_events, read_jsonl
 from hybridflow.trainer.ppo import PPOTrainer
-from hybridflow.trainer.run import Terminated, run_cleanups, run_ppo
+from hybridflow.trainer.run import run_cleanups, run_ppo
 from hybridflow.trainer.sft import SFTTrainer
+from hybridflow.trainer.stop import Interrupted
 from hybridflow.trainer.supervised import run_supervised
 
 
@@ -91,13 +92,14 @@ def test_sft_sigterm_is_recorded_interrupted(tmp_path: Path, monkeypatch: pytest
     previous = signal.signal(signal.SIGTERM, test_handler)
     try:
         _step_raising(monkeypatch, SFTTrainer, "_log", 1, lambda: signal.raise_signal(signal.SIGTERM))
-        with pytest.raises(Terminated, match="SIGTERM"):
+        with pytest.raises(Interrupted, match="interrupted by SIGTERM at step 1") as info:
             run_supervised(SFTTrainer, _sft_cfg(tmp_path))
         assert signal.getsignal(signal.SIGTERM) is test_handler  # restored after the run
     finally:
         signal.signal(signal.SIGTERM, previous)
     end = _run_end(tmp_path / "run")
-    assert end["status"] == "interrupted" and end["error_type"] == "Terminated", end
+    assert end["status"] == "interrupted" and end["error_type"] == "Interrupted", end
+    assert info.value.exit_code == 143
 
 
 def test_cleanup_failure_is_a_note_on_the_original_error() -> None:

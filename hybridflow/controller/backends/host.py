@@ -21,6 +21,10 @@ from hybridflow.controller.worker import WORKER_BASE_ENV, Worker, WorkerEnv, fin
 class WorkerHost:
     """Holds one worker; `call(target, *args, **kwargs)` runs `worker.target(...)`."""
 
+    # In the driver's own process a KeyboardInterrupt is the user's stop, raised as it is; in a worker process it
+    # is that worker's failure, reported as one.
+    in_driver_process = True
+
     def __init__(self, fetch: Callable[[list[Any]], list[Any]] | None = None) -> None:
         self.worker: Worker | None = None
         self.rank = 0
@@ -57,6 +61,10 @@ class WorkerHost:
             if self._fetch is not None:
                 args, kwargs = self._resolve(args, kwargs)
             return getattr(self.worker, target)(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            if self.in_driver_process:
+                raise
+            raise self._wrap(exc) from None
         except BaseException as exc:
             raise self._wrap(exc) from None
 

@@ -63,6 +63,8 @@ def init_ray(**kwargs: Any) -> None:
 class RayWorkerHost(WorkerHost):
     """The actor class: a `WorkerHost` that fetches `RemoteSlice` chunks with `ray.get`."""
 
+    in_driver_process = False
+
     def __init__(self) -> None:
         super().__init__(fetch=ray.get)
         register_tensor_serializer()
