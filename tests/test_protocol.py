@@ -416,3 +416,13 @@ def test_pickle_round_trip_for_rpc() -> None:
     data = make(3)
     out = pickle.loads(pickle.dumps(data))
     assert row_ids(out) == [0, 1, 2] and out.meta_info == data.meta_info
+
+
+def test_values_equal_treats_nan_in_the_same_place_as_equal() -> None:
+    from hybridflow.protocol.indexing import values_equal
+
+    a = torch.tensor([1.0, float("nan"), float("inf")])
+    assert values_equal(a, a.clone())
+    assert not values_equal(a, torch.tensor([1.0, 2.0, float("inf")]))
+    assert not values_equal(a, torch.tensor([float("nan"), float("nan"), float("inf")]))
+    assert values_equal(torch.tensor([1, 2]), torch.tensor([1, 2])) and not values_equal(torch.tensor([1]), a[:1])

@@ -57,12 +57,19 @@ def to_object_array(values: Any) -> np.ndarray:
 
 
 def values_equal(a: Any, b: Any) -> bool:
-    """Deep equality for tensors, numpy arrays (object arrays elementwise), dicts, lists and plain values."""
+    """Deep equality for tensors, numpy arrays (object arrays elementwise), dicts, lists and plain values. A NaN
+    equals a NaN in the same place: a copy of a tensor holding NaN (a diverged model's log-probs) is the same value,
+    and the non-finite guard, not an equality check, is what reports it."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b.to(a.device)))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype):
+            return False
+        b = b.to(a.device)
+        if a.is_floating_point() or a.is_complex():
+            return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+        return torch.equal(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
             return False

@@ -108,3 +108,15 @@ def test_cli_prints_one_line_and_exits_with_the_signal_code(monkeypatch: pytest.
     assert cli_main(["train", "--quiet-config", "trainer.device=cpu"]) == 143
     err = capsys.readouterr().err
     assert "stopped: interrupted by SIGTERM at step 3 of 9" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_diverged_weights_reach_the_non_finite_guard_in_every_overlap_mode(tmp_path: Path, overlap: bool) -> None:
+    """lr=1e30 makes the weights non-finite: the run stops with the guard's NonFiniteError (and its limit), not a
+    late-column mismatch (NaN log-probs compared with `torch.equal`, NaN != NaN)."""
+    from hybridflow.checkpoint import NonFiniteError
+
+    cfg = _cfg(tmp_path, "actor.optim.lr=1e30", "trainer.total_training_steps=8", "trainer.checkpoint.save_freq=0",
+               "trainer.max_consecutive_bad_steps=2", f"reward.overlap={str(overlap).lower()}")
+    with pytest.raises(NonFiniteError, match="max_consecutive_bad_steps|consecutive non-finite"):
+        run_ppo(cfg)
