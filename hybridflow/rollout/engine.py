@@ -154,7 +154,6 @@ class RolloutEngine:
                              f"or one per output row ({B * n})")
         return [row_seed(s, j) for s in seeds for j in range(n)]
 
-    @torch.no_grad()
     @property
     def uses_hf_fallback(self) -> bool:
         """True when this model generates through HF `generate` (an architecture our engine does not cover)."""

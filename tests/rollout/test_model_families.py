@@ -97,7 +97,7 @@ def hf_response_logprobs(model, out, temperature: float = 1.0) -> torch.Tensor:
 def test_rollout_prefill_and_decode_logits_match_hf(family):
     model = make_family(family)
     engine = make_engine(model, P, R)
-    assert engine._fallback is None, f"{family} fell back to HF generate"
+    assert engine._fallback is None and engine.uses_hf_fallback is False, f"{family} fell back to HF generate"
     runner = engine._prepare()
     prompts = make_prompts(3, P, VOCAB, seed=1)
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
@@ -188,6 +188,7 @@ def test_fallback_family_trains_and_generates(family, gloo, tmp_path, caplog):
         rollout.generate(prompts)
     slow = [r for r in caplog.records if "slow" in r.getMessage()]
     assert rollout._fallback is not None and len(slow) == 1, [r.getMessage() for r in caplog.records]
+    assert rollout.uses_hf_fallback is True
     assert "\n" not in slow[0].getMessage() and family.split("_")[0] in slow[0].getMessage()
     b = out.batch
     assert b["responses"].shape == (6, R) and b["response_mask"].sum() > 0
