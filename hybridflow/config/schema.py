@@ -569,6 +569,7 @@ class TrainerConfig:
     val_before_train: bool
     log_val_generations: int
     run_dir: str  # metrics, events, config, report
+    overwrite: bool  # a fresh run into a run_dir holding another run's metrics replaces them (else refused)
     default_local_dir: str
     default_hdfs_dir: str | None  # fsspec URL mirrored after each local save
     resume_mode: str  # auto | disable | path

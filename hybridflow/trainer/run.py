@@ -97,21 +97,27 @@ def sigterm_as_interrupt() -> Iterator[None]:
 @contextlib.contextmanager
 def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker]:
     """The run's tracker (built from `trainer.logger` when not given). A tracker built here is closed here with
-    the run's honest status; a given one belongs to the caller (close it with `tracker.close(error=...)`)."""
+    the run's honest status, and its run directories are claimed for the run (`trainer/run_dir.py`: a lock, and no
+    fresh run into another run's directory); a given one belongs to the caller (close it with
+    `tracker.close(error=...)`)."""
     own = tracker is None
-    if tracker is None:
-        from hybridflow.tracking import Tracker
+    with contextlib.ExitStack() as stack:
+        if own:
+            from hybridflow.tracking import Tracker
+            from hybridflow.trainer.run_dir import claimed_run_dirs
 
-        tracker = Tracker.from_config(cfg)
-    with sigterm_as_interrupt():
-        try:
-            yield tracker
-        except BaseException as err:
-            if own:
-                tracker.close(error=err)
-            raise
-    if own:
-        tracker.close()
+            stack.enter_context(claimed_run_dirs(cfg))
+            tracker = Tracker.from_config(cfg)
+        assert tracker is not None
+        with sigterm_as_interrupt():
+            try:
+                yield tracker
+            except BaseException as err:
+                if own:
+                    tracker.close(error=err)
+                raise
+        if own:
+            tracker.close()
 
 
 def run_ppo(cfg: Config, tracker: Tracker | None = None) -> list[dict[str, float]]:

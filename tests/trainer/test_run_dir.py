@@ -1,0 +1,71 @@
+"""One run per run directory and one run at a time: a fresh run into a directory holding another run's metrics is
+refused (or replaces them with `trainer.overwrite=true`), and a second live run on the same directories is refused
+with the holder named; a lock left by a killed run does not block the next."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ppo_testlib import tiny_ppo_config
+
+from hybridflow.tracking.jsonl import read_jsonl
+from hybridflow.trainer.run import run_ppo
+from hybridflow.trainer.run_dir import LOCK_FILE, RunDirInUse, claimed_run_dirs
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, "trainer.logger=[jsonl]", f"trainer.run_dir={tmp_path}/run",
+                           "trainer.total_training_steps=2", "trainer.checkpoint.async_save=false", *extra)
+
+
+def test_fresh_run_into_a_used_run_dir_is_refused_and_overwrite_replaces(tmp_path: Path) -> None:
+    run_ppo(_cfg(tmp_path, "trainer.checkpoint.save_freq=0"))  # leaves metrics, no checkpoint to resume
+    with pytest.raises(ValueError, match=r"trainer.run_dir=.*holds another run's metrics.*trainer.overwrite=true"):
+        run_ppo(_cfg(tmp_path, "trainer.checkpoint.save_freq=0"))
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]  # nothing lost
+
+    run_ppo(_cfg(tmp_path, "trainer.checkpoint.save_freq=0", "trainer.overwrite=true"))
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]  # one run, not 1,2,1,2
+
+
+def test_a_run_that_resumes_may_use_its_run_dir(tmp_path: Path) -> None:
+    run_ppo(_cfg(tmp_path, "trainer.checkpoint.save_freq=1"))
+    history = run_ppo(_cfg(tmp_path, "trainer.checkpoint.save_freq=1", "trainer.total_training_steps=3"))
+    assert [int(m["training/global_step"]) for m in history] == [3]
+
+
+def test_second_live_run_on_the_same_dirs_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    with claimed_run_dirs(cfg):
+        with pytest.raises(RunDirInUse, match=r"trainer.run_dir=.* is in use by a running run \(pid \d+ on "):
+            with claimed_run_dirs(cfg):
+                pass
+    with claimed_run_dirs(cfg):  # released when the first run ended
+        pass
+
+
+def test_lock_of_a_killed_run_is_not_stale(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(run_dir / LOCK_FILE)!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "f.write('{\"pid\": 1}'); f.flush(); print('locked', flush=True); time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirInUse):
+            with claimed_run_dirs(_cfg(tmp_path)):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    with claimed_run_dirs(_cfg(tmp_path)):
+        info = json.loads((run_dir / LOCK_FILE).read_text())
+    assert info["pid"] != 1 and info["host"]
