@@ -59,7 +59,7 @@ def resolve_auto_sizes(merged: dict[str, Any]) -> dict[str, Any]:
         for sec, key in keys:
             out[sec][key] = CPU_VALUES[(sec, key)]
         return out
-    shape = _model_shape(merged)
+    shape = model_shape(merged)
     values = gpu_values(merged, shape, gpu)
     for sec, key in keys:
         out[sec][key] = values[(sec, key)]
@@ -109,7 +109,7 @@ def _gpu_memory_gib(merged: dict[str, Any]) -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def _model_shape(merged: dict[str, Any]) -> dict[str, int]:
+def model_shape(merged: dict[str, Any]) -> dict[str, int]:
     model = merged.get("model", {})
     override = dict(model.get("override_config") or {})
     if model.get("path"):

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from hybridflow.config.auto_sizes import resolve_auto_sizes
+from hybridflow.config.lr_rule import resolve_lr
 from hybridflow.config.schema import Config
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
         merged = _with_preset(merged, presets[-1])
     for key, value in parsed:
         set_dotted(merged, key, value)
-    merged = resolve_auto_sizes(interpolate(merged))
+    merged = resolve_lr(resolve_auto_sizes(interpolate(merged)))
     cfg = build(Config, merged, "")
     if validate:
         from hybridflow.config.validate import validate_config

@@ -22,7 +22,8 @@ from hybridflow.algorithms import (
     masked_mean,
     rollout_is_metrics,
 )
-from hybridflow.config import Config, resolve
+from hybridflow.config import Config, resolve, to_dict
+from hybridflow.config.lr_rule import lr_warning
 from hybridflow.protocol import DataProto, keys, late
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
@@ -421,6 +422,11 @@ class PPOTrainer(Trainer):
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None, groups: WorkerGroups | None = None) -> None:
         super().__init__(cfg, PPOAlgorithm(cfg, tokenizer=tokenizer, tracker=tracker, groups=groups), tracker)
+        warning = lr_warning(to_dict(cfg))  # e.g. verl's 1e-6 on a tiny model: nothing moves, nothing said
+        if warning is not None and tracker is not None:
+            tracker.event("lr_far_from_rule", warning, 0, level="warning")
+        elif warning is not None:
+            logger.warning(warning)
 
     @property
     def groups(self) -> WorkerGroups:

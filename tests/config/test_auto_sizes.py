@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import load_config
-from hybridflow.config.auto_sizes import CPU_VALUES, _model_shape, gpu_values
+from hybridflow.config.auto_sizes import CPU_VALUES, gpu_values, model_shape
 from hybridflow.config.loader import load_defaults_dict
 from hybridflow.config.loader import merge as merge_dicts
 
@@ -39,7 +39,7 @@ def test_explicit_values_win() -> None:
 @pytest.mark.parametrize("preset,micro", [("qwen2.5-0.5b", 64), ("qwen2.5-1.5b", 32)])
 def test_gpu_choices_match_the_sizes_measured_fastest(preset: str, micro: int) -> None:
     merged = bench_dict(preset)
-    v = gpu_values(merged, _model_shape(merged), H200_GIB)
+    v = gpu_values(merged, model_shape(merged), H200_GIB)
     assert v[("actor", "ppo_micro_batch_size_per_gpu")] == micro
     assert v[("actor", "log_prob_micro_batch_size_per_gpu")] == max(32, micro)
     assert v[("actor", "logprob_chunk_size")] == 4096
@@ -48,11 +48,11 @@ def test_gpu_choices_match_the_sizes_measured_fastest(preset: str, micro: int) -
 
 def test_gpu_choices_shrink_with_the_model_and_free_the_cache_when_state_is_large() -> None:
     full = bench_dict("qwen2.5-7b")
-    v = gpu_values(full, _model_shape(full), H200_GIB)
+    v = gpu_values(full, model_shape(full), H200_GIB)
     assert v[("rollout", "free_cache_engine")] is True  # fp32 state of 7B ≈ 120 GiB: no room to keep the cache
     assert 1 <= v[("actor", "ppo_micro_batch_size_per_gpu")] <= 4
     lora = bench_dict("qwen2.5-7b", lora={"rank": 64})
-    w = gpu_values(lora, _model_shape(lora), H200_GIB)
+    w = gpu_values(lora, model_shape(lora), H200_GIB)
     assert w[("rollout", "free_cache_engine")] is False
     assert 8 <= w[("actor", "ppo_micro_batch_size_per_gpu")] <= 32
     # always a divisor of the per-GPU mini-batch (32 prompts x 8 samples)

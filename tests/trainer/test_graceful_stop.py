@@ -41,7 +41,7 @@ def _signal_during_step(monkeypatch: pytest.MonkeyPatch, at_step: int, times: in
 def test_step_count_above_one_epoch_cycles_validates_and_saves_at_the_end(tmp_path: Path) -> None:
     # 4 prompts at 2 a step = 2 batches an epoch; total_epochs=1 (default) must not end the run at step 2
     history = run_ppo(_cfg(tmp_path, "data.train_size=4", "trainer.total_training_steps=3",
-                           "trainer.checkpoint.save_freq=-1"))
+                           "trainer.checkpoint.save_freq=-1", "actor.optim.lr=1e-6"))
     steps = [int(m["training/global_step"]) for m in history]
     assert steps == [1, 2, 3], steps
     assert any(k.startswith("val/") for k in history[-1]), sorted(history[-1])  # validated at the last step
@@ -49,6 +49,8 @@ def test_step_count_above_one_epoch_cycles_validates_and_saves_at_the_end(tmp_pa
     assert latest is not None and latest.name.endswith("_3"), latest  # "-1 = at the end only" saved the end
     plan = [e for e in read_events(tmp_path / "run") if e["kind"] == "plan"]
     assert plan and plan[0]["message"].startswith("3 steps = 1.50 epochs of 4 rows at 2 a step"), plan
+    lr = [e for e in read_events(tmp_path / "run") if e["kind"] == "lr_far_from_rule"]  # 1e-6 on the tiny model
+    assert len(lr) == 1 and "98× below" in lr[0]["message"], lr
 
 
 def test_ctrl_c_saves_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path: Path,
