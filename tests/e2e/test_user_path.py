@@ -100,13 +100,16 @@ def test_user_path_answers_survive_every_hand_off(tmp_path, capsys):
     assert json.loads((sft_dir / "tokenizer_config.json").read_text())["chat_template"] == RAW_JINJA
 
     # 2. GRPO from the SFT export; the reward is reward.custom.path alone (no reward.sources). With the same
-    # checkpoint directory as the SFT run it stops with the fix instead of loading an SFT checkpoint as PPO's.
+    # checkpoint directory as the SFT run it stops with the fix instead of loading an SFT checkpoint as PPO's; with
+    # its own checkpoint directory but the SFT run's run_dir it stops instead of appending to the SFT run's metrics.
     assert main(["train", str(cfg), "--quiet-config", f"model.path={sft_dir}"]) == 2
     assert "holds a sft checkpoint (global_step_80)" in capsys.readouterr().err
-    (tmp_path / "run" / "metrics.jsonl").unlink()
     assert main(["train", str(cfg), "--quiet-config", f"model.path={sft_dir}",
-                 f"trainer.default_local_dir={tmp_path}/grpo_ckpt"]) == 0
-    history = _metrics(tmp_path / "run")
+                 f"trainer.default_local_dir={tmp_path}/grpo_ckpt"]) == 2
+    assert "holds another run's metrics" in capsys.readouterr().err
+    assert main(["train", str(cfg), "--quiet-config", f"model.path={sft_dir}",
+                 f"trainer.default_local_dir={tmp_path}/grpo_ckpt", f"trainer.run_dir={tmp_path}/grpo_run"]) == 0
+    history = _metrics(tmp_path / "grpo_run")
     last_val = next(m for m in reversed(history) if "val/accuracy" in m)
     assert "reward/custom/mean" in history[-1] and "val/me/reverse/reward" in last_val
     assert last_val["val/accuracy"] <= last_val["val/reward"]  # partial credit is not success
