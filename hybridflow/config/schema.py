@@ -686,6 +686,8 @@ class DPOConfig:
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
     synthetic_mix: dict[str, float]  # built-in task pairs: weights of the rejected kinds; {} = the task's default
     precompute_ref: bool = False  # reference log-probs of every pair in a first pass, then the reference is freed
+    val_generate: bool = True  # validation also scores greedy answers to the val prompts when their data_source has
+    # a scorer (val/accuracy, as `hybridflow train`); false = the pair metrics only
     online: bool = False  # online DPO: pairs sampled by the rollout engine (rollout.n per prompt), ranked by reward.*;
     # the run is then sized like `hybridflow train` (data.train_batch_size prompts, trainer.total_training_steps,
     # actor.optim); dpo.* gives the loss (loss_type, beta, label_smoothing, gamma) and init_from
