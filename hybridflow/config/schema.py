@@ -90,7 +90,7 @@ class DataConfig:
     max_prompt_length: int
     max_response_length: int
     truncation: str  # error | left | right | filter
-    strict: bool  # malformed rows raise instead of being skipped
+    strict: bool  # malformed rows (and unusable preference pairs: identical, empty chosen, null) raise, not skipped
     allow_missing_ground_truth: bool  # reward functions may get rows without reward_model.ground_truth
     train_batch_size: int  # PROMPTS per step, global
     val_batch_size: int | None  # PROMPTS per validation batch; null = whole val set at once

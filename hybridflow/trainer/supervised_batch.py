@@ -81,7 +81,7 @@ def split_pair(chosen: Sequence[int], rejected: Sequence[int]) -> tuple[list[int
     least its last token (the score is read at the last response position, so the cut never changes a score)."""
     chosen, rejected = _as_list(chosen), _as_list(rejected)
     if chosen == rejected:
-        raise ValueError("chosen and rejected are the same tokens (e.g. after truncation to the maximum length); "
+        raise ValueError("chosen and rejected are identical tokens (e.g. after truncation to the maximum length); "
                          "drop the row or raise data.max_prompt_length / data.max_response_length")
     cut = min(common_prefix_len(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
     if cut < 1:

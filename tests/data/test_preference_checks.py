@@ -60,5 +60,5 @@ def test_only_unusable_rows_is_an_error_with_the_summary() -> None:
 def test_a_token_clash_in_a_batch_names_the_row() -> None:  # texts differ, tokens are cut to the same tail
     ds = PreferenceDataset([{"prompt": "q", "chosen": "a" + "x" * 40, "rejected": "b" + "x" * 40}], TOK,
                            max_length=8)
-    with pytest.raises(ValueError, match="preference row 0: chosen and rejected are the same tokens"):
+    with pytest.raises(ValueError, match="preference row 0: chosen and rejected are identical tokens"):
         collate_pairs([ds[0]], TOK.pad_token_id)
