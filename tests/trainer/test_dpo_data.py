@@ -59,3 +59,26 @@ def test_missing_columns_name_the_command_and_the_accepted_columns(tmp_path: Pat
     with pytest.raises(ValueError, match=rf"^{command}-train data: no chosen column 'chosen'.*Accepted columns "
                                          r"\(prompt: prompt, question.*chosen: chosen, chosen_response.*rejected: "):
         trainer_cls(cfg)
+
+
+def test_parquet_pairs_are_validated_greedily_only_when_a_scorer_can_grade_them(tmp_path: Path) -> None:
+    from hybridflow.models.tokenizer import builtin_tokenizer
+    from hybridflow.trainer.dpo_validation import scored_val_prompts
+
+    pairs = [{"prompt": "What is 01+02?", "chosen": "#### 3", "rejected": f"#### {n}", "data_source": source,
+              "reward_model": {"style": "rule", "ground_truth": "3"}}
+             for n, source in ((4, "hybridflow/arithmetic"), (5, "hybridflow/arithmetic"), (4, "nobody/knows"))]
+    write_rows(pairs[:2], tmp_path / "scored.parquet")  # two pairs of one prompt: one prompt to answer
+    write_rows(pairs, tmp_path / "unknown.parquet")
+    write_rows([{k: v for k, v in p.items() if k != "data_source"} for p in pairs], tmp_path / "plain.parquet")
+
+    def prompts(val: str, *extra: str):
+        cfg = load_config([], _args(tmp_path, f"data.train_files=[{tmp_path / val}]",
+                                    f"data.val_files=[{tmp_path / val}]", *extra))
+        return scored_val_prompts(cfg, builtin_tokenizer())
+
+    ds = prompts("scored.parquet")
+    assert ds is not None and len(ds) == 1 and ds[0]["data_source"] == "hybridflow/arithmetic"
+    assert prompts("unknown.parquet") is None  # no rule scorer for nobody/knows
+    assert prompts("plain.parquet") is None  # no data_source column
+    assert prompts("scored.parquet", "dpo.val_generate=false") is None
