@@ -90,7 +90,7 @@ class DataConfig:
     max_prompt_length: int
     max_response_length: int
     truncation: str  # error | left | right | filter
-    strict: bool  # malformed rows raise instead of being skipped
+    strict: bool  # malformed rows (and unusable preference pairs: identical, empty chosen, null) raise, not skipped
     allow_missing_ground_truth: bool  # reward functions may get rows without reward_model.ground_truth
     train_batch_size: int  # PROMPTS per step, global
     val_batch_size: int | None  # PROMPTS per validation batch; null = whole val set at once
@@ -687,6 +687,8 @@ class DPOConfig:
     export_dir: str | None  # HF model directory written at the end; null = <trainer.run_dir>/hf
     synthetic_mix: dict[str, float]  # built-in task pairs: weights of the rejected kinds; {} = the task's default
     precompute_ref: bool = False  # reference log-probs of every pair in a first pass, then the reference is freed
+    val_generate: bool = True  # validation also scores greedy answers to the val prompts when their data_source has
+    # a scorer (val/accuracy, as `hybridflow train`); false = the pair metrics only
     online: bool = False  # online DPO: pairs sampled by the rollout engine (rollout.n per prompt), ranked by reward.*;
     # the run is then sized like `hybridflow train` (data.train_batch_size prompts, trainer.total_training_steps,
     # actor.optim); dpo.* gives the loss (loss_type, beta, label_smoothing, gamma) and init_from

@@ -13,13 +13,18 @@ Rows (TRL's preference formats):
 - implicit prompt, conversational: chosen / rejected full conversations; the prompt is their shared leading turns;
 - implicit prompt, text (Anthropic HH style): chosen / rejected full texts; the pair's shared token prefix is the
   prompt (as for every pair, `split_pair`).
+
+A pair that cannot teach a preference raises a `MalformedRow` whose `reason` names it: `null_response` (chosen or
+rejected is null), `empty_response` (chosen empty or whitespace only; an empty rejected response stays a valid
+pair, "answer rather than say nothing", except as an implicit text prompt's carrier), `identical_pair` (chosen ==
+rejected), else `malformed`; the dataset skips and counts them, or raises with `data.strict` (`preference_dataset.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from hybridflow.data.templates import MalformedRow, Messages, to_messages
 
@@ -27,6 +32,23 @@ PROMPT_ALIASES = ("prompt", "question", "instruction", "query", "input")
 CHOSEN_ALIASES = ("chosen", "chosen_response", "response_chosen", "response_j", "positive")
 REJECTED_ALIASES = ("rejected", "rejected_response", "response_rejected", "response_k", "negative")
 DEFAULTS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+
+
+class NullResponse(MalformedRow):
+    reason: ClassVar[str] = "null_response"
+
+
+class EmptyResponse(MalformedRow):
+    reason: ClassVar[str] = "empty_response"
+
+
+class IdenticalPair(MalformedRow):
+    reason: ClassVar[str] = "identical_pair"
+
+
+def skip_reason(err: MalformedRow) -> str:
+    """The `SkipReport` reason of a row that raised `err`."""
+    return getattr(err, "reason", "malformed")
 
 
 @dataclass(frozen=True)
@@ -60,10 +82,12 @@ def resolve_columns(columns: Sequence[str], prompt_key: str = "prompt", chosen_k
     if prompt is None and prompt_key != DEFAULTS["prompt"]:
         problems.append(f"no prompt column {prompt_key!r}")
     if problems:
+        accepted = "; ".join(f"{role}: {', '.join(aliases)}" for role, aliases in (
+            ("prompt", PROMPT_ALIASES), ("chosen", CHOSEN_ALIASES), ("rejected", REJECTED_ALIASES)))
         raise ValueError(
-            f"{name} data: {'; '.join(problems)}. Columns found: {columns}. Expected prompt/chosen/rejected (TRL, "
-            "verl, OpenRLHF), or chosen/rejected alone with the prompt inside them; name yours with "
-            "data.prompt_key=..., data.chosen_key=..., data.rejected_key=...")
+            f"{name} data: {'; '.join(problems)}. Columns found: {columns}. Accepted columns ({accepted}): "
+            "prompt/chosen/rejected (TRL, verl, OpenRLHF), or chosen/rejected alone with the prompt inside them; "
+            "name yours with data.prompt_key=..., data.chosen_key=..., data.rejected_key=...")
     return PreferenceColumns(prompt, chosen, rejected)
 
 
@@ -72,7 +96,7 @@ def _messages(value: Any, column: str) -> Messages | None:
     if isinstance(value, str):
         return None
     if value is None:
-        raise MalformedRow(f"{column} is missing")
+        raise NullResponse(f"{column} is null")
     try:
         return to_messages(value)
     except MalformedRow as err:
@@ -85,13 +109,29 @@ def _response(messages: Messages, prompt: Messages, column: str) -> str:
     if head and head != prompt:
         raise MalformedRow(f"{column} repeats {len(head)} leading messages that differ from the prompt's "
                            f"{len(prompt)}; give only the response, or the prompt's exact turns before it")
-    if not last["content"]:
-        raise MalformedRow(f"{column}'s last message is empty")
     return last["content"]
 
 
 def split_row(row: dict[str, Any], cols: PreferenceColumns) -> tuple[Messages | None, str, str]:
-    """(prompt messages — None when the prompt is the text pair's shared prefix —, chosen text, rejected text)."""
+    """(prompt messages — None when the prompt is the text pair's shared prefix —, chosen text, rejected text);
+    raises a `MalformedRow` (with its `reason`, see the module docstring) for a pair that cannot be trained on."""
+    prompt, chosen, rejected = _split(row, cols)
+    # An empty rejected response is a real preference (answer rather than stop: what a policy's empty samples are
+    # rejected for), unless it would have to carry the implicit text prompt.
+    for column, text in (("chosen", chosen), ("rejected", rejected)):
+        if not text.strip() and (column == "chosen" or prompt is None):
+            raise EmptyResponse(f"{column} is {'empty' if not text else 'whitespace only'}"
+                                + ("" if prompt is not None else " (without a prompt column it must hold the prompt)"))
+    if chosen == rejected:
+        raise IdenticalPair(f"chosen and rejected are the same text ({_short(chosen)}): nothing to prefer")
+    return prompt, chosen, rejected
+
+
+def _short(text: str, width: int = 40) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def _split(row: dict[str, Any], cols: PreferenceColumns) -> tuple[Messages | None, str, str]:
     chosen, rejected = row.get(cols.chosen), row.get(cols.rejected)
     c_msgs, r_msgs = _messages(chosen, "chosen"), _messages(rejected, "rejected")
     if cols.prompt is not None:  # each side a text, or messages ending in the response
@@ -101,9 +141,9 @@ def split_row(row: dict[str, Any], cols: PreferenceColumns) -> tuple[Messages | 
     if (c_msgs is None) != (r_msgs is None):
         raise MalformedRow("without a prompt column, chosen and rejected must both be texts or both be message lists")
     if c_msgs is None:  # implicit text prompt: the shared token prefix is cut off when the pair is collated
-        if not chosen or not rejected:
-            raise MalformedRow("chosen and rejected must be non-empty texts")
         return None, chosen, rejected
+    if c_msgs == r_msgs:
+        raise IdenticalPair(f"chosen and rejected are the same {len(c_msgs)} messages: nothing to prefer")
     shared = 0
     while shared < min(len(c_msgs), len(r_msgs)) - 1 and c_msgs[shared] == r_msgs[shared]:
         shared += 1

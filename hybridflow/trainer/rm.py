@@ -43,26 +43,29 @@ def rm_model_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.rm.init_from))
 
 
-def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase,
-                              mix: dict[str, float] | None = None) -> tuple[Dataset, Dataset | None]:
+def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase, mix: dict[str, float] | None = None,
+                              command: str = "rm") -> tuple[Dataset, Dataset | None]:
     """(train, val) `PreferenceDataset`s from parquet files, or synthetic pairs of the built-in `data.task` with the
-    rejected kinds weighted by `mix` (None or {}: the task's default)."""
+    rejected kinds weighted by `mix` (None or {}: the task's default). `command` ("rm" / "dpo") names the datasets
+    (`<command>-train`, `<command>-val`) in their errors and skip reports."""
     from hybridflow.data import PreferenceDataset, task_splits
     from hybridflow.data.synthetic_pairs import preference_rows
 
     d = cfg.data
     kwargs = dict(max_length=d.max_prompt_length + d.max_response_length, prompt_key=d.prompt_key,
                   chosen_key=d.chosen_key, rejected_key=d.rejected_key, chat_template=d.chat_template, strict=d.strict)
+    train_name, val_name = f"{command}-train", f"{command}-val"
     if d.train_files:
-        train = PreferenceDataset.from_files(d.train_files, tokenizer, name="rm-train", **kwargs)
-        val = PreferenceDataset.from_files(d.val_files, tokenizer, name="rm-val", **kwargs) if d.val_files else None
+        train = PreferenceDataset.from_files(d.train_files, tokenizer, name=train_name, **kwargs)
+        val = PreferenceDataset.from_files(d.val_files, tokenizer, name=val_name, **kwargs) if d.val_files else None
         return train, val
     if not d.task:
-        raise ValueError("data.train_files is empty and data.task is not set: give prompt/chosen/rejected parquet")
+        raise ValueError(f"hybridflow {command}: data.train_files is empty and data.task is not set: give "
+                         "prompt/chosen/rejected parquet")
     train_rows, val_rows = task_splits(d.task, d.train_size, d.val_size, d.seed)
     mix = mix or None
-    train = PreferenceDataset(preference_rows(train_rows, d.seed, mix), tokenizer, name="rm-train", **kwargs)
-    val = PreferenceDataset(preference_rows(val_rows, d.seed + 1, mix), tokenizer, name="rm-val", **kwargs)
+    train = PreferenceDataset(preference_rows(train_rows, d.seed, mix), tokenizer, name=train_name, **kwargs)
+    val = PreferenceDataset(preference_rows(val_rows, d.seed + 1, mix), tokenizer, name=val_name, **kwargs)
     return train, val
 
 

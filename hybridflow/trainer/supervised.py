@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from hybridflow.checkpoint.worker import CheckpointingGroup
     from hybridflow.controller import ResourcePool
+    from hybridflow.data.contract import SkipReport
     from hybridflow.data.dataloader import StatefulDataLoader
     from hybridflow.engine import EngineSpec, HeadRequest
     from hybridflow.tracking import Tracker
@@ -92,6 +93,10 @@ class SupervisedAlgorithm(Algorithm):
         """A frozen reference engine the worker builds beside the trained one (DPO); None = none."""
         return None
 
+    def generates(self) -> bool:
+        """Whether the worker builds a rollout engine on the trained model (validation by generation)."""
+        return False
+
     # ----------------------------------------------------------------------------------------------- build
     def _world_size(self) -> int:
         from hybridflow.config.resolved import process_on_nodes
@@ -117,7 +122,7 @@ class SupervisedAlgorithm(Algorithm):
         from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
         worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
-                                   self.loss_kwargs(), self.ref_spec())
+                                   self.loss_kwargs(), self.ref_spec(), self.generates())
         self.pool: ResourcePool = ResourcePool.from_config(self.cfg)
         group = SupervisedGroup(WorkerGroup(self.pool, worker, backend=self.cfg.trainer.backend,
                                             name=f"{self.section}"))
@@ -133,6 +138,10 @@ class SupervisedAlgorithm(Algorithm):
 
     def checkpoint_groups(self) -> dict[str, CheckpointingGroup]:
         return {"": self.group}
+
+    def skip_reports(self) -> list[SkipReport]:
+        """The datasets' rows left out at load (preference pairs keep a `SkipReport` in `skips`)."""
+        return [ds.skips for ds in (self.train_ds, self.val_ds) if getattr(ds, "skips", None) is not None]
 
     def state_dict(self) -> dict[str, Any]:
         return {"section": self.section}

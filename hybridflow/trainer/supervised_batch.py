@@ -81,7 +81,8 @@ def split_pair(chosen: Sequence[int], rejected: Sequence[int]) -> tuple[list[int
     least its last token (the score is read at the last response position, so the cut never changes a score)."""
     chosen, rejected = _as_list(chosen), _as_list(rejected)
     if chosen == rejected:
-        raise ValueError("a preference pair has identical chosen and rejected sequences; drop such rows")
+        raise ValueError("chosen and rejected are identical tokens (e.g. after truncation to the maximum length); "
+                         "drop the row or raise data.max_prompt_length / data.max_response_length")
     cut = min(common_prefix_len(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
     if cut < 1:
         raise ValueError("a preference pair shares no prompt token (or a side has a single token); "
@@ -95,8 +96,11 @@ def collate_pairs(items: Sequence[Mapping[str, Any]], pad_token_id: int, score_s
     objective such as DPO sets it false and sums `log_probs` over `response_mask` per row instead)."""
     slot = [pad_token_id] if score_slot else []
     prompts, responses = [], []
-    for it in items:
-        prompt, chosen, rejected = split_pair(it["chosen_input_ids"], it["rejected_input_ids"])
+    for i, it in enumerate(items):
+        try:
+            prompt, chosen, rejected = split_pair(it["chosen_input_ids"], it["rejected_input_ids"])
+        except ValueError as err:  # the dataset checks the texts at load; this is what their tokens still allow
+            raise ValueError(f"preference row {it.get('index', i)}: {err}") from err
         prompts += [prompt, prompt]
         responses += [chosen + slot, rejected + slot]
     batch = engine_batch(prompts, responses, None, pad_token_id)

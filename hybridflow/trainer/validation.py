@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from hybridflow.protocol import DataProto
     from hybridflow.rewards import RewardManager, RewardOutput
     from hybridflow.tracking import Tracker
-    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
     from hybridflow.workers.reward_model import RewardModelGroup
 
 logger = logging.getLogger(__name__)
@@ -62,8 +61,14 @@ def reward_metrics(scores: np.ndarray, status: np.ndarray, sources: np.ndarray) 
     return metrics
 
 
+class Generator(Protocol):
+    """What validation generates with: the PPO actor's group, or DPO's policy group (`SupervisedGroup`)."""
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto: ...
+
+
 class Validator:
-    def __init__(self, cfg: Config, val_ds: RLHFDataset, actor: ActorRolloutRefGroup, reward_fn: RewardManager,
+    def __init__(self, cfg: Config, val_ds: RLHFDataset, actor: Generator, reward_fn: RewardManager,
                  reward_model: RewardModelGroup | None = None, tracker: Tracker | None = None) -> None:
         from hybridflow.data import make_dataloader
 

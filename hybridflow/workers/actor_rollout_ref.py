@@ -7,7 +7,6 @@ an `ActorRolloutRefGroup`, whose attributes are these methods.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +17,7 @@ from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.engine.lora import merged_state_dict
 from hybridflow.protocol import DataProto, keys, late
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
+from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 from hybridflow.workers.losses import make_actor_loss
 from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, pack_buckets
@@ -40,7 +40,6 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def init_model(self, total_training_steps: int | None = None) -> None:
         from hybridflow.engine import TrainEngine
         from hybridflow.models.loader import load_tokenizer
-        from hybridflow.rollout import build_rollout
 
         self.init_distributed()
         cfg = self.cfg
@@ -50,12 +49,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         # reference is the actor with its adapters disabled
         if self.res.use_reference and not cfg.model.lora.enabled:
             self.ref = TrainEngine(ref_spec(cfg), device=self.device)
-        self.rollout = build_rollout(
-            self.actor.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
-            max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
-            chat_template=cfg.data.chat_template,
-        )
+        self.rollout = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device)
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
                                        rollout_is=cfg.algorithm.rollout_is)
 
@@ -63,22 +57,8 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.GEN)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways (the
-        rollout engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`)."""
-        t0 = time.perf_counter()
-        self.actor.to_mode("generate")
-        self.rollout.sync_weights()
-        t1 = time.perf_counter()
-        out = self.rollout.generate(_seeds_to_meta(prompts))
-        t2 = time.perf_counter()
-        self.actor.to_mode("train")
-        t3 = time.perf_counter()
-        out = out.to("cpu")
-        out.meta_info.pop("seeds", None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
-        engine_metrics = out.meta_info.get("metrics") or {}  # cache alloc, graph capture, decode steps
-        out.meta_info["metrics"] = {**engine_metrics, "timing/switch": (t1 - t0) + (t3 - t2),
-                                    "timing/generate": t2 - t1}
-        return out
+        """Train → generate → train on the same weights (`hybrid_generate.generate_on`)."""
+        return generate_on(self.actor, self.rollout, prompts)
 
     # ------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -209,16 +189,6 @@ class ActorRolloutRefGroup(CheckpointingGroup):
     weight_buckets = per_rank(ActorRolloutRefWorker.weight_buckets)
     open_weight_sender = per_rank(ActorRolloutRefWorker.open_weight_sender)
     stage_weights = per_rank(ActorRolloutRefWorker.stage_weights)
-
-
-def _seeds_to_meta(prompts: DataProto) -> DataProto:
-    """The driver sends per-prompt seeds as a `seeds` column (so they are split with the rows); the rollout
-    engine takes them from meta_info."""
-    if "seeds" not in prompts.batch:
-        return prompts
-    batch = {k: v for k, v in prompts.batch.items() if k != "seeds"}
-    meta = {**prompts.meta_info, "seeds": prompts.batch["seeds"].tolist()}
-    return DataProto(batch=batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

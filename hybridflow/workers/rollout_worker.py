@@ -32,7 +32,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, RoleGroup, Worker, future, per_rank, register
 from hybridflow.protocol import DataProto, keys
-from hybridflow.workers.actor_rollout_ref import _seeds_to_meta
+from hybridflow.workers.hybrid_generate import seeds_to_meta
 from hybridflow.workers.weight_collective import CollectiveWeights, WeightReceiver
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, load_buckets
 
@@ -108,7 +108,7 @@ class RolloutWorker(Worker):
         with self._cv:
             self._generating, self._checks = True, 0
         try:
-            out = self.rollout.generate(_seeds_to_meta(prompts), weight_check=self._take_inbox).to("cpu")
+            out = self.rollout.generate(seeds_to_meta(prompts), weight_check=self._take_inbox).to("cpu")
         finally:
             with self._cv:
                 self._generating = False

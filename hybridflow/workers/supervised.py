@@ -5,7 +5,8 @@ The engine is built from the `EngineSpec` the trainer derives from its `sft`/`rm
 (`workers/engine_specs.py`); the loss is chosen by name from `SUPERVISED_LOSSES`, so nothing unpicklable crosses
 to Ray. Checkpointing is the trained roles' (`CheckpointingWorker`, component `engine`). The driver holds a
 `SupervisedGroup`. DPO adds a frozen reference engine (`ref_spec`), or with LoRA reads the trained engine with its
-adapters disabled.
+adapters disabled, and — when its validation prompts have a scorer — a rollout engine on the trained engine's own
+parameters (`generates`), so validation generates exactly as PPO's actor does (`hybrid_generate.py`).
 """
 
 from __future__ import annotations
@@ -25,26 +26,32 @@ from hybridflow.engine.spec import EngineSpec
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised_batch import last_response_values
 from hybridflow.trainer.supervised_losses import build_loss
+from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine
+    from hybridflow.rollout import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
 
 class SupervisedWorker(CheckpointingWorker, Worker):
     """`spec` is the trained engine (`head`: "lm" for SFT, "value" for a reward model); `train_head` is what the
-    loss reads (log-probs or values). `ref_spec`: a frozen reference engine (DPO without LoRA)."""
+    loss reads (log-probs or values). `ref_spec`: a frozen reference engine (DPO without LoRA). `generates`: a
+    rollout engine on the trained engine's parameters (`rollout.*`) for `generate_sequences`."""
 
     def __init__(self, cfg: Config, spec: EngineSpec, train_head: HeadRequest, loss: str,
-                 loss_kwargs: dict[str, Any] | None = None, ref_spec: EngineSpec | None = None) -> None:
+                 loss_kwargs: dict[str, Any] | None = None, ref_spec: EngineSpec | None = None,
+                 generates: bool = False) -> None:
         super().__init__()
         if spec.optimizer is None:
             raise ValueError("a supervised engine is trained: its EngineSpec needs an optimizer")
         self.cfg, self.spec, self.train_head, self.ref_spec = cfg, spec, train_head, ref_spec
+        self.generates = generates
         self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
         self.engine: TrainEngine  # built by init_model
         self.ref: TrainEngine | None = None
+        self.rollout: RolloutEngine | None = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -57,6 +64,10 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         self.engine = TrainEngine(self.spec, device=self.device)
         if self.ref_spec is not None:
             self.ref = TrainEngine(self.ref_spec, device=self.device)
+        if self.generates:
+            from hybridflow.models.loader import load_tokenizer
+
+            self.rollout = build_engine_rollout(self.cfg, self.engine, load_tokenizer(self.cfg.model), self.device)
 
     # ------------------------------------------------------------------------------------------------ train
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
@@ -69,6 +80,13 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         return {k: float(v) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------------------------------------- eval
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses of the trained model to `prompts` (sampling from meta_info, as the PPO actor's)."""
+        if self.rollout is None:
+            raise ValueError("this supervised worker has no rollout engine: build it with generates=True")
+        return generate_on(self.engine, self.rollout, prompts)
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def eval_lm(self, data: DataProto) -> DataProto:
         """Per-row sums for SFT validation: log-likelihood of the loss tokens, loss tokens, argmax hits."""
@@ -147,6 +165,7 @@ class SupervisedGroup(CheckpointingGroup):
     worker_cls = SupervisedWorker
     init_model = per_rank(SupervisedWorker.init_model)
     train_batch = per_rank(SupervisedWorker.train_batch)
+    generate_sequences = gathered(SupervisedWorker.generate_sequences)
     eval_lm = gathered(SupervisedWorker.eval_lm)
     eval_log_probs = gathered(SupervisedWorker.eval_log_probs)
     compute_ref_log_prob = gathered(SupervisedWorker.compute_ref_log_prob)

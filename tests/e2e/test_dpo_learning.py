@@ -49,7 +49,8 @@ def test_dpo_raises_held_out_preference_and_true_accuracy(tmp_path: Path) -> Non
                "dpo.synthetic_mix={near: 1.0}", "trainer.val_before_train=true", "trainer.test_freq=10")
     path, history = run_supervised(DPOTrainer, cfg)
     val = [m for m in history if "val/loss" in m]
-    trajectory = [(m["training/global_step"], round(m["val/logp_accuracy"], 3), round(m["val/loss"], 3)) for m in val]
+    trajectory = [(m["training/global_step"], round(m["val/logp_accuracy"], 3), round(m["val/accuracy"], 3),
+                   round(m["val/rewards/accuracies"], 3), round(m["val/loss"], 3)) for m in val]
     first, last = val[0], val[-1]
     assert first["val/loss"] == pytest.approx(math.log(2), abs=1e-9)  # step 0: the policy is the reference
     assert last["val/logp_accuracy"] - first["val/logp_accuracy"] >= PAIR_ACC_GAIN, trajectory
@@ -58,3 +59,5 @@ def test_dpo_raises_held_out_preference_and_true_accuracy(tmp_path: Path) -> Non
                                          "rewards/accuracies", "logps/chosen", "logps/rejected", "dpo/loss"))
     before, after = _true_accuracy(tmp_path, SFT_CHECKPOINT), _true_accuracy(tmp_path, path)
     assert after - before >= TRUE_ACC_GAIN, (before, after, trajectory)
+    # the run's own greedy validation is that same number, before and after (the implicit-reward accuracy is not)
+    assert (first["val/accuracy"], last["val/accuracy"]) == (before, after), trajectory
