@@ -104,7 +104,7 @@ def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
         val = _values(rows, key)
         if val:
             detail = f"first {val[0]:.3f} · best {max(val):.3f}"
-            if key == "val/accuracy" and _values(rows, "reward/score/mean") + _values(rows, "reward/mean"):
+            if key == "val/accuracy" and _values(rows, "reward/score/mean"):
                 detail += f" · {accuracy_rule(run.config)}"
             cards.append((label, f"{val[-1]:.3f}", detail))
     for label, key in (("SFT loss", "sft/loss"), ("RM loss", "rm/loss")):

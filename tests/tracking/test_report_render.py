@@ -92,7 +92,7 @@ def test_stage_matrix_other_is_the_remainder(synthetic_run: Path) -> None:
 def test_headline_says_what_val_accuracy_counts(tmp_path: Path) -> None:
     from hybridflow.tracking.report import RunData, headline_cards
 
-    rows = [{"reward/mean": 0.6, "val/reward": 0.9, "val/accuracy": 0.1}]
+    rows = [{"reward/score/mean": 0.6, "val/reward": 0.9, "val/accuracy": 0.1}]
     cards = {label: detail for label, _, detail in headline_cards(
         RunData(tmp_path, rows, config={"reward": {"success_threshold": 0.5}}))}
     assert "correct = scorer's acc, else score ≥ 0.5 (reward.success_threshold)" in cards["val accuracy"]
