@@ -71,7 +71,7 @@ def test_running_run_with_torn_line(synthetic_run: Path, tmp_path: Path) -> None
 
 
 def test_sparse_run_drops_empty_panels(tmp_path: Path) -> None:
-    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "train/loss": {3 / s}}}\n' for s in range(1, 6)))
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "dpo/loss": {3 / s}}}\n' for s in range(1, 6)))
     html = render_report(tmp_path).read_text()
     assert [n for n, _ in IMG.findall(html)] == ["losses"]
 
