@@ -85,3 +85,12 @@ def test_a_bad_list_names_the_key(tmp_path: Path, custom: str, key: str) -> None
     exact, short = _files(tmp_path)
     with pytest.raises(ConfigError, match=key):
         load_config([], [f"reward.custom={custom.replace('EXACT', str(exact)).replace('SHORT', str(short))}"])
+
+
+def test_validate_names_the_list_entry_whose_function_is_missing(tmp_path: Path, capsys) -> None:
+    from hybridflow.cli import main
+
+    exact, _ = _files(tmp_path)
+    assert main(["config", "validate", f"reward.custom=[{{path: {exact}, name: exact}}, {{path: {exact}, name: nope}}]"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.custom[1]: reward.custom.name='nope' is not a function" in err and "reward.custom[0]" not in err
