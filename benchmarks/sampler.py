@@ -11,7 +11,7 @@ any sampler has to pay. Each variant's tokens are checked against the torch samp
 `token_mismatch` counts rows that differ (near-ties resolved differently by rounding can make it non-zero, rarely).
 
 Variants: BLOCK (vocab entries per loop iteration), num_warps, programs per row. (The 2026-12-01 sweep also compared
-the former per-lane-max Gumbel kernel, since removed: docs/benchmarks.md, GPU round 4.)
+the former per-lane-max Gumbel kernel, since removed; its numbers are in the git history of docs/benchmarks.md.)
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def with_reward_fns(cfg: Config, reward_fns: Sequence[RewardFunction]) -> Config
 
 def register_reward_fn(fn: RewardFunction, index: int = 0) -> str:
     """Register `fn` (verl or TRL style) as a reward source; returns its name (the function's name when free,
-    metrics then read `reward/<name>/mean`)."""
+    with several sources its metrics read `reward/<name>/mean`)."""
     from hybridflow.rewards.registry import REWARD_FUNCTIONS, load_builtin_scorers
 
     if not callable(fn):

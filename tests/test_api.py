@@ -34,7 +34,7 @@ def test_train_with_reward_functions_and_a_list_of_dicts(tmp_path):
                      "val_before_train": False}},
         "data.train_batch_size=4", "data.max_response_length=4", "rollout.n=2", "actor.ppo_mini_batch_size=4")
     history = hybridflow.train(cfg, reward_fns=[exact, has_digit], train_dataset=_rows(8), eval_dataset=_rows(2))
-    assert [int(m["training/global_step"]) for m in history if "reward/mean" in m] == [1, 2]
+    assert [int(m["training/global_step"]) for m in history if "reward/score/mean" in m] == [1, 2]
     assert {"reward/exact/mean", "reward/has_digit/mean", "val/sums/reward", "val/sums/accuracy"} <= set(history[-1])
     # the TRL-style function got its dataset's columns, one completion at a time
     assert CALLS and all(len(c["completions"]) == 1 and c["difficulty"][0] in (0, 1, 2) for c in CALLS)

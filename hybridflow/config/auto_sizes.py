@@ -9,7 +9,7 @@ summation order. On GPU:
 - micro-batch TOKENS = `ACTIVATION_TOKENS_PER_GIB` × (GPU GiB × 0.9 − model state GiB − kept KV cache GiB)
   / (layers × hidden), rounded down to a power of two; SAMPLES = tokens / (max prompt + max response length), made a
   divisor of the per-GPU mini-batch. The constant is set so the Qwen2.5-0.5B and 1.5B shapes on one H200 get the
-  micro-batches measured fastest there (64 and 32 samples of 512 tokens; docs/benchmarks.md, GPU round 3).
+  micro-batches measured fastest there (64 and 32 samples of 512 tokens; docs/benchmarks.md, "Defaults vs tuned settings").
 - log-prob passes (no backward) use at least as many samples as before (32).
 - `logprob_chunk_size` 4,096 tokens; `rollout.free_cache_engine` false (keep the KV cache and CUDA graphs between
   steps) unless the model state takes over 40% of the GPU.

@@ -99,11 +99,12 @@ def _reward_errors(cfg: Config, files: list[str]) -> list[str]:
     names = [s.name for s in r.sources]
     out = []
     if "custom" in names:
-        if not r.custom.path:
+        if not r.custom_functions:
             out.append("reward.sources names 'custom' but reward.custom.path is null; set reward.custom.path to a "
                        f".py file defining {VERL_SIGNATURE}")
-        else:
-            out += custom_function_errors(r.custom.path, r.custom.name)
+        listed = isinstance(r.custom, list)
+        for i, fn in enumerate(r.custom_functions):
+            out += [f"reward.custom[{i}]: {e}" if listed else e for e in custom_function_errors(fn.path, fn.name)]
     from hybridflow.rewards.registry import DATA_SOURCES, REWARD_FUNCTIONS, load_builtin_scorers
 
     load_builtin_scorers()

@@ -327,8 +327,16 @@ class RewardSourceConfig:
 
 @dataclass(frozen=True)
 class CustomRewardConfig:
+    """One function from a user's file. `reward.custom` is one of these (the `custom` source is that function) or
+    a list of them (the `custom` source is their mix: each is a source of its own named after its function, with
+    the `custom` source's weight times its `weight`, as `hybridflow.train(reward_fns=[...])` does)."""
+
     path: str | None  # python file defining the function
-    name: str  # function name, verl signature compute_score(data_source, solution_str, ground_truth, extra_info)
+    name: str = "compute_score"  # verl signature compute_score(data_source, solution_str, ground_truth, extra_info)
+    weight: float = 1.0  # in a list: this function's share of the custom source
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.weight), "reward.custom.weight", self.weight, "must be a finite number, e.g. 1.0")
 
 
 @dataclass(frozen=True)
@@ -381,8 +389,8 @@ class SandboxConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    sources: list[RewardSourceConfig] | None  # null = custom when reward.custom.path is set, else rule
-    custom: CustomRewardConfig
+    sources: list[RewardSourceConfig] | None  # null = custom when reward.custom names a function, else rule
+    custom: CustomRewardConfig | list[CustomRewardConfig]  # one function, or several mixed by their weights
     reward_model: RewardModelConfig
     sandbox: SandboxConfig
     num_workers: int  # processes scoring responses (0 = in the driver process)
@@ -394,13 +402,14 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig
 
     def __post_init__(self) -> None:
+        self._check_custom_list()
         if self.sources is None:  # a default, filled in (not derived): the resolved config shows the real list
-            name = "custom" if self.custom.path else "rule"
+            name = "custom" if self.custom_functions else "rule"
             object.__setattr__(self, "sources", [RewardSourceConfig(name=name, weight=1.0)])
-        elif self.custom.path and not any(s.name == "custom" for s in self.sources):
-            logger.warning("reward.custom.path=%r is set but reward.sources=%s does not name 'custom', so the "
-                           "function is not used; add {name: custom, weight: 1.0} to reward.sources (or leave "
-                           "reward.sources unset to score with it alone)", self.custom.path,
+        elif self.custom_functions and not any(s.name == "custom" for s in self.sources):
+            logger.warning("reward.custom names %s but reward.sources=%s does not name 'custom', so it is not "
+                           "used; add {name: custom, weight: 1.0} to reward.sources (or leave reward.sources unset "
+                           "to score with it alone)", [f.path for f in self.custom_functions],
                            [s.name for s in self.sources])
         _check(len(self.sources) >= 1, "reward.sources", self.sources,
                "give at least one source, e.g. [{name: rule, weight: 1.0}]")
@@ -408,6 +417,28 @@ class RewardConfig:
         _check(self.num_workers >= 0, "reward.num_workers", self.num_workers, "must be >= 0")
         _check(math.isfinite(self.success_threshold), "reward.success_threshold", self.success_threshold,
                "must be a finite number (a response counts as correct when its score >= it), e.g. 1.0")
+
+    @property
+    def custom_functions(self) -> list[CustomRewardConfig]:
+        """The functions `reward.custom` names: its list, or the single function when its path is set."""
+        if isinstance(self.custom, list):
+            return list(self.custom)
+        return [self.custom] if self.custom.path else []
+
+    def _check_custom_list(self) -> None:
+        """A list's functions become sources named after them (their metrics `reward/<name>/mean`): each needs a
+        path, and the names must be distinct and not another source's."""
+        if not isinstance(self.custom, list):
+            return
+        _check(len(self.custom) >= 1, "reward.custom", self.custom,
+               "give at least one {path, name, weight}, or null the path of the single form")
+        taken = {"rule", "custom", "model", *(s.name for s in self.sources or [])}
+        for i, fn in enumerate(self.custom):
+            _check(bool(fn.path), f"reward.custom[{i}].path", fn.path, "must name the .py file defining the function")
+            _check(fn.name not in taken, f"reward.custom[{i}].name", fn.name,
+                   "must differ from the other functions' names and from rule, custom, model and reward.sources' "
+                   "names (it names the source and its metrics, reward/<name>/mean); rename the function")
+            taken.add(fn.name)
 
 
 # --------------------------------------------------------------------------------------------------- algorithm

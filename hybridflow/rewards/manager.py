@@ -1,7 +1,8 @@
 """`RewardManager`: responses in a DataProto → token-level rewards (the sequence reward on the last response token).
 
 Sources are mixed by weight (`reward.sources`): `rule` (the scorer chosen by each row's data_source), `custom`
-(`reward.custom.path` + `name`), `model` (precomputed `rm_scores` [B] or [B, R] in the batch, from the reward
+(`reward.custom`: one function `path` + `name`, or a list of them, each a source named after it, weighted by the
+custom source's weight times its own), `model` (precomputed `rm_scores` [B] or [B, R] in the batch, from the reward
 model worker) or any REWARD_FUNCTIONS name. `reward.reward_model.score_norm=running` whitens the RM scores by the
 running mean/std of the training batches and `score_clip` bounds them: an RM's scale is arbitrary, and a response
 it over-rates must not outweigh the other sources. Scorers run in a `ScoringPool` kept alive between calls; a
@@ -89,6 +90,19 @@ def last_token_index(mask_BR: torch.Tensor) -> torch.Tensor:
     return (positions * (mask_BR > 0)).amax(dim=1)
 
 
+def custom_sources(reward_cfg: Any) -> list[tuple[str, float, Spec]]:
+    """(source name, weight, spec) of each `reward.custom` function: the single form is the source `custom`; a
+    list's functions are sources named after them (metrics `reward/<name>/mean`, as `hybridflow.train`'s)."""
+    functions = reward_cfg.custom_functions
+    if not functions:
+        raise ValueError("reward.sources names 'custom' but reward.custom.path is null; set it to a .py file "
+                         "defining compute_score(data_source, solution_str, ground_truth, extra_info)")
+    if not isinstance(reward_cfg.custom, list):
+        fn = functions[0]
+        return [("custom", float(fn.weight), ("file", fn.path, fn.name))]
+    return [(fn.name, float(fn.weight), ("file", fn.path, fn.name)) for fn in functions]
+
+
 class RewardManager:
     """`manager(batch) -> (token_level_scores [B, R], metrics)`; `manager.score(batch)` → `RewardOutput` with
     per-row arrays (what validation needs). Call `close()` (or use as a context manager) to stop the pool."""
@@ -97,16 +111,17 @@ class RewardManager:
         self.cfg = reward_cfg
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
-        self.sources = [(s.name, float(s.weight)) for s in reward_cfg.sources]
+        self.sources: list[tuple[str, float]] = []  # (name, weight): `custom` expanded into its functions
         self._fixed_specs: dict[str, Spec] = {}
-        for name, _ in self.sources:
-            if name == "custom":
-                if not reward_cfg.custom.path:
-                    raise ValueError("reward.sources names 'custom' but reward.custom.path is null; set it to a .py "
-                                     "file defining compute_score(data_source, solution_str, ground_truth, extra_info)")
-                self._fixed_specs[name] = ("file", reward_cfg.custom.path, reward_cfg.custom.name)
-            elif name not in ("rule", MODEL_SOURCE):
-                self._fixed_specs[name] = ("fn", name)
+        for source in reward_cfg.sources:
+            if source.name == "custom":
+                for name, weight, spec in custom_sources(reward_cfg):
+                    self.sources.append((name, float(source.weight) * weight))
+                    self._fixed_specs[name] = spec
+                continue
+            self.sources.append((source.name, float(source.weight)))
+            if source.name not in ("rule", MODEL_SOURCE):
+                self._fixed_specs[source.name] = ("fn", source.name)
         for spec in self._fixed_specs.values():
             resolve(spec)  # fail now with the fix, and forked workers inherit the loaded function (no cold start)
         configure_sandbox(reward_cfg.sandbox)  # before the pool forks: workers inherit the caps
@@ -149,7 +164,7 @@ class RewardManager:
         final = raw + self._penalties(lengths, metrics)
         token_scores = torch.zeros(responses.shape, dtype=torch.float32)
         token_scores[torch.arange(n), last.cpu()] = torch.as_tensor(final, dtype=torch.float32)
-        metrics.update(self._summary(final, raw, source_scores, data_sources, extras))
+        metrics.update(self._summary(raw, source_scores, data_sources, extras))
         return RewardOutput(token_scores.to(responses.device), final, raw, source_scores, data_sources, status,
                             extras, metrics)
 
@@ -270,12 +285,17 @@ class RewardManager:
             total += pen
         return total
 
-    def _summary(self, final: np.ndarray, raw: np.ndarray, source_scores: dict[str, np.ndarray],
-                 data_sources: np.ndarray, extras: dict[str, np.ndarray]) -> dict[str, float]:
-        out = {"reward/mean": float(final.mean()), "reward/max": float(final.max()),
-               "reward/min": float(final.min())}
-        for name, values in source_scores.items():
-            out[f"reward/{name}/mean"] = float(values.mean())
-        for ds in sorted(set(data_sources)):
-            out[f"reward/{ds}/score"] = float(raw[data_sources == ds].mean())
+    def _summary(self, raw: np.ndarray, source_scores: dict[str, np.ndarray], data_sources: np.ndarray,
+                 extras: dict[str, np.ndarray]) -> dict[str, float]:
+        """Breakdowns only where they are a value of their own: the sequence score itself is the trainer's
+        `reward/score/*` (of the trained batch), so one source at weight 1 gets no `reward/<source>/mean` and a
+        batch of one data source no `reward/<data_source>/score` (each would repeat it)."""
+        out = {}
+        if len(self.sources) > 1 or any(w != 1.0 for _, w in self.sources):
+            for name, values in source_scores.items():
+                out[f"reward/{name}/mean"] = float(values.mean())
+        kinds = sorted(set(data_sources))
+        if len(kinds) > 1:
+            for ds in kinds:
+                out[f"reward/{ds}/score"] = float(raw[data_sources == ds].mean())
         return out | {f"reward/{key}": value for key, value in extras_means(extras).items()}

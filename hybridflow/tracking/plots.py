@@ -144,7 +144,7 @@ def p_entropy(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 def p_losses(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
     ok = line(ax, rows, "actor/pg_loss", C["pg"], "actor/pg_loss")
     ok |= line(ax, rows, "critic/vf_loss", C["vf"], "critic/vf_loss")
-    for i, key in enumerate(k for k in ("sft/loss", "rm/loss", "train/loss") if has(rows, k)):
+    for i, key in enumerate(k for k in ("sft/loss", "rm/loss", "dpo/loss") if has(rows, k)):
         ok |= line(ax, rows, key, CYCLE[2 + i], key)
     ok |= line(ax, rows, "val/loss", C["val"], "val/loss", marker="o")
     finish(ax, "Losses", "loss")
@@ -241,7 +241,7 @@ def p_throughput(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 
 
 def p_mfu(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
-    ok = line(ax, rows, "perf/mfu/actor", C["mfu"], "perf/mfu/actor", scale=100.0)
+    ok = line(ax, rows, "actor/mfu", C["mfu"], "actor/mfu", scale=100.0)
     finish(ax, "Model FLOPs utilisation (actor)", "MFU (%)", legend=False)
     return ok
 

@@ -104,7 +104,7 @@ def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
         val = _values(rows, key)
         if val:
             detail = f"first {val[0]:.3f} · best {max(val):.3f}"
-            if key == "val/accuracy" and _values(rows, "reward/score/mean") + _values(rows, "reward/mean"):
+            if key == "val/accuracy" and _values(rows, "reward/score/mean"):
                 detail += f" · {accuracy_rule(run.config)}"
             cards.append((label, f"{val[-1]:.3f}", detail))
     for label, key in (("SFT loss", "sft/loss"), ("RM loss", "rm/loss")):
@@ -113,7 +113,7 @@ def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
             cards.append((label, f"{loss[-1]:.4g}", f"first {loss[0]:.4g} · min {min(loss):.4g}"))
     for label, key, fmt, detail in (("step time", "timing/step", "{:.2f}s", "median over steps"),
                                     ("throughput", "perf/throughput", "{:,.0f}", "tokens/s/GPU, median"),
-                                    ("MFU (actor)", "perf/mfu/actor", "{:.1%}", "median over steps")):
+                                    ("MFU (actor)", "actor/mfu", "{:.1%}", "median over steps")):
         v = _values(rows, key)
         if v:
             cards.append((label, fmt.format(statistics.median(v)), detail))

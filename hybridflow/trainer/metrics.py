@@ -42,8 +42,8 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     out: dict[str, float] = {}
     if "token_level_scores" in b:
         out |= _stats("reward/score", b["token_level_scores"].sum(-1))
-    if "token_level_rewards" in b:
-        out |= _stats("reward/reward", b["token_level_rewards"].sum(-1))
+    if "token_level_rewards" in b and b["token_level_rewards"] is not b.get("token_level_scores"):
+        out |= _stats("reward/kl_penalized", b["token_level_rewards"].sum(-1))  # a value of its own: KL in reward
     if "advantages" in b:
         out |= _masked_stats("adv", b["advantages"], mask)
     if "returns" in b:

@@ -10,7 +10,7 @@ loads (`OMP_WAIT_POLICY=PASSIVE`, unless set), so a thread that waits sleeps ins
 On a GPU run the host only feeds the device: its tensor ops are small (rewards, advantages, batch shuffles and
 packing), and on the H200 box (16 cores) one [256, 256] multiply-and-sum took 58 us on torch's default 16 threads
 against 21-37 us on 1-4; in the 0.5B GRPO step the host's scoring took 40 ms with 16 threads and 11 ms with 4
-(1.53 -> 1.40 s a step, docs/benchmarks.md "GPU round 7"). So `auto` there is at most `GPU_RUN_THREADS`.
+(1.53 -> 1.40 s a step, docs/benchmarks.md "CPU threads of GPU runs"). So `auto` there is at most `GPU_RUN_THREADS`.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_rlhf_pipeline_sft_rm_ppo(tmp_path):
     steps = [m for m in out["ppo_history"] if "reward/model/mean" in m]
     assert len(steps) == 30
     for m in steps:
-        assert m["reward/mean"] == pytest.approx(0.7 * m["reward/model/mean"] + 0.3 * m["reward/rule/mean"], abs=1e-4)
+        assert m["reward/score/mean"] == pytest.approx(0.7 * m["reward/model/mean"] + 0.3 * m["reward/rule/mean"], abs=1e-4)
         assert abs(m["reward/model/mean"]) <= 2.0 + 1e-6  # whitened and clipped at ±2
     assert [s for s, _, _ in out["trajectory"]] == [0, 5, 10, 15, 20, 25, 30], trajectory
     gain = out["true_accuracy_after"] - out["true_accuracy_before"]

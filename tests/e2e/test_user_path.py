@@ -111,7 +111,7 @@ def test_user_path_answers_survive_every_hand_off(tmp_path, capsys):
                  f"trainer.default_local_dir={tmp_path}/grpo_ckpt", f"trainer.run_dir={tmp_path}/grpo_run"]) == 0
     history = _metrics(tmp_path / "grpo_run")
     last_val = next(m for m in reversed(history) if "val/accuracy" in m)
-    assert "reward/custom/mean" in history[-1] and "val/me/reverse/reward" in last_val
+    assert "reward/score/mean" in history[-1] and "val/me/reverse/reward" in last_val
     assert last_val["val/accuracy"] <= last_val["val/reward"]  # partial credit is not success
 
     # 3. export the final checkpoint: its tokenizer carries the training template (raw)

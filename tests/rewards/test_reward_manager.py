@@ -133,8 +133,9 @@ def test_sequence_reward_on_last_valid_token_matches_naive(tmp_path):
         want[i, last] = fn("hybridflow/arithmetic", text, truths[i], None)["score"]
     assert torch.equal(token_scores, want)
     assert token_scores.dtype == torch.float32 and token_scores[[0, 3]].sum() == 2.0  # the two exact answers
-    assert metrics["reward/rule/mean"] == pytest.approx(float(want.sum()) / 5)
-    assert metrics["reward/hybridflow/arithmetic/score"] == pytest.approx(float(want.sum()) / 5)
+    # One source at weight 1 and one data source: no breakdown repeats the sequence score (the trainer's
+    # reward/score/mean); only the scorer's own extras and the failure counts.
+    assert set(metrics) == {"reward/errors", "reward/timeouts", "reward/rule/acc"}, sorted(metrics)
 
 
 @pytest.mark.parametrize("rm_shape", ["sequence", "token"])
@@ -161,10 +162,11 @@ def test_rm_scores_whitened_by_running_stats_of_training_batches_and_clipped():
     with RewardManager(cfg, TOK, R) as manager:
         for rm in batches:
             seen += rm.tolist()
-            _, metrics = manager(_batch(["a"] * len(rm), ["a"] * len(rm), rm_scores=rm))  # training: updates stats
+            token_scores, metrics = manager(_batch(["a"] * len(rm), ["a"] * len(rm), rm_scores=rm))  # updates stats
             expected = np.clip((rm.numpy() - np.mean(seen)) / np.std(seen), -1.5, 1.5)  # naive: all values so far
             assert manager._rm_moments.mean == pytest.approx(np.mean(seen))
-            assert metrics["reward/model/mean"] == pytest.approx(float(expected.mean()))
+            np.testing.assert_allclose(token_scores.sum(-1).numpy(), expected, rtol=1e-6)
+            assert "reward/model/mean" not in metrics  # the only source: its mean is the trainer's reward/score/mean
             assert metrics["reward/model/raw_mean"] == pytest.approx(float(rm.mean()))
             assert metrics["reward/model/clip_frac"] == pytest.approx(float((np.abs(expected) >= 1.5).mean()))
         val = manager.score(_batch(["a", "a"], ["a", "a"], rm_scores=torch.tensor([100.0, -100.0])))

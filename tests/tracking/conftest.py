@@ -36,7 +36,7 @@ def synthetic_metrics(step: int, total: int, rng: random.Random, val_every: int 
         "actor/pg_clipfrac": abs(rng.gauss(0.02, 0.01)), "actor/lr": 1e-6,
         "response_length/mean": resp, "response_length/max": resp + 10, "response_length/min": max(1.0, resp - 12),
         "response_length/clip_ratio": max(0.0, 0.05 * p + rng.gauss(0, 0.01)), "prompt_length/mean": 22.0,
-        "perf/throughput": 5200 + rng.gauss(0, 150), "perf/mfu/actor": 0.31 + rng.gauss(0, 0.01),
+        "perf/throughput": 5200 + rng.gauss(0, 150), "actor/mfu": 0.31 + rng.gauss(0, 0.01),
         "perf/max_memory_allocated_gb": 61 + 3 * p, "perf/cpu_memory_gb": 12.5 + 0.01 * step,
         "training/global_step": float(step), "training/epoch": 0.0,
     })

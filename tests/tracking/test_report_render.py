@@ -71,7 +71,7 @@ def test_running_run_with_torn_line(synthetic_run: Path, tmp_path: Path) -> None
 
 
 def test_sparse_run_drops_empty_panels(tmp_path: Path) -> None:
-    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "train/loss": {3 / s}}}\n' for s in range(1, 6)))
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "dpo/loss": {3 / s}}}\n' for s in range(1, 6)))
     html = render_report(tmp_path).read_text()
     assert [n for n, _ in IMG.findall(html)] == ["losses"]
 
@@ -92,7 +92,7 @@ def test_stage_matrix_other_is_the_remainder(synthetic_run: Path) -> None:
 def test_headline_says_what_val_accuracy_counts(tmp_path: Path) -> None:
     from hybridflow.tracking.report import RunData, headline_cards
 
-    rows = [{"reward/mean": 0.6, "val/reward": 0.9, "val/accuracy": 0.1}]
+    rows = [{"reward/score/mean": 0.6, "val/reward": 0.9, "val/accuracy": 0.1}]
     cards = {label: detail for label, _, detail in headline_cards(
         RunData(tmp_path, rows, config={"reward": {"success_threshold": 0.5}}))}
     assert "correct = scorer's acc, else score ≥ 0.5 (reward.success_threshold)" in cards["val accuracy"]

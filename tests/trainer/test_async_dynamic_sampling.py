@@ -87,7 +87,7 @@ def test_one_step_off_dynamic_sampling_matches_sync_at_zero_effect_learning_rate
     for step, (a, b, ma, mb) in enumerate(zip(t_sync, t_off, h_sync, h_off), start=1):
         assert a["uid"] == b["uid"] and torch.equal(a["scores"], b["scores"]), f"step {step}"
         assert _informative(b), f"step {step} trained an all-equal group"
-        for key in ("data/gen_batches", "data/frac_groups_filtered", "reward/mean", "reward/max"):
+        for key in ("data/gen_batches", "data/frac_groups_filtered", "reward/score/mean", "reward/score/max"):
             assert ma[key] == mb[key], (step, key, ma[key], mb[key])
         assert mb["timing/reward"] > 0  # the driver scored it
     assert max(m["data/gen_batches"] for m in h_off) > 1

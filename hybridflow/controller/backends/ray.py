@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # A driver whose workers are Ray actors only does small host-side tensor ops (rewards, advantages, metrics,
 # concatenating the ranks' outputs). At torch's default of one intra-op thread per core each of those ops waits on a
 # barrier of ~32 threads competing with the GPU workers' spinning threads: on 2 H200s the PPO driver's reward stage
-# took 7-60 ms per step instead of 7-10 ms, the 0.5B step's median 1.023 s instead of 0.995 s (docs/benchmarks.md).
+# took 7-60 ms per step instead of 7-10 ms, the 0.5B step's median 1.023 s instead of 0.995 s (docs/history.md, "Two GPUs").
 DRIVER_THREADS = 2
 
 
