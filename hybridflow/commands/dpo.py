@@ -43,7 +43,14 @@ def run(args: argparse.Namespace) -> int:
         return [next_command("eval", items, model__path=export, trainer__run_dir=None,
                              trainer__default_local_dir=None)] if export is not None else []
 
-    return TrackedRun(cfg, args, "dpo", f"DPO ({cfg.dpo.loss_type})", next_commands).run(train)
+    return TrackedRun(cfg, args, "dpo", loss_name(cfg), next_commands).run(train)
+
+
+def loss_name(cfg: Config) -> str:
+    """DPO | cDPO (label smoothing) | IPO | SimPO."""
+    if cfg.dpo.loss_type == "dpo":
+        return "cDPO" if cfg.dpo.label_smoothing > 0 else "DPO"
+    return {"ipo": "IPO", "simpo": "SimPO"}.get(cfg.dpo.loss_type, cfg.dpo.loss_type)
 
 
 def _run_online(cfg: Config, args: argparse.Namespace, items: list[str]) -> int:
@@ -59,5 +66,5 @@ def _run_online(cfg: Config, args: argparse.Namespace, items: list[str]) -> int:
     def train(tracker: Tracker) -> None:
         run_online_dpo(cfg, tracker=tracker)
 
-    return TrackedRun(cfg, args, "online_dpo", f"online DPO ({cfg.dpo.loss_type})",
+    return TrackedRun(cfg, args, "online_dpo", f"online {loss_name(cfg)}",
                       lambda export, ckpt: rl_next_commands(cfg, items, ckpt)).run(train)

@@ -38,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(err)
 
     def train(tracker: Tracker) -> Path:
-        return run_supervised(SFTTrainer, cfg, tracker=tracker)[0]
+        path, history = run_supervised(SFTTrainer, cfg, tracker=tracker)
+        if not history:
+            command.notes.append(f"already at the last step, nothing trained; the model in {path} is unchanged")
+        return path
 
-    return TrackedRun(cfg, args, "sft", "SFT",
-                      lambda export, ckpt: warm_start_next_commands(cfg, args.args, export)).run(train)
+    command = TrackedRun(cfg, args, "sft", "SFT",
+                         lambda export, ckpt: warm_start_next_commands(cfg, args.args, export))
+    return command.run(train)

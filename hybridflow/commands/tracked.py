@@ -82,6 +82,7 @@ class TrackedRun:
     title: str | None = None
     # (exported HF directory or None, latest checkpoint or None) → the next commands to suggest
     next_commands: Callable[[Path | None, Path | None], list[str]] = field(default=lambda export, ckpt: [])
+    notes: list[str] = field(default_factory=list)  # the train function may add lines for the summary
 
     def run(self, train: Callable[[Tracker], Path | None]) -> int:
         start = time.monotonic()
@@ -109,15 +110,22 @@ class TrackedRun:
 
         status = run_status(error)
         ckpt = latest_checkpoint(self.cfg)
-        usage_error = isinstance(error, (ValueError, KeyError))  # its message follows as `error: ...`
         outcome = Outcome(
             method=self.method, status=status, seconds=seconds, total_steps=tracker.total_steps,
-            error=None if error is None or usage_error else f"{type(error).__name__}: {str(error).splitlines()[0]}"
-            if str(error) else type(error).__name__,
+            error=error_line(error),
             checkpoint=ckpt, resumable=self.cfg.trainer.resume_mode != "disable", export=export,
-            run_dir=tracker.run_dir, next_commands=tuple(self.next_commands(export, ckpt)), title=self.title)
+            run_dir=tracker.run_dir, next_commands=tuple(self.next_commands(export, ckpt)), title=self.title,
+            notes=tuple(self.notes))
         rows = read_metrics(tracker.run_dir)
         print_lines(build_summary(outcome, rows, to_dict(self.cfg)))
+
+
+def error_line(error: BaseException | None) -> str | None:
+    """`Type: first line` of an unexpected failure; None for a usage error (`error: ...` follows it)."""
+    if error is None or isinstance(error, (ValueError, KeyError)):
+        return None
+    text = str(error).splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def print_lines(lines: Sequence[str]) -> None:

@@ -48,7 +48,8 @@ class Outcome:
     export: Path | None = None  # the exported HF model directory
     run_dir: Path | None = None
     next_commands: tuple[str, ...] = field(default_factory=tuple)
-    title: str | None = None  # e.g. "GRPO" or "sigmoid DPO"; default from METHOD_TITLES
+    title: str | None = None  # e.g. "GRPO training" or "IPO"; default from METHOD_TITLES
+    notes: tuple[str, ...] = ()  # lines the command adds under the headline
 
 
 def method_of(rows: Rows) -> str:
@@ -140,7 +141,7 @@ def headline(outcome: Outcome, rows: Rows) -> str:
 
 def build_summary(outcome: Outcome, rows: Rows, config: dict[str, Any]) -> list[str]:
     """The closing summary's lines (plain text, no markup)."""
-    lines = [headline(outcome, rows)]
+    lines = [headline(outcome, rows), *outcome.notes]
     for spec in summary_metrics(outcome.method, rows):
         text = metric_line(spec, rows)
         if text is not None:
