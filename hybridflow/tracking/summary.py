@@ -147,7 +147,7 @@ def build_summary(outcome: Outcome, rows: Rows, config: dict[str, Any]) -> list[
         if text is not None:
             lines.append(text)
             lines.append(f"  ({metric_meaning(spec.key, outcome.method, rows, config)})")
-    if len(lines) == 1 and outcome.method != "eval":
+    if len(lines) == 1 + len(outcome.notes) and outcome.method != "eval" and outcome.status == "finished":
         lines.append("no validation metrics (no validation data, or the run stopped before the first)")
     if outcome.export is not None and outcome.status == "finished":
         lines.append(f"model (Hugging Face directory): {outcome.export}")
@@ -156,7 +156,7 @@ def build_summary(outcome: Outcome, rows: Rows, config: dict[str, Any]) -> list[
         if outcome.status != "finished":
             lines.append("rerun the same command to resume from it" if outcome.resumable else
                          "trainer.resume_mode=disable: a rerun starts over (trainer.resume_mode=auto resumes)")
-    elif outcome.status != "finished" and outcome.method != "eval":
+    elif outcome.status != "finished" and outcome.method != "eval" and rows:
         lines.append("no checkpoint was written: a rerun starts over (trainer.checkpoint.save_freq sets how often)")
     if outcome.run_dir is not None and rows:
         lines.append(f"metrics: {outcome.run_dir}/metrics.jsonl · report: hybridflow report {outcome.run_dir}")
