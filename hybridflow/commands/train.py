@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.dpo.online:
         return fail(ValueError("dpo.online=true is online DPO, run by `hybridflow dpo` (same config); `hybridflow "
                                "train` runs PPO/GRPO: drop dpo.online or use hybridflow dpo"))
-    title = f"{cfg.algorithm.adv_estimator.upper()} training"
+    est = cfg.algorithm.adv_estimator
+    title = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "remax": "ReMax"}.get(est, f"RL ({est})") + " training"
 
     def train(tracker: Tracker) -> None:
         run_ppo(cfg, tracker=tracker)

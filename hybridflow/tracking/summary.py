@@ -31,7 +31,6 @@ TOTAL_STEPS = "training/total_steps"  # logged by the tracker once a run knows i
 class MetricSpec:
     key: str
     kind: str  # "accuracy" (shown in %, higher is better) | "loss" (lower is better) | "score" (higher is better)
-    meaning: str  # what it counts, in words
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def summary_metrics(method: str, rows: Rows) -> list[MetricSpec]:
              "rm": ("val/accuracy", "val/loss"),
              "dpo": ("val/accuracy", IMPLICIT_ACCURACY, "val/loss")}.get(method, ("val/accuracy", "val/reward"))
     kinds = {"val/loss": "loss", "val/reward": "score"}
-    return [MetricSpec(k, kinds.get(k, "accuracy"), "") for k in order if k in keys]
+    return [MetricSpec(k, kinds.get(k, "accuracy")) for k in order if k in keys]
 
 
 def _fmt(kind: str, value: float) -> str:
