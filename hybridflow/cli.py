@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training for LLMs (PPO, GRPO, SFT, RM, DPO) — single controller, hybrid engine.",
     )
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging (and, for a command that trains, every metric each step)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available_commands().items():
         mod = importlib.import_module(f"hybridflow.commands.{module}")
@@ -73,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if args.verbose and hasattr(args, "show_all"):  # `hybridflow -v train` = `hybridflow train --verbose` + debug logs
+        args.show_all = True
     if not getattr(args, "command", None):
         parser.print_help()
         return 0

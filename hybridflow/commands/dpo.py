@@ -1,5 +1,5 @@
 """`hybridflow dpo [CONFIG.yaml ...] [a.b=c ...]`: offline preference optimisation (DPO / cDPO / IPO / SimPO,
-`dpo.loss_type`) on prompt/chosen/rejected data, then an HF export of the policy.
+`dpo.loss_type`) on prompt/chosen/rejected data, then an HF export of the policy and the closing summary.
 
 `hybridflow dpo --online ...` (= `dpo.online=true`): online DPO — prompts as for `hybridflow train`, `rollout.n`
 responses each, ranked by `reward.*`, the DPO loss on each prompt's best/worst pair; checkpoints like `train`
@@ -8,13 +8,18 @@ responses each, ranked by `reward.*`, the DPO loss on each prompt's best/worst p
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hybridflow.commands.common import add_config_args, fail, load_from_args
+from hybridflow.commands.tracked import TrackedRun, add_run_flags, next_command
+from hybridflow.commands.train import rl_next_commands
 from hybridflow.config import Config
+from hybridflow.tracking import Tracker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
+    add_run_flags(parser)
     parser.add_argument("--online", action="store_true",
                         help="online DPO (same as dpo.online=true): sample pairs with the rollout engine, rank them "
                              "with reward.*")
@@ -24,34 +29,42 @@ def run(args: argparse.Namespace) -> int:
     items = [*args.args, "dpo.online=true"] if args.online else args.args
     try:
         cfg = load_from_args(items, runs=True)
-        if cfg.dpo.online:
-            return _run_online(cfg)
-        from hybridflow.trainer.dpo import DPOTrainer
-        from hybridflow.trainer.supervised import run_supervised
-
-        path, history = run_supervised(DPOTrainer, cfg)
     except (ValueError, KeyError) as err:
         return fail(err)
-    last = history[-1] if history else {}
-    print(f"{cfg.dpo.loss_type} done: {len(history)} logged steps{_val(last)}; HF model in {path}")
-    print(f"evaluate it with: hybridflow eval model.path={path}")
-    return 0
+    if cfg.dpo.online:
+        return _run_online(cfg, args, items)
+    from hybridflow.trainer.dpo import DPOTrainer
+    from hybridflow.trainer.supervised import run_supervised
+
+    def train(tracker: Tracker) -> Path:
+        return run_supervised(DPOTrainer, cfg, tracker=tracker)[0]
+
+    def next_commands(export: Path | None, ckpt: Path | None) -> list[str]:
+        return [next_command("eval", items, model__path=export, trainer__run_dir=None,
+                             trainer__default_local_dir=None)] if export is not None else []
+
+    return TrackedRun(cfg, args, "dpo", loss_name(cfg), next_commands).run(train)
 
 
-def _run_online(cfg: Config) -> int:
+def loss_name(cfg: Config) -> str:
+    """DPO | cDPO (label smoothing) | IPO | SimPO."""
+    if cfg.dpo.loss_type == "dpo":
+        return "cDPO" if cfg.dpo.label_smoothing > 0 else "DPO"
+    return {"ipo": "IPO", "simpo": "SimPO"}.get(cfg.dpo.loss_type, cfg.dpo.loss_type)
+
+
+def _run_online(cfg: Config, args: argparse.Namespace, items: list[str]) -> int:
     from hybridflow.config.preflight import check_before_run
     from hybridflow.trainer.dpo import dpo_model_config
     from hybridflow.trainer.online_dpo import run_online_dpo
 
-    check_before_run(dpo_model_config(cfg))  # model, prompt files and reward functions, before anything loads
-    history = run_online_dpo(cfg)
-    last = history[-1] if history else {}
-    ckpt = cfg.trainer.default_local_dir
-    print(f"online {cfg.dpo.loss_type} done: {len(history)} logged steps{_val(last)}; checkpoints in {ckpt}")
-    print(f"export the latest with: hybridflow export --checkpoint {ckpt} --out HF_DIR")
-    return 0
+    try:
+        check_before_run(dpo_model_config(cfg))  # model, prompt files and reward functions, before anything loads
+    except (ValueError, KeyError) as err:
+        return fail(err)
 
+    def train(tracker: Tracker) -> None:
+        run_online_dpo(cfg, tracker=tracker)
 
-def _val(last: dict[str, float]) -> str:
-    val = ", ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("val/"))
-    return f", {val}" if val else ""
+    return TrackedRun(cfg, args, "online_dpo", f"online {loss_name(cfg)}",
+                      lambda export, ckpt: rl_next_commands(cfg, items, ckpt)).run(train)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hybridflow.commands.common import add_config_args, fail, load_from_args
+from hybridflow.commands.tracked import add_run_flags
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", action="store_true", help="sample with rollout.val_kwargs (greedy by default)")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     add_config_args(parser)
+    add_run_flags(parser)  # accepted as by every command that runs a model (generate prints no metrics)
 
 
 def _prompt_ids(tokenizer: Any, value: Any, key: str, row: int, chat_template: str | None) -> list[int]:

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.config import Config, load_config
+from hybridflow.commands.tracked import add_run_flags, print_lines, verbose
+from hybridflow.config import Config, load_config, to_dict, to_yaml
+from hybridflow.tracking.jsonl import read_metrics
+from hybridflow.tracking.summary import Outcome, build_summary
 
 QUICKSTART_YAML = Path(__file__).resolve().parent.parent / "config" / "quickstart.yaml"
 # What `sft.label_noise` does to each built-in task's demonstrations (the SFT phase's heading says it).
@@ -45,11 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a config to run instead of the quickstart's, e.g. examples/tool_calculator.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="overrides on top of the quickstart config, e.g. trainer.total_training_steps=20")
+    add_run_flags(parser)
 
 
-def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | None = None) -> QuickstartResult:
+def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | None = None,
+                   verbose: bool = False) -> QuickstartResult:
     """SFT warm start, then GRPO from it; both tracked under `trainer.run_dir` (`sft/` and the run itself).
-    `sft_dir`: an existing warm start (HF directory) to run the GRPO phase from, skipping SFT."""
+    `sft_dir`: an existing warm start (HF directory) to run the GRPO phase from, skipping SFT. `verbose`: the
+    console prints every metric each logged step."""
     from hybridflow.tracking import Tracker
     from hybridflow.trainer.run import run_ppo
     from hybridflow.trainer.sft import run_sft
@@ -70,14 +76,14 @@ def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | N
     sft_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, log_every=log_every,
                                                                    test_freq=val_every))
     if sft_dir is None:
-        with Tracker.from_config(sft_cfg, run_dir=run_dir / "sft") as sft_tracker:  # run_end: the phase's status
+        with Tracker.from_config(sft_cfg, run_dir=run_dir / "sft", console={"verbose": verbose}) as sft_tracker:  # run_end: the phase's status
             sft_dir = run_sft(sft_cfg, out_dir=run_dir / "sft_model", tracker=sft_tracker)
     sft_seconds = time.perf_counter() - start
     if console is not None:
         console.rule(f"2/2 GRPO ({cfg.trainer.total_training_steps} steps, {cfg.rollout.n} samples per prompt, "
                      "reward = the true answer)")
     ppo_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(sft_dir)))
-    with Tracker.from_config(ppo_cfg) as tracker:
+    with Tracker.from_config(ppo_cfg, console={"verbose": verbose}) as tracker:
         history = run_ppo(ppo_cfg, tracker=tracker)
     return QuickstartResult(Path(sft_dir), history, sft_seconds, time.perf_counter() - start)
 
@@ -101,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(versions_line(), style="dim")
     console.print(f"task: {cfg.data.task} · model: {cfg.model.preset} {cfg.model.override_config} · "
                   f"run dir: {cfg.trainer.run_dir}")
-    result = run_quickstart(cfg, console)
+    if verbose(args):
+        console.print(to_yaml(cfg), end="", markup=False, highlight=False)
+    if not args.quiet_config:
+        console.print(f"resolved config: {cfg.trainer.run_dir}/config.yaml (the SFT phase's: sft/config.yaml)")
+    result = run_quickstart(cfg, console, verbose=verbose(args))
     vals = result.val_accuracy()
     v = cfg.rollout.val_kwargs
     decoding = f"sampled at temperature {v.temperature:g}" if v.do_sample else "greedy decoding"
@@ -115,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
         extra = [f"{100 * well_formed[step]:.1f}%" if step in well_formed else "-"] if well_formed else []
         table.add_row(stage, str(step), f"{100 * acc:.1f}%", f"{reward:.3f}", *extra)
     console.print(table)
-    if len(vals) >= 2:
-        gain = 100 * (vals[-1][1] - vals[0][1])
-        console.print(f"accuracy {100 * vals[0][1]:.1f}% → {100 * vals[-1][1]:.1f}% ({gain:+.1f} points) · "
-                      f"SFT {result.sft_seconds:.0f}s · total {result.total_seconds:.0f}s")
-    console.print(f"metrics: {cfg.trainer.run_dir}/metrics.jsonl · report: hybridflow report {cfg.trainer.run_dir}")
+    outcome = Outcome(method="ppo", title="quickstart (SFT warm start + GRPO)", seconds=result.total_seconds,
+                      total_steps=cfg.trainer.total_training_steps, run_dir=Path(cfg.trainer.run_dir),
+                      notes=(f"SFT warm start: {result.sft_seconds:.0f}s, model in {result.sft_dir} "
+                             f"(metrics: {cfg.trainer.run_dir}/sft)",))
+    print_lines(build_summary(outcome, read_metrics(cfg.trainer.run_dir), to_dict(cfg)))
     return 0

@@ -1,14 +1,31 @@
-"""`hybridflow sft [CONFIG.yaml ...] [a.b=c ...]`: supervised fine-tuning, then an HF export of the model."""
+"""`hybridflow sft [CONFIG.yaml ...] [a.b=c ...]`: supervised fine-tuning, then an HF export of the model and the
+closing summary (validation loss before → after, the export, the commands that evaluate it and train from it)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hybridflow.commands.common import add_config_args, fail, load_from_args
+from hybridflow.commands.tracked import TrackedRun, add_run_flags, next_command, sibling
+from hybridflow.config import Config
+from hybridflow.tracking import Tracker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
+    add_run_flags(parser)
+
+
+def warm_start_next_commands(cfg: Config, items: list[str], export: Path | None) -> list[str]:
+    """Evaluate the export on the task, then RL from it — with run and checkpoint directories of its own (an RL
+    run refuses to resume this run's checkpoints, and would mix its metrics into this run's)."""
+    if export is None:
+        return []
+    t = cfg.trainer
+    return [next_command("eval", items, model__path=export, trainer__run_dir=None, trainer__default_local_dir=None),
+            next_command("train", items, model__path=export, trainer__run_dir=sibling(t.run_dir, "rl"),
+                         trainer__default_local_dir=sibling(t.default_local_dir, "rl"))]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,14 +34,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_from_args(args.args, preflight=True, reward=False, runs=True)
-        path, history = run_supervised(SFTTrainer, cfg)
     except (ValueError, KeyError) as err:
         return fail(err)
-    if not history:
-        print(f"SFT: already at the last step, nothing trained; the model in {path} is unchanged")
-        return 0
-    last = history[-1]
-    val = ", ".join(f"{k}={v:.4f}" for k, v in last.items() if k.startswith("val/"))
-    print(f"SFT done: {len(history)} logged steps{', ' + val if val else ''}; HF model in {path}")
-    print(f"use it with: hybridflow train model.path={path}")
-    return 0
+
+    def train(tracker: Tracker) -> Path:
+        path, history = run_supervised(SFTTrainer, cfg, tracker=tracker)
+        if not history:
+            command.notes.append(f"already at the last step, nothing trained; the model in {path} is unchanged")
+        return path
+
+    command = TrackedRun(cfg, args, "sft", "SFT",
+                         lambda export, ckpt: warm_start_next_commands(cfg, args.args, export))
+    return command.run(train)

@@ -1,8 +1,9 @@
-"""Human-facing console output: a rich progress bar plus a compact metrics table on a terminal, plain lines elsewhere.
+"""Human-facing console output: one short line per logged step, a progress bar on a terminal, all metrics on request.
 
-On a TTY the bar shows steps, ETA, reward and step time, and a table of all metrics (grouped by namespace) is
-printed every `trainer.log_every` steps. When stdout is not a terminal (CI logs, `nohup`, pipes) the same cadence
-prints one plain line per logged step instead: greppable, no control characters. The console renders for humans,
+Every `trainer.log_every` steps the console prints one line — step/total, the training signal (reward or loss), the
+validation metric when this step measured one, step time and ETA — short enough for any terminal or CI log, with
+no control characters off a terminal. `verbose=True` (the commands' `--verbose`) prints the table of every metric
+(grouped by namespace) instead. On a TTY a rich progress bar stays below the lines. The console renders for humans,
 so it writes to its stream directly rather than through `logging`.
 """
 
@@ -14,21 +15,14 @@ from typing import IO, Any
 
 from hybridflow.tracking.base import TRACKERS, Backend, Event, RunContext
 
-# (metric, short label) shown in the one-line summary and the progress bar, in this order, when present.
-HEADLINE: tuple[tuple[str, str], ...] = (
-    ("reward/score/mean", "reward"),
-    ("val/reward", "val"),
-    ("actor/pg_loss", "pg_loss"),
-    ("critic/vf_loss", "vf_loss"),
-    ("kl/actor_ref", "kl"),
-    ("actor/entropy", "entropy"),
-    ("response_length/mean", "resp_len"),
-    ("actor/grad_norm", "grad_norm"),
-    ("perf/throughput", "tok/s/gpu"),
-    ("timing/step", "step_s"),
+# The compact line: the training signal (first present), then the validation metrics a step measured (at most two).
+TRAIN_SIGNAL: tuple[tuple[str, str], ...] = (
+    ("reward/score/mean", "reward"), ("sft/loss", "loss"), ("rm/loss", "loss"), ("dpo/loss", "loss"),
 )
-_MIN_HEADLINE = 3  # fewer known metrics than this (e.g. SFT) → fill the line with the first other metrics
-_MAX_LINE_ITEMS = 10
+VAL_SIGNAL: tuple[str, ...] = ("val/accuracy", "val/rewards/accuracies", "val/loss", "val/token_accuracy",
+                               "val/reward")
+PERCENT = ("val/accuracy", "val/rewards/accuracies", "val/token_accuracy")
+_MAX_VAL_ITEMS = 2
 _LEVEL_STYLE = {"info": "cyan", "warning": "bold yellow", "error": "bold red"}
 
 
@@ -51,27 +45,36 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
-def headline(metrics: dict[str, float]) -> list[tuple[str, str]]:
-    """(label, formatted value) pairs for the one-line summary."""
-    items = [(label, fmt_value(metrics[key]) + ("s" if key == "timing/step" else ""))
-             for key, label in HEADLINE if key in metrics]
-    if len(items) < _MIN_HEADLINE:
-        known = {key for key, _ in HEADLINE}
-        extra = [k for k in metrics if k not in known and not k.startswith(("health/", "training/"))]
-        items += [(k, fmt_value(metrics[k])) for k in extra[: _MAX_LINE_ITEMS - len(items)]]
-    return items
+def compact_line(metrics: dict[str, float], step: int, total: int | None = None, eta: float | None = None) -> str:
+    """`step 3/30 · reward 0.412 · val/accuracy 45.3% · 1.20 s/step · eta 2m10s` (fields present only)."""
+    parts = [f"step {step}" + (f"/{total}" if total else "") + (" (before training)" if step == 0 else "")]
+    signal = [(label, metrics[key]) for key, label in TRAIN_SIGNAL if key in metrics]
+    signal += [("loss", v) for k, v in metrics.items() if k.endswith("/loss") and not k.startswith("val/")]
+    parts += [f"{label} {fmt_value(value)}" for label, value in signal[:1]]
+    vals = [key for key in VAL_SIGNAL if key in metrics]
+    if "val/accuracy" in vals and "val/reward" in vals:
+        vals.remove("val/reward")  # the accuracy says more; the summary and the table show both
+    for key in vals[:_MAX_VAL_ITEMS]:
+        parts.append(f"{key} {100 * metrics[key]:.1f}%" if key in PERCENT else f"{key} {fmt_value(metrics[key])}")
+    if "timing/step" in metrics:
+        parts.append(f"{metrics['timing/step']:.2f} s/step")
+    if eta is not None:
+        parts.append(f"eta {fmt_duration(eta)}")
+    return " · ".join(parts)
 
 
 @TRACKERS.register("console")
 class ConsoleBackend(Backend):
-    """Progress bar + periodic table (TTY) or one plain line per logged step (not a TTY)."""
+    """One compact line per logged step (all metrics as a table with `verbose`), plus a progress bar on a TTY."""
 
     name = "console"
 
-    def __init__(self, ctx: RunContext, stream: IO[str] | None = None, tty: bool | None = None) -> None:
+    def __init__(self, ctx: RunContext, stream: IO[str] | None = None, tty: bool | None = None,
+                 verbose: bool = False) -> None:
         super().__init__(ctx)
         self.stream = stream if stream is not None else sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        self.verbose = verbose
         self.log_every = max(1, int(ctx.log_every))
         self.total: int | None = None
         self._start_step = 0
@@ -80,10 +83,11 @@ class ConsoleBackend(Backend):
         self._task: Any = None
         self._rerouted: list[tuple[Any, Any]] = []
         self.console: Any = None
-        if self.tty:
+        if self.tty or verbose:  # off a terminal the table renders without control characters
             from rich.console import Console
 
-            self.console = Console(file=self.stream, force_terminal=True, highlight=False)
+            self.console = Console(file=self.stream, force_terminal=self.tty, highlight=False,
+                                   width=None if self.tty else 120)
 
     # ----------------------------------------------------------------------------------------- progress
     def start_progress(self, total_steps: int, initial_step: int = 0) -> None:
@@ -118,10 +122,10 @@ class ConsoleBackend(Backend):
             return
         info = ""
         if metrics:
-            parts = [f"{label} {value}" for label, value in headline(metrics)[:1]]
+            parts = [f"{label} {fmt_value(metrics[key])}" for key, label in TRAIN_SIGNAL if key in metrics][:1]
             if "timing/step" in metrics:
                 parts.append(f"{metrics['timing/step']:.2f} s/step")
-            info = " · ".join(dict.fromkeys(parts))
+            info = " · ".join(parts)
         self._progress.update(self._task, completed=step, info=info)
 
     def stop_progress(self) -> None:
@@ -156,8 +160,10 @@ class ConsoleBackend(Backend):
         due = step % self.log_every == 0 or (self.total is not None and step >= self.total)
         if not due:
             return
-        if self.tty:
+        if self.verbose:
             self.console.print(self._table(metrics, step))
+        elif self.tty:
+            self.console.print(self._line(metrics, step), markup=False)
         else:
             self._write(self._line(metrics, step))
 
@@ -175,13 +181,7 @@ class ConsoleBackend(Backend):
 
     # ----------------------------------------------------------------------------------------- rendering
     def _line(self, metrics: dict[str, float], step: int) -> str:
-        head = f"step {step}" + (f"/{self.total}" if self.total else "")
-        parts = [head]
-        eta = self.eta_seconds(step)
-        if eta is not None:
-            parts.append(f"eta {fmt_duration(eta)}")
-        parts += [f"{label} {value}" for label, value in headline(metrics)]
-        return " | ".join(parts)
+        return compact_line(metrics, step, self.total, self.eta_seconds(step))
 
     def _table(self, metrics: dict[str, float], step: int) -> Any:
         """All metrics as aligned `name value` pairs in as many column pairs as the terminal fits

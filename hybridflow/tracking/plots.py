@@ -113,8 +113,12 @@ def p_reward(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 
 
 def p_validation(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
+    method = ctx.get("method")
+    if method in ("sft", "rm") or (method == "dpo" and not has(rows, "val/rewards/accuracies")):
+        return False  # only pair/loss metrics (the training figure draws them), no task score
     keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in ("val/reward", "val/loss")
-                   and not k.startswith("val/reward/")})  # val/reward/errors, /timeouts are counts
+                   and not k.startswith("val/reward/")  # val/reward/errors, /timeouts are counts
+                   and k not in PAIR_METRICS})
     # One line per distinct series: with a single data source `val/accuracy` equals `val/<source>/accuracy`.
     drawn: dict[tuple, list[str]] = {}
     for key in keys:
@@ -144,17 +148,53 @@ def p_entropy(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 def p_losses(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
     ok = line(ax, rows, "actor/pg_loss", C["pg"], "actor/pg_loss")
     ok |= line(ax, rows, "critic/vf_loss", C["vf"], "critic/vf_loss")
-    for i, key in enumerate(k for k in ("sft/loss", "rm/loss", "dpo/loss") if has(rows, k)):
-        ok |= line(ax, rows, key, CYCLE[2 + i], key)
-    ok |= line(ax, rows, "val/loss", C["val"], "val/loss", marker="o")
     finish(ax, "Losses", "loss")
+    return ok
+
+
+# --------------------------------------------------------------------------------- supervised methods (SFT, RM, DPO)
+TRAIN_LOSSES = ("sft/loss", "rm/loss", "dpo/loss", "train/loss")
+# Preference accuracies (training, then validation) and the validation accuracies of SFT; in [0, 1], drawn in %.
+ACCURACIES = ("rm/accuracy", "rewards/accuracies", "val/accuracy", "val/rewards/accuracies", "val/logp_accuracy",
+              "val/token_accuracy")
+MARGINS = ("rm/reward_margin", "rewards/margins", "val/reward_margin")
+# Preference-pair statistics of RM/DPO validation: not task scores, so the RL validation panel leaves them out.
+PAIR_METRICS = ("val/rewards/accuracies", "val/logp_accuracy", "val/reward_margin", "val/logps_chosen",
+                "val/logps_rejected", "val/chosen_reward", "val/rejected_reward", "val/token_accuracy")
+
+
+def p_train_loss(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
+    ok = False
+    for i, key in enumerate(k for k in TRAIN_LOSSES if has(rows, k)):
+        ok |= line(ax, rows, key, CYCLE[i], key)
+    if ok:  # val/loss is the same objective on held-out data only when a training loss is drawn beside it
+        line(ax, rows, "val/loss", C["val"], "val/loss", marker="o")
+    finish(ax, "Training loss", "loss")
+    return ok
+
+
+def p_train_accuracy(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
+    if not has(rows, *TRAIN_LOSSES):
+        return False
+    ok = False
+    for i, key in enumerate(k for k in ACCURACIES if has(rows, k)):
+        ok |= line(ax, rows, key, CYCLE[i], key, marker="o" if key.startswith("val/") else None, scale=100.0)
+    finish(ax, "Accuracy", "%")
+    return ok
+
+
+def p_margins(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
+    ok = False
+    for i, key in enumerate(k for k in MARGINS if has(rows, k)):
+        ok |= line(ax, rows, key, CYCLE[i], key, marker="o" if key.startswith("val/") else None)
+    finish(ax, "Reward margin (chosen − rejected)", "reward")
     return ok
 
 
 def p_grad(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
     ok = line(ax, rows, "actor/grad_norm", C["grad"], "actor/grad_norm")
     ok |= line(ax, rows, "critic/grad_norm", C["grad2"], "critic/grad_norm")
-    for i, key in enumerate(k for k in ("sft/grad_norm", "rm/grad_norm") if has(rows, k)):
+    for i, key in enumerate(k for k in ("sft/grad_norm", "rm/grad_norm", "dpo/grad_norm") if has(rows, k)):
         ok |= line(ax, rows, key, CYCLE[2 + i], key)
     finish(ax, "Gradient norm (before clipping)", "L2 norm")
     return ok
@@ -257,6 +297,7 @@ def p_memory(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 
 
 FIGURES: tuple[FigureSpec, ...] = (
+    FigureSpec("training", "Training loss and accuracy", (p_train_loss, p_train_accuracy, p_margins)),
     FigureSpec("reward", "Reward and validation", (p_reward, p_validation)),
     FigureSpec("kl_entropy", "KL and entropy", (p_kl, p_entropy)),
     FigureSpec("losses", "Losses, gradients and clipping", (p_losses, p_grad, p_clipfrac)),

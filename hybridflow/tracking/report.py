@@ -23,6 +23,7 @@ from hybridflow.tracking import plots
 from hybridflow.tracking.base import flatten
 from hybridflow.tracking.jsonl import METRICS_FILE, read_events, read_metrics
 from hybridflow.tracking.run_info import CONFIG_FILE, VERSIONS_FILE
+from hybridflow.tracking.summary import TOTAL_STEPS, method_of, metric_meaning, summary_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ CONFIG_SUMMARY_KEYS = (
     "trainer.n_gpus_per_node", "trainer.device", "trainer.logger", "trainer.seed",
 )
 PNG_DPI = 110
+WIDE_DETAIL = 60  # a card whose detail is longer spans two grid columns (and wraps anywhere: never cut)
 
 
 @dataclass
@@ -65,7 +67,7 @@ def load_run(run_dir: str | Path) -> RunData:
 def figure_context(run: RunData) -> dict[str, Any]:
     gib = run.versions.get("device", {}).get("gpu_memory_gib") or []
     return {"warnings": [e for e in run.events if e.get("level") in ("warning", "error")],
-            "device_memory_gib": gib[0] if gib else None}
+            "device_memory_gib": gib[0] if gib else None, "method": method_of(run.rows)}
 
 
 def render_figures(run: RunData) -> list[tuple[plots.FigureSpec, bytes]]:
@@ -88,29 +90,26 @@ def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
     return [r[key] for r in rows if r.get(key) is not None]
 
 
-def accuracy_rule(config: dict[str, Any]) -> str:
-    """What `val/accuracy` counts for an RL run (docs/metrics.md): the scorer's `acc`, else the threshold."""
-    threshold = (config.get("reward") or {}).get("success_threshold", 1.0)
-    return f"correct = scorer's acc, else score ≥ {threshold:g} (reward.success_threshold)"
-
-
 def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
-    """(label, value, detail) for the header cards; only metrics that exist."""
+    """(label, value, detail) for the header cards; only metrics that exist. Validation cards are labelled by the
+    metric's name and say what it counts (`summary.metric_meaning`: `val/accuracy` differs between methods)."""
     rows, cards = run.rows, []
+    method = method_of(rows)
     rew = _values(rows, "reward/score/mean")
     if rew:
         cards.append(("train reward", f"{rew[-1]:.3f}", f"first {rew[0]:.3f} · best {max(rew):.3f}"))
-    for label, key in (("val reward", "val/reward"), ("val accuracy", "val/accuracy")):
-        val = _values(rows, key)
-        if val:
-            detail = f"first {val[0]:.3f} · best {max(val):.3f}"
-            if key == "val/accuracy" and _values(rows, "reward/score/mean"):
-                detail += f" · {accuracy_rule(run.config)}"
-            cards.append((label, f"{val[-1]:.3f}", detail))
-    for label, key in (("SFT loss", "sft/loss"), ("RM loss", "rm/loss")):
+    for label, key in (("SFT loss", "sft/loss"), ("RM loss", "rm/loss"), ("DPO loss", "dpo/loss")):
         loss = _values(rows, key)
         if loss:
             cards.append((label, f"{loss[-1]:.4g}", f"first {loss[0]:.4g} · min {min(loss):.4g}"))
+    for spec in summary_metrics(method, rows):
+        val = _values(rows, spec.key)
+        pct = spec.kind == "accuracy"
+        fmt = (lambda v: f"{100 * v:.1f}%") if pct else (lambda v: f"{v:.4g}")
+        best = min(val) if spec.kind == "loss" else max(val)
+        detail = (f"first {fmt(val[0])} · {'min' if spec.kind == 'loss' else 'best'} {fmt(best)} · "
+                  f"{metric_meaning(spec.key, method, rows, run.config)}")
+        cards.append((spec.key, fmt(val[-1]), detail))
     for label, key, fmt, detail in (("step time", "timing/step", "{:.2f}s", "median over steps"),
                                     ("throughput", "perf/throughput", "{:,.0f}", "tokens/s/GPU, median"),
                                     ("MFU (actor)", "actor/mfu", "{:.1%}", "median over steps")):
@@ -123,6 +122,18 @@ def headline_cards(run: RunData) -> list[tuple[str, str, str]]:
     warns = [e for e in run.events if e.get("level") in ("warning", "error")]
     cards.append(("health warnings", str(len(warns)), ", ".join(sorted({str(e.get("kind")) for e in warns})) or "none"))
     return cards
+
+
+def total_steps(run: RunData) -> int | None:
+    """The run's own step count: what the tracker logged (`training/total_steps`), else the method's config key."""
+    logged = _values(run.rows, TOTAL_STEPS)
+    if logged:
+        return int(logged[-1])
+    method = method_of(run.rows)
+    section = method if method in ("sft", "rm", "dpo") else "trainer"
+    key = "total_steps" if section != "trainer" else "total_training_steps"
+    value = (run.config.get(section) or {}).get(key)
+    return int(value) if isinstance(value, int | float) else None
 
 
 def run_status(run: RunData) -> tuple[str, str]:
@@ -161,7 +172,7 @@ def render_html(run: RunData, figures: list[tuple[plots.FigureSpec, bytes]]) -> 
     name = trainer.get("experiment_name") or run.run_dir.name
     steps = [r["step"] for r in run.rows]
     times = [r["time"] for r in run.rows if r.get("time")]
-    total = trainer.get("total_training_steps")
+    total = total_steps(run)
     status, status_cls = run_status(run)
     start = dt.datetime.fromtimestamp(min(times)).strftime("%Y-%m-%d %H:%M") if times else "?"
     meta = [("steps", f"{max(steps) if steps else 0}" + (f" / {total}" if total else "")),
@@ -172,8 +183,9 @@ def render_html(run: RunData, figures: list[tuple[plots.FigureSpec, bytes]]) -> 
                  f'<span class="badge {status_cls}">{e(status)}</span></h1><div class="meta">')
     parts += [f"<span><b>{e(k)}</b> {e(v)}</span>" for k, v in meta]
     parts.append('</div></header><section class="cards">')
-    parts += [f'<div class="card"><div class="label">{e(label)}</div><div class="value">{e(value)}</div>'
-              f'<div class="detail">{e(detail)}</div></div>' for label, value, detail in headline_cards(run)]
+    parts += [f'<div class="card{" wide" if len(detail) > WIDE_DETAIL else ""}"><div class="label">{e(label)}</div>'
+              f'<div class="value">{e(value)}</div><div class="detail">{e(detail)}</div></div>'
+              for label, value, detail in headline_cards(run)]
     parts.append("</section>")
     if figures:
         parts.append('<nav>' + " ".join(f'<a href="#{s.name}">{e(s.title)}</a>' for s, _ in figures)
@@ -271,10 +283,11 @@ h2 {{ font-size:18px; font-weight:620; margin:0 0 10px; }}
 .badge.ok {{ background:#dcfce7; color:#166534; }} .badge.run {{ background:#dbeafe; color:#1e40af; }}
 .badge.warn {{ background:#fef3c7; color:#92400e; }} .badge.bad {{ background:#fee2e2; color:#991b1b; }}
 .cards {{ display:grid; grid-template-columns:repeat(auto-fill,minmax(150px,1fr)); gap:12px; margin-bottom:18px; }}
-.card {{ background:#fff; border:1px solid var(--line); border-radius:10px; padding:12px 14px; }}
-.card .label {{ color:var(--muted); font-size:12.5px; text-transform:uppercase; letter-spacing:.04em; }}
+.card {{ background:#fff; border:1px solid var(--line); border-radius:10px; padding:12px 14px; min-width:0; }}
+.card.wide {{ grid-column:span 2; }}
+.card .label {{ color:var(--muted); font-size:12.5px; letter-spacing:.04em; overflow-wrap:anywhere; }}
 .card .value {{ font-size:24px; font-weight:650; margin:2px 0; font-variant-numeric:tabular-nums; }}
-.card .detail {{ color:var(--muted); font-size:12.5px; }}
+.card .detail {{ color:var(--muted); font-size:12.5px; overflow-wrap:anywhere; white-space:normal; }}
 nav {{ margin:0 0 14px; }} nav a {{ display:inline-block; margin:0 6px 6px 0; padding:3px 10px; background:#fff;
   border:1px solid var(--line); border-radius:999px; color:var(--accent); text-decoration:none; font-size:13px; }}
 section {{ background:#fff; border:1px solid var(--line); border-radius:12px; padding:16px 18px; margin-bottom:16px; }}

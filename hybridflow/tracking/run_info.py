@@ -102,7 +102,7 @@ def write_run_info(run_dir: str | Path, config: Any = None) -> dict[str, Any]:
     if cfg:
         (run_dir / CONFIG_FILE).write_text(
             yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False, width=110), encoding="utf-8")
-    logger.info("run info: %s → %s", summary(info), run_dir)
+    logger.debug("run info: %s → %s", summary(info), run_dir)  # the run_start event shows the summary
     return info
 
 

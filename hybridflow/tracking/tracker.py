@@ -23,6 +23,7 @@ from hybridflow.tracking import wandb as _wandb  # noqa: F401 - registers "wandb
 from hybridflow.tracking.base import TRACKERS, Backend, Event, RunContext, clean_metrics
 from hybridflow.tracking.console import ConsoleBackend
 from hybridflow.tracking.health import HealthEvent, HealthMonitor
+from hybridflow.tracking.summary import TOTAL_STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,17 @@ class Tracker:
         self.health = health
         self._closed = False
         self._last_step = 0
+        self.total_steps: int | None = None  # the run's step count, once `start_progress` is called
         self._console = next((b for b in self.backends if isinstance(b, ConsoleBackend)), None)
 
     # ------------------------------------------------------------------------------------------ building
     @classmethod
-    def from_config(cls, cfg: Any, run_dir: str | Path | None = None, write_info: bool = True) -> Tracker:
+    def from_config(cls, cfg: Any, run_dir: str | Path | None = None, write_info: bool = True,
+                    **backend_kwargs: Any) -> Tracker:
         """Tracker for a `hybridflow.config.Config`: backends from `trainer.logger`, a HealthMonitor from
         `trainer.health` (val metric `trainer.rollback.metric`); writes config.yaml + versions.json to the run
-        directory and records a `run_start` event."""
+        directory and records a `run_start` event. `backend_kwargs` as for `build_tracker`
+        (e.g. `console={"verbose": True}`)."""
         from hybridflow.tracking.run_info import config_to_dict, summary, write_run_info
 
         t = cfg.trainer
@@ -54,7 +58,7 @@ class Tracker:
         info = write_run_info(run_dir, cfg) if write_info else None
         health = HealthMonitor(t.health, rollback_metric=t.rollback.metric)
         tracker = build_tracker(t.logger, run_dir, t.project_name, t.experiment_name, config_dict, t.log_every,
-                                health=health)
+                                health=health, **backend_kwargs)
         if info is not None:
             tracker.event("run_start", summary(info), step=0, git_commit=info["git_commit"])
         return tracker
@@ -63,6 +67,8 @@ class Tracker:
     def log(self, metrics: dict[str, Any], step: int) -> list[HealthEvent]:
         """Log one step's metrics to every backend; returns the health warnings fired at this step."""
         clean = clean_metrics(metrics)
+        if self.total_steps is not None:  # so the report's header and the summary know the run's own step count
+            clean[TOTAL_STEPS] = float(self.total_steps)
         self._last_step = int(step)
         warnings: list[HealthEvent] = []
         if self.health is not None:
@@ -83,7 +89,9 @@ class Tracker:
 
     # ------------------------------------------------------------------------------------------ progress
     def start_progress(self, total_steps: int, initial_step: int = 0) -> None:
-        """Show a progress bar (TTY) / add `step N/total, eta` to plain lines; it follows `log(step)` calls."""
+        """Show a progress bar (TTY) / add `step N/total, eta` to plain lines; it follows `log(step)` calls. Rows
+        logged from now on carry `training/total_steps`."""
+        self.total_steps = int(total_steps)
         if self._console is not None:
             self._console.start_progress(total_steps, initial_step)
 

@@ -61,5 +61,5 @@ def apply_cpu_threads(setting: int, device: str) -> str:
     n, why = choose_cpu_threads(setting, cap=GPU_RUN_THREADS if gpu else None)
     torch.set_num_threads(n)
     line = f"cpu threads: {n} ({why}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"
-    logger.info(line)
+    logger.debug(line)  # the command prints it (commands/common.py): once on stderr
     return line

@@ -79,7 +79,7 @@ def test_quiet_config_anywhere(tmp_path, monkeypatch, capsys):
     import hybridflow.trainer.run as run
 
     seen = []
-    monkeypatch.setattr(run, "run_ppo", lambda cfg: seen.append(cfg))
+    monkeypatch.setattr(run, "run_ppo", lambda cfg, tracker=None: seen.append(cfg))
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("rollout: {n: 2}\n")
     for argv in (["train", "--quiet-config", str(cfg_file), "data.train_batch_size=64"],

@@ -18,5 +18,5 @@ def test_quickstart_command_runs_both_phases_and_prints_the_gain(tmp_path):
     out = proc.stdout
     assert "1/2 SFT warm start (4 steps, then checks val loss ≤ 0.22" in out, out
     assert "sft_extra_schedule" in out and "sft_target_missed" in out  # 4 + 2 steps cannot reach it: the gate says so
-    assert "2/2 GRPO" in out and "after SFT (before RL)" in out and "points)" in out, out
+    assert "2/2 GRPO" in out and "after SFT (before RL)" in out and "points, step 0 → " in out, out
     assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "sft" / "metrics.jsonl").exists()

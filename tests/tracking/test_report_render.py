@@ -73,7 +73,7 @@ def test_running_run_with_torn_line(synthetic_run: Path, tmp_path: Path) -> None
 def test_sparse_run_drops_empty_panels(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "dpo/loss": {3 / s}}}\n' for s in range(1, 6)))
     html = render_report(tmp_path).read_text()
-    assert [n for n, _ in IMG.findall(html)] == ["losses"]
+    assert [n for n, _ in IMG.findall(html)] == ["training"]
 
 
 def test_missing_metrics_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -95,4 +95,79 @@ def test_headline_says_what_val_accuracy_counts(tmp_path: Path) -> None:
     rows = [{"reward/score/mean": 0.6, "val/reward": 0.9, "val/accuracy": 0.1}]
     cards = {label: detail for label, _, detail in headline_cards(
         RunData(tmp_path, rows, config={"reward": {"success_threshold": 0.5}}))}
-    assert "correct = scorer's acc, else score ≥ 0.5 (reward.success_threshold)" in cards["val accuracy"]
+    assert "correct = the scorer's acc, else score ≥ 0.5 (reward.success_threshold)" in cards["val/accuracy"]
+    assert "greedy" in cards["val/accuracy"]
+
+
+# ------------------------------------------------------------------------------- supervised runs (SFT, RM, DPO)
+def _write_run(run_dir: Path, rows: list[dict], config: dict | None = None) -> Path:
+    import json
+
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if config is not None:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    return run_dir
+
+
+def _sft_rows(steps: int, total: int | None) -> list[dict]:
+    rows = [{"step": 0, "val/loss": 4.6, "val/token_accuracy": 0.01}]
+    for s in range(1, steps + 1):
+        row = {"step": s, "sft/loss": 4.6 - 0.01 * s, "sft/grad_norm": 1.0, "timing/step": 0.1}
+        if total is not None:
+            row["training/total_steps"] = total
+        if s % 2 == 0:
+            row |= {"val/loss": 4.6 - 0.01 * s, "val/token_accuracy": 0.01 * s}
+        rows.append(row)
+    return rows
+
+
+def test_sft_report_header_counts_its_own_steps(tmp_path: Path) -> None:
+    """The header's total is the SFT run's step count, not `trainer.total_training_steps` (the RL phase's)."""
+    config = {"trainer": {"total_training_steps": 30}, "sft": {"total_steps": 8}}
+    logged = render_report(_write_run(tmp_path / "logged", _sft_rows(6, total=6), config)).read_text()
+    assert "<b>steps</b> 6 / 6<" in logged and "/ 30" not in logged
+    old = render_report(_write_run(tmp_path / "old", _sft_rows(6, total=None), config)).read_text()  # no total logged
+    assert "<b>steps</b> 6 / 8<" in old and "/ 30" not in old
+
+
+def test_supervised_reports_draw_loss_and_accuracy_curves(tmp_path: Path) -> None:
+    html = render_report(_write_run(tmp_path / "sft", _sft_rows(6, total=6))).read_text()
+    figs = dict(IMG.findall(html))
+    assert list(figs)[0] == "training" and "reward" not in figs  # val/token_accuracy is drawn once, here
+    rm_rows = [{"step": s, "rm/loss": 0.7 - 0.01 * s, "rm/accuracy": 0.5 + 0.02 * s, "rm/reward_margin": 0.1 * s,
+                "val/loss": 0.69, "val/accuracy": 0.5 + 0.01 * s} for s in range(6)]
+    figs = dict(IMG.findall(render_report(_write_run(tmp_path / "rm", rm_rows)).read_text()))
+    assert "training" in figs and decode(figs["training"]).std() > 10
+
+
+def _cards(run_dir: Path) -> dict[str, str]:
+    from hybridflow.tracking.report import headline_cards
+
+    return {label: detail for label, _, detail in headline_cards(load_run(run_dir))}
+
+
+def test_dpo_accuracy_cards_say_which_accuracy(tmp_path: Path) -> None:
+    """DPO's implicit-reward preference accuracy and a greedy task accuracy are told apart by the metric's name."""
+    base = {"dpo/loss": 0.69, "rewards/accuracies": 0.6, "val/loss": 0.68}
+    only_implicit = [{"step": s, **base, "val/accuracy": 0.5 + 0.1 * s} for s in range(3)]
+    cards = _cards(_write_run(tmp_path / "old", only_implicit))
+    assert "implicit-reward preference accuracy" in cards["val/accuracy"]
+    both = [{"step": s, **base, "val/rewards/accuracies": 0.5 + 0.1 * s, "val/accuracy": 0.2 + 0.1 * s}
+            for s in range(3)]
+    cards = _cards(_write_run(tmp_path / "new", both))
+    assert "implicit-reward preference accuracy" in cards["val/rewards/accuracies"]
+    assert "task accuracy, greedy" in cards["val/accuracy"] and "implicit" not in cards["val/accuracy"]
+
+
+def test_accuracy_card_text_is_whole_and_wraps(tmp_path: Path) -> None:
+    """The rule under the accuracy card is all there, in a card that wraps its text (two columns wide)."""
+    rows = [{"step": s, "reward/score/mean": 0.1 * s, "val/accuracy": 0.1 * s} for s in range(3)]
+    html = render_report(_write_run(tmp_path / "run", rows, {"reward": {"success_threshold": 1.0}})).read_text()
+    card = re.search(r'<div class="card([^"]*)"><div class="label">val/accuracy</div>.*?<div class="detail">([^<]*)<',
+                     html)
+    assert card is not None and card.group(1) == " wide"
+    assert card.group(2).endswith("correct = the scorer&#x27;s acc, else score ≥ 1 (reward.success_threshold)")
+    assert "overflow-wrap:anywhere" in html and "text-overflow" not in html and "nowrap" not in html.split(".card")[1]

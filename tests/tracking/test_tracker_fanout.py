@@ -116,4 +116,4 @@ def test_progress_context(tmp_path: Path) -> None:
         tr.log({"reward/score/mean": 0.5}, 3)
         tr.advance(4)
     tr.close()
-    assert buf.getvalue().splitlines()[0].startswith("step 3/4 | eta ")
+    assert buf.getvalue().splitlines()[0].startswith("step 3/4 · reward 0.5 · eta ")

@@ -127,7 +127,7 @@ def test_cli_trains_and_exports(tmp_path, capsys) -> None:
     rc = main(["dpo", *_args(tmp_path, "dpo.total_steps=2", "dpo.loss_type=ipo", f"dpo.export_dir={tmp_path}/hf")])
     assert rc == 0, capsys.readouterr()
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
-    assert "ipo done" in capsys.readouterr().out
+    assert "IPO finished: 2 of 2 steps" in capsys.readouterr().out
 
 
 def test_greedy_task_accuracy_is_measured_apart_from_the_implicit_one(tmp_path) -> None:

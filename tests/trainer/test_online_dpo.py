@@ -117,7 +117,7 @@ def test_cli_online_flag(tmp_path: Path, capsys) -> None:
     rc = main(["dpo", "--online", *cfg_args])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert "online dpo done: 1 logged steps" in out.out and "val/accuracy=" in out.out
+    assert "online DPO finished: 1 of 1 steps" in out.out and "val/accuracy" in out.out
 
 
 def test_train_command_refuses_online_dpo(capsys) -> None:
