@@ -26,7 +26,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_from_args(items, runs=True)
         if cfg.dpo.online:
             return _run_online(cfg)
-        from hybridflow.trainer.dpo import DPOTrainer
+        from hybridflow.config.preflight import check_before_run
+        from hybridflow.trainer.dpo import DPOTrainer, dpo_model_config
+
+        check_before_run(dpo_model_config(cfg), command="dpo")  # model, pair files' columns, before anything loads
         from hybridflow.trainer.supervised import run_supervised
 
         path, history = run_supervised(DPOTrainer, cfg)
@@ -43,7 +46,7 @@ def _run_online(cfg: Config) -> int:
     from hybridflow.trainer.dpo import dpo_model_config
     from hybridflow.trainer.online_dpo import run_online_dpo
 
-    check_before_run(dpo_model_config(cfg))  # model, prompt files and reward functions, before anything loads
+    check_before_run(dpo_model_config(cfg), command="dpo")  # model, prompt files and reward functions, before anything loads
     history = run_online_dpo(cfg)
     last = history[-1] if history else {}
     ckpt = cfg.trainer.default_local_dir
