@@ -282,6 +282,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     if origin is list:
+        if isinstance(value, str) and args and args[0] is str:  # one file or name, e.g. verl's data.train_files=a.parquet
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}={value!r}: expected a list ({_type_name(tp)}), e.g. {path}=[a,b]")
         return [_coerce(args[0] if args else Any, v, f"{path}[{i}]") for i, v in enumerate(value)]
