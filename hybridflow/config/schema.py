@@ -622,7 +622,8 @@ class ResourcePoolConfig:
 # --------------------------------------------------------------------------------------------------- sft / rm
 @dataclass(frozen=True)
 class SFTConfig:
-    """`hybridflow sft`: rows from data.task or data.train_files (`prompt` + `response` columns, or `messages`)."""
+    """`hybridflow sft`: rows from data.task or data.train_files (`messages`, `prompt` + `response`, `prompt` +
+    `completion` or `text`: data/layouts.py)."""
 
     epochs: int  # passes over the training rows (used when total_steps is null)
     total_steps: int | None  # optimizer steps; null = epochs × batches per epoch
