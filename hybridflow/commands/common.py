@@ -26,7 +26,7 @@ def load_from_args(items: list[str], validate: bool = True, *, preflight: bool =
     scores responses) before anything loads — see `hybridflow.config.preflight`. `runs`: the command runs a model,
     so it gets its CPU thread count (`trainer.cpu_threads`, printed on stderr)."""
     files, overrides = split_args(items)
-    cfg = load_config(files, overrides, validate=validate)
+    cfg = load_config(files, overrides, validate=validate, command=command)
     if preflight:
         from hybridflow.config.preflight import check_before_run
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     items = [*args.args, "dpo.online=true"] if args.online else args.args
     try:
-        cfg = load_from_args(items, runs=True)
+        cfg = load_from_args(items, command="dpo", runs=True)
         if cfg.dpo.online:
             return _run_online(cfg)
         from hybridflow.config.preflight import check_before_run

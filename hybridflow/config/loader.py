@@ -48,9 +48,9 @@ class ConfigError(ValueError):
 
 
 def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides: Iterable[str] = (),
-                validate: bool = True) -> Config:
+                validate: bool = True, command: str = "train") -> Config:
     """Build the typed config from defaults, YAML files or nested dicts shaped like one (in order, later wins)
-    and `a.b=c` overrides (last wins)."""
+    and `a.b=c` overrides (last wins); `validate` checks what `command` (train|sft|rm|dpo) uses."""
     merged = load_defaults_dict()
     for f in files:
         source = "a dict layer" if isinstance(f, Mapping) else str(f)
@@ -69,7 +69,7 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
     if validate:
         from hybridflow.config.validate import validate_config
 
-        validate_config(cfg)
+        validate_config(cfg, command)
     return cfg
 
 

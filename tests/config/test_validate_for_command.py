@@ -83,3 +83,11 @@ def test_checkpoint_mirror_needs_its_fsspec_backend(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert "trainer.default_hdfs_dir='s3://bucket/ckpt'" in err and "s3fs" in err
     assert main(["config", "validate", f"trainer.default_hdfs_dir=file://{tmp_path}/mirror"]) == 0
+
+
+def test_sft_is_not_held_to_rl_batch_arithmetic(capsys) -> None:
+    bad_rl = "actor.ppo_mini_batch_size=12"  # 32 prompts / 12: an RL error, nothing SFT reads
+    assert main(["config", "validate", "--for", "sft", bad_rl]) == 0
+    assert main(["config", "validate", "--for", "train", bad_rl]) == 2
+    assert "actor.ppo_mini_batch_size=12" in capsys.readouterr().err
+    assert load_config([], [bad_rl], command="rm").actor.ppo_mini_batch_size == 12
