@@ -16,6 +16,7 @@ import yaml
 
 from hybridflow.commands.common import add_config_args, load_from_args, split_args
 from hybridflow.config import Config, ConfigError, load_config, to_dict, to_yaml
+from hybridflow.config.loader import read_yaml
 from hybridflow.config.plan import COMMANDS
 
 # Sections only `hybridflow train` (and online DPO) reads; verl's roots count as train sections too.
@@ -49,12 +50,10 @@ def diff_from_defaults(config: dict[str, Any], defaults: dict[str, Any]) -> dict
 
 def sections_set(items: list[str]) -> set[str]:
     """Top-level sections named by the YAML files and overrides of a command line."""
-    from hybridflow.config.loader import _read_yaml
-
     files, overrides = split_args(items)
     found = {key.split(".", 1)[0].lstrip("+") for key in (o.split("=", 1)[0] for o in overrides)}
     for f in files:
-        found |= set(_read_yaml(Path(f)))
+        found |= set(read_yaml(Path(f)))
     return found
 
 
@@ -74,8 +73,11 @@ def validate(items: list[str], command: str) -> str:
     from hybridflow.config.preflight import train_rows
 
     cfg: Config = load_from_args(items, preflight=True, command=command)
+    rows = train_rows(cfg)
+    if rows is None:
+        return "no step plan: data.train_files has remote files, whose rows are counted when the run reads them"
     try:
-        return step_plan(cfg, train_rows(cfg), command)[2]
+        return step_plan(cfg, rows, command)[2]
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

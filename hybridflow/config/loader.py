@@ -54,7 +54,7 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
     merged = load_defaults_dict()
     for f in files:
         source = "a dict layer" if isinstance(f, Mapping) else str(f)
-        layer = _from_verl(dict(f) if isinstance(f, Mapping) else _read_yaml(Path(f)), source)
+        layer = _from_verl(dict(f) if isinstance(f, Mapping) else read_yaml(Path(f)), source)
         section = layer.get("algorithm")
         merged = merge(_with_preset(merged, section.get("preset") if isinstance(section, Mapping) else None), layer,
                        source=source)
@@ -108,10 +108,11 @@ def _with_preset(merged: dict[str, Any], name: Any) -> dict[str, Any]:
 
 
 def load_defaults_dict() -> dict[str, Any]:
-    return _read_yaml(DEFAULTS_PATH)
+    return read_yaml(DEFAULTS_PATH)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML config file as a dict; size and alias expansion bounded (`check_yaml_size`)."""
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     size = path.stat().st_size

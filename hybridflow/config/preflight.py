@@ -50,13 +50,15 @@ def preflight_errors(cfg: Config, *, command: str = "train", data: bool = True,
     return errors
 
 
-def train_rows(cfg: Config) -> int:
-    """Rows of the training set: the parquet files' row counts (footer metadata) or `data.train_size`; remote
-    files are not opened (0 rows counted for them)."""
+def train_rows(cfg: Config) -> int | None:
+    """Rows of the training set: the parquet files' row counts (footer metadata) or `data.train_size`; None when
+    a training file is remote (not opened here)."""
     import pyarrow.parquet as pq
 
     if not cfg.data.train_files:
         return cfg.data.train_size
+    if any("://" in str(f) and not str(f).startswith("file://") for f in cfg.data.train_files):
+        return None
     return sum(pq.read_metadata(p).num_rows for f in cfg.data.train_files for p in _local_parquets(str(f)))
 
 
