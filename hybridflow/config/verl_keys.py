@@ -32,6 +32,10 @@ class VerlKey:
     last: bool = False  # applied after the rest of its layer (it decides over another key, whatever the order)
 
 
+class _Skip(Exception):
+    """The verl value asks for what hybridflow does by default: nothing to set."""
+
+
 def _save_freq(key: str, value: Any) -> Any:
     return 0 if isinstance(value, int) and value < 0 else value  # verl: -1 never saves; ours: 0 never, -1 at end
 
@@ -58,10 +62,6 @@ def _filter_overlong(key: str, value: Any) -> Any:
     if value in (True, "true", "True"):
         return "filter"
     raise _Skip
-
-
-class _Skip(Exception):
-    """The verl value asks for what hybridflow does by default: nothing to set."""
 
 
 _TP = _only(1, "the rollout engine runs on the actor's FSDP weights, one GPU per process (no tensor parallelism)")
