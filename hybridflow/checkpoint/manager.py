@@ -29,7 +29,7 @@ from hybridflow.checkpoint.async_writer import AsyncWriter, CheckpointWriteError
 from hybridflow.checkpoint.flatten import flatten_state, tensor_keys
 from hybridflow.checkpoint.remote import RemoteMirror, open_mirror
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
-from hybridflow.checkpoint.storage import CpuStager, choose_format, read_component, write_component
+from hybridflow.checkpoint.storage import CpuStager, choose_format, damaged, read_component, write_component
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import TrainerConfig
@@ -265,18 +265,18 @@ class CheckpointManager:
             flat = None
             if name in templates:
                 flat, _ = flatten_state(templates[name])
-                need = set(tensor_keys(atomic.read_json(ckpt / name / "skeleton.json")))
+                need = set(tensor_keys(_read_json(ckpt / name / "skeleton.json", ckpt)))
                 missing = sorted(need - set(flat))
                 if missing and info["format"] == "dcp":  # safetensors fills missing ones with fresh tensors
                     raise ValueError(f"{ckpt}/{name}: the template lacks tensors {missing[:5]}; build it from a "
                                      "sharded state with the same structure (e.g. optimizer state initialised, as DCP's get_state_dict does)")
                 flat = {k: v for k, v in flat.items() if k in need}
             components[name] = read_component(ckpt / name, info["format"], flat, self._group)
-        extra = atomic.read_json(ckpt / EXTRA)
+        extra = _read_json(ckpt / EXTRA, ckpt)
         rank_state = None
         rank_path = ckpt / _rank_file(self.rank)
         if rank_path.exists():
-            payload = atomic.read_json(rank_path)
+            payload = _read_json(rank_path, ckpt)
             rank_state = payload.get("state")
             if restore_rng and payload.get("rng") is not None:
                 restore_rng_state(payload["rng"])
@@ -328,3 +328,10 @@ def _to_json(obj: dict[str, Any], what: str) -> str:
     except (TypeError, ValueError) as err:
         raise TypeError(f"checkpoint {what} must be JSON-serialisable (dict of str/int/float/bool/None/lists): "
                         f"{err}") from err
+
+
+def _read_json(path: Path, ckpt: Path) -> Any:
+    try:
+        return atomic.read_json(path)
+    except (OSError, ValueError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise damaged(path, ckpt, err) from err

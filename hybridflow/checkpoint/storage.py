@@ -8,6 +8,7 @@ written once by rank 0 as safetensors. Only tensors reach DCP, so its pickled by
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 from collections.abc import Mapping
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -166,13 +169,64 @@ def read_flat_tensors(comp_dir: Path, fmt: str, prefix: str = "") -> dict[str, t
     raise ValueError(f"{comp_dir}: unknown component format {fmt!r}")
 
 
+# What a damaged (truncated, overwritten) file raises while it is read: DCP wraps its ranks' errors in a
+# CheckpointException (a BaseException), a cut pickle raises EOFError or UnpicklingError.
+DAMAGED_FILE_ERRORS = (CheckpointException, SafetensorError, json.JSONDecodeError, UnicodeDecodeError,
+                       pickle.UnpicklingError, EOFError, OSError)
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file that cannot be read; the message names the file and the fix."""
+
+
+def damaged_file(comp_dir: Path, fmt: str) -> str:
+    """The first file of a component that does not read back (skeleton, safetensors header, DCP metadata), else the
+    component's tensor files — the DCP shards, whose damage shows only when their bytes are read."""
+    try:
+        read_json(comp_dir / SKELETON)
+    except (OSError, ValueError):
+        return str(comp_dir / SKELETON)
+    if fmt == "safetensors":
+        return str(comp_dir / SAFETENSORS)
+    try:
+        SafeFileSystemReader(str(comp_dir / DCP_DIR)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+        return str(comp_dir / DCP_DIR / ".metadata")
+    shards = sorted(str(p) for p in (comp_dir / DCP_DIR).glob("*.distcp"))
+    return ", ".join(shards) or str(comp_dir / DCP_DIR)
+
+
 def read_component(comp_dir: Path, fmt: str, template: Mapping[str, torch.Tensor] | None,
                    group: dist.ProcessGroup | None) -> Any:
-    """Read one component back into its nested form.
+    """Read one component back into its nested form; a damaged file is a DamagedCheckpointError naming it.
 
     With `template` (flat tensors of the caller's current state, e.g. DTensor shards), values are loaded into
     those tensors in place (DCP reshards); without, full CPU tensors are returned.
     """
+    try:
+        return _read_component(comp_dir, fmt, template, group)
+    except DAMAGED_FILE_ERRORS as err:
+        raise damaged(damaged_file(comp_dir, fmt), comp_dir.parent, err) from err
+
+
+def damaged(file: str | Path, ckpt: Path, err: BaseException) -> DamagedCheckpointError:
+    """The error for a checkpoint file that cannot be read: the file, the underlying error, the fix."""
+    failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        rank, wrapped = next(iter(failures.items()))
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        err_text = f"rank {rank}: {type(cause).__name__}: {cause}"
+    else:
+        err_text = f"{type(err).__name__}: {err}"
+    err_text = err_text.strip().splitlines()[0] if err_text.strip() else type(err).__name__
+    return DamagedCheckpointError(
+        f"checkpoint file {file} cannot be read ({err_text}); the checkpoint {ckpt} is damaged. Fix: delete that "
+        "directory so the run resumes from the previous complete checkpoint (or set trainer.resume_path to one), "
+        "or set trainer.resume_mode=disable to start fresh")
+
+
+def _read_component(comp_dir: Path, fmt: str, template: Mapping[str, torch.Tensor] | None,
+                    group: dist.ProcessGroup | None) -> Any:
     skeleton = read_json(comp_dir / SKELETON)
     if fmt == "safetensors":
         loaded = load_file(str(comp_dir / SAFETENSORS), device="cpu")

@@ -19,17 +19,18 @@ def split_args(items: list[str]) -> tuple[list[str], list[str]]:
     return files, overrides
 
 
-def load_from_args(items: list[str], validate: bool = True, *, preflight: bool = False, data: bool = True,
-                   reward: bool = True, runs: bool = False) -> Config:
-    """The config of the command line; `preflight` also checks what it points at (model, data files when `data`,
-    reward functions when `reward`) before anything loads — see `hybridflow.config.preflight`. `runs`: the command
-    runs a model, so it gets its CPU thread count (`trainer.cpu_threads`, printed on stderr)."""
+def load_from_args(items: list[str], validate: bool = True, *, preflight: bool = False, command: str = "train",
+                   data: bool = True, reward: bool | None = None, runs: bool = False) -> Config:
+    """The config of the command line; `preflight` also checks what `command` (train|sft|rm|dpo) uses of what it
+    points at (model, data files and columns when `data`, reward functions when `reward`, default: the command
+    scores responses) before anything loads — see `hybridflow.config.preflight`. `runs`: the command runs a model,
+    so it gets its CPU thread count (`trainer.cpu_threads`, printed on stderr)."""
     files, overrides = split_args(items)
-    cfg = load_config(files, overrides, validate=validate)
+    cfg = load_config(files, overrides, validate=validate, command=command)
     if preflight:
         from hybridflow.config.preflight import check_before_run
 
-        check_before_run(cfg, data=data, reward=reward)
+        check_before_run(cfg, command=command, data=data, reward=reward)
     if runs:
         from hybridflow.utils.threads import apply_cpu_threads
 

@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     items = [*args.args, "dpo.online=true"] if args.online else args.args
     try:
-        cfg = load_from_args(items, runs=True)
+        cfg = load_from_args(items, command="dpo", runs=True)
+        if not cfg.dpo.online:
+            from hybridflow.config.preflight import check_before_run
+            from hybridflow.trainer.dpo import dpo_model_config
+
+            check_before_run(dpo_model_config(cfg), command="dpo")  # model, pair files' columns, before anything loads
     except (ValueError, KeyError) as err:
         return fail(err)
     if cfg.dpo.online:
@@ -59,7 +64,7 @@ def _run_online(cfg: Config, args: argparse.Namespace, items: list[str]) -> int:
     from hybridflow.trainer.online_dpo import run_online_dpo
 
     try:
-        check_before_run(dpo_model_config(cfg))  # model, prompt files and reward functions, before anything loads
+        check_before_run(dpo_model_config(cfg), command="dpo")  # model, prompt files and reward functions, before anything loads
     except (ValueError, KeyError) as err:
         return fail(err)
 

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridflow.trainer.supervised import run_supervised
 
     try:
-        cfg = load_from_args(args.args, preflight=True, reward=False, runs=True)
+        cfg = load_from_args(args.args, preflight=True, command="sft", runs=True)
     except (ValueError, KeyError) as err:
         return fail(err)
 

@@ -5,6 +5,9 @@ line) that names it, so that layer and later ones win over the preset.
 
 The merged plain dict is type-checked while it is turned into the frozen `Config` dataclasses; unknown keys fail
 with a "did you mean" suggestion and the full key path. `${a.b}` inside strings refers to another value.
+verl's key names (`actor_rollout_ref.rollout.n`, ...) are rewritten to ours per layer (`verl_keys.py`). YAML is
+bounded before anything walks it: a file's size, and the size of its tree with every alias expanded (an alias bomb
+is a few lines that expand to billions of nodes).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 _REF = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
+MAX_YAML_BYTES = 4 << 20  # a config file is a few KB; data belongs in parquet
+MAX_YAML_NODES = 200_000  # values in a document with its aliases expanded (defaults.yaml: ~500)
 
 # Keys that were removed: an old config (e.g. a run directory's config.yaml) still loads, with a warning and the fix.
 REMOVED_KEYS: dict[str, str] = {
@@ -44,16 +49,17 @@ class ConfigError(ValueError):
 
 
 def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides: Iterable[str] = (),
-                validate: bool = True) -> Config:
+                validate: bool = True, command: str = "train") -> Config:
     """Build the typed config from defaults, YAML files or nested dicts shaped like one (in order, later wins)
-    and `a.b=c` overrides (last wins)."""
+    and `a.b=c` overrides (last wins); `validate` checks what `command` (train|sft|rm|dpo) uses."""
     merged = load_defaults_dict()
     for f in files:
-        layer = dict(f) if isinstance(f, Mapping) else _read_yaml(Path(f))
+        source = "a dict layer" if isinstance(f, Mapping) else str(f)
+        layer = _from_verl(dict(f) if isinstance(f, Mapping) else read_yaml(Path(f)), source)
         section = layer.get("algorithm")
         merged = merge(_with_preset(merged, section.get("preset") if isinstance(section, Mapping) else None), layer,
-                       source="a dict layer" if isinstance(f, Mapping) else str(f))
-    parsed = [parse_override(item) for item in overrides]
+                       source=source)
+    parsed = _verl_overrides([parse_override(item) for item in overrides])
     presets = [value for key, value in parsed if key == "algorithm.preset"]
     if presets:
         merged = _with_preset(merged, presets[-1])
@@ -64,8 +70,26 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
     if validate:
         from hybridflow.config.validate import validate_config
 
-        validate_config(cfg)
+        validate_config(cfg, command)
     return cfg
+
+
+def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:
+    from hybridflow.config.verl_keys import VerlKeyError, translate_layer
+
+    try:
+        return translate_layer(layer)
+    except VerlKeyError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def _verl_overrides(parsed: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    from hybridflow.config.verl_keys import VerlKeyError, translate_overrides
+
+    try:
+        return translate_overrides(parsed)
+    except VerlKeyError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _with_preset(merged: dict[str, Any], name: Any) -> dict[str, Any]:
@@ -85,20 +109,44 @@ def _with_preset(merged: dict[str, Any], name: Any) -> dict[str, Any]:
 
 
 def load_defaults_dict() -> dict[str, Any]:
-    return _read_yaml(DEFAULTS_PATH)
+    return read_yaml(DEFAULTS_PATH)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML config file as a dict; size and alias expansion bounded (`check_yaml_size`)."""
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ConfigError(f"config file {str(path)!r} is {size / 2**20:.1f} MiB, over the {MAX_YAML_BYTES >> 20} MiB "
+                          "a config may have; is it a data file? Give data as parquet in data.train_files")
     with path.open() as fh:
         try:
             data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    check_yaml_size(data, f"config file {str(path)!r}")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def check_yaml_size(data: Any, source: str) -> None:
+    """Raise ConfigError when `data` has more than MAX_YAML_NODES values with its aliases expanded (YAML aliases
+    load as shared references, which every later walk — merge, interpolation, typing — visits again). Stops
+    counting at the bound, so a bomb fails in milliseconds."""
+    count, stack = 0, [data]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_YAML_NODES:
+            raise ConfigError(f"{source} expands to more than {MAX_YAML_NODES:,} values (YAML aliases — `*name` — "
+                              "repeat what they refer to, and nested ones multiply); a config is a few hundred "
+                              "values: remove the nested aliases")
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def merge(base: dict[str, Any], update: Mapping[str, Any], source: str = "", prefix: str = "") -> dict[str, Any]:
@@ -127,10 +175,14 @@ def parse_value(raw: str) -> Any:
     raw = raw.strip()
     if raw.lower() in ("none", "null", "~"):
         return None
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"override value of {len(raw)} characters is over the {MAX_YAML_BYTES >> 20} MiB a config "
+                          "value may have")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+    check_yaml_size(value, f"override value {raw[:40]!r}")
     if isinstance(value, str):
         try:
             return float(value)  # YAML 1.1 reads 1e-6 as a string
@@ -232,6 +284,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     if origin is list:
+        if isinstance(value, str) and args and args[0] is str:  # one file or name, e.g. verl's data.train_files=a.parquet
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}={value!r}: expected a list ({_type_name(tp)}), e.g. {path}=[a,b]")
         return [_coerce(args[0] if args else Any, v, f"{path}[{i}]") for i, v in enumerate(value)]

@@ -1,8 +1,11 @@
-"""Checks of what a config points at — data files, the custom reward function, scorers for the data, the model —
-run by `config validate` and by every command before any model loads (`check_before_run`).
+"""Checks of what a config points at — data files and their columns, the custom reward function, scorers for the
+data, the code sandbox, fsspec backends, the model — run by `config validate` and by every command before any
+model loads (`check_before_run`), for one command: `train`, `sft`, `rm` or `dpo` check only what that command uses.
 
 Each problem is one line naming the key, the value and the fix; user code that fails to import becomes a line
-too (its exception type and message), never a traceback. Remote (fsspec URL) files are not opened here.
+too (its exception type and message), never a traceback. Parquet files are read for their schema and row count
+(footer metadata), never their rows — except `data_source` for `rule` rewards. Remote (fsspec URL) files are not
+opened here; their fsspec backend must be installed.
 """
 
 from __future__ import annotations
@@ -19,22 +22,44 @@ VERL_SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_i
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def check_before_run(cfg: Config, *, data: bool = True, reward: bool = True) -> None:
+def check_before_run(cfg: Config, *, command: str = "train", data: bool = True, reward: bool | None = None) -> None:
     """Raise `ConfigError` listing every problem `preflight_errors` finds."""
-    errors = preflight_errors(cfg, data=data, reward=reward)
+    errors = preflight_errors(cfg, command=command, data=data, reward=reward)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
-def preflight_errors(cfg: Config, *, data: bool = True, reward: bool = True) -> list[str]:
-    """Problems with the model path, the data files (when `data`), the reward sources and their functions (when
-    `reward`: RL commands; SFT and RM data need no scorer)."""
-    errors = _model_errors(cfg)
+def uses_reward(cfg: Config, command: str) -> bool:
+    """Whether `command` scores responses with reward.* (RL training and online DPO; SFT/RM/offline DPO do not)."""
+    return command == "train" or (command == "dpo" and cfg.dpo.online)
+
+
+def preflight_errors(cfg: Config, *, command: str = "train", data: bool = True,
+                     reward: bool | None = None) -> list[str]:
+    """Problems with the model path, the checkpoint mirror, the data files and their columns for `command` (when
+    `data`), the reward sources, their functions and the sandbox (when `reward`; default: `uses_reward`)."""
+    reward = uses_reward(cfg, command) if reward is None else reward
+    errors = _model_errors(cfg) + _mirror_errors(cfg)
     files = _data_files(cfg) if data else []
-    errors += [e for e in (_file_error(key, f) for key, f in files) if e]
+    file_errors = [e for e in (_file_error(key, f) for key, f in files) if e]
+    if data and not file_errors:
+        file_errors = _column_errors(cfg, command, reward, files)
+    errors += file_errors
     if reward:
         errors += _reward_errors(cfg, [f for _, f in files] if not errors else [])
     return errors
+
+
+def train_rows(cfg: Config) -> int | None:
+    """Rows of the training set: the parquet files' row counts (footer metadata) or `data.train_size`; None when
+    a training file is remote (not opened here)."""
+    import pyarrow.parquet as pq
+
+    if not cfg.data.train_files:
+        return cfg.data.train_size
+    if any("://" in str(f) and not str(f).startswith("file://") for f in cfg.data.train_files):
+        return None
+    return sum(pq.read_metadata(p).num_rows for f in cfg.data.train_files for p in _local_parquets(str(f)))
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -66,7 +91,7 @@ def _data_files(cfg: Config) -> list[tuple[str, str]]:
 
 def _file_error(key: str, path: str) -> str | None:
     if "://" in path and not path.startswith("file://"):
-        return None
+        return _backend_error(key, path)
     local = Path(path.removeprefix("file://")).expanduser()
     if not local.exists():
         return f"{key}: {path!r} does not exist; fix the path (a parquet file or a directory of *.parquet files)"
@@ -75,22 +100,98 @@ def _file_error(key: str, path: str) -> str | None:
     return None
 
 
+def _local_parquets(f: str) -> list[Path]:
+    """The local parquet files `f` stands for (a directory: its *.parquet); [] for a remote URL."""
+    if "://" in f and not f.startswith("file://"):
+        return []
+    local = Path(f.removeprefix("file://")).expanduser()
+    return sorted(local.glob("*.parquet")) if local.is_dir() else [local]
+
+
+def _column_errors(cfg: Config, command: str, reward: bool, files: list[tuple[str, str]]) -> list[str]:
+    """Each local parquet's columns (its schema only) against what `command` reads."""
+    import pyarrow.parquet as pq
+
+    from hybridflow.data.contract import ground_truth_required
+    from hybridflow.data.layouts import rl_columns_problem, sft_layout
+    from hybridflow.data.preference_columns import resolve_columns
+
+    d = cfg.data
+    out = []
+    for key, f in files:
+        for p in _local_parquets(f):
+            try:
+                names = pq.read_schema(p).names
+            except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+                out.append(f"{key}: {str(p)!r} is not a readable parquet file ({err}); fix or replace it")
+                continue
+            try:
+                if command == "sft":
+                    sft_layout(names, d.prompt_key, name=str(p))
+                elif command in ("rm", "dpo") and not (command == "dpo" and cfg.dpo.online):
+                    resolve_columns(names, d.prompt_key, d.chosen_key, d.rejected_key, name=str(p))
+                else:
+                    problem = rl_columns_problem(names, d.prompt_key,
+                                                 reward and ground_truth_required(d, cfg.reward))
+                    if problem:
+                        out.append(f"{key}: {str(p)!r}: {problem}")
+            except ValueError as err:
+                out.append(f"{key}: {err}")
+    return out
+
+
 def _data_sources(files: list[str]) -> set[str]:
     """The distinct `data_source` values of local parquet files (only that column is read)."""
     import pyarrow.parquet as pq
 
     out: set[str] = set()
     for f in files:
-        if "://" in f and not f.startswith("file://"):
-            continue
-        local = Path(f.removeprefix("file://")).expanduser()
-        for p in sorted(local.glob("*.parquet")) if local.is_dir() else [local]:
+        for p in _local_parquets(f):
             schema = pq.read_schema(p)
             if "data_source" in schema.names:
                 out.update(str(v) for v in pq.read_table(p, columns=["data_source"]).column(0).to_pylist())
             else:
                 out.add("unknown")
     return out
+
+
+# ------------------------------------------------------------------------------------------------- fsspec
+def _backend_error(key: str, url: str) -> str | None:
+    """Why fsspec cannot open `url` here: an unknown protocol or its backend package not installed."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        return f"{key}={url!r}: fsspec knows no protocol {protocol!r}; use s3://, gs://, hdfs://, file://, ..."
+    except ImportError as err:
+        return (f"{key}={url!r}: the fsspec backend for {protocol}:// is not installed ({err}); install it "
+                "(e.g. pip install s3fs for s3://, gcsfs for gs://) or use a local path")
+    return None
+
+
+def _mirror_errors(cfg: Config) -> list[str]:
+    url = cfg.trainer.default_hdfs_dir
+    if not url or "://" not in url:
+        return []
+    error = _backend_error("trainer.default_hdfs_dir", url)
+    return [error] if error else []
+
+
+# ------------------------------------------------------------------------------------------------ sandbox
+def _sandbox_errors(cfg: Config, scorers: set[str]) -> list[str]:
+    """A `code` reward needs a working sandbox (bubblewrap or user namespaces) unless unisolated runs are allowed."""
+    if "code" not in scorers or cfg.reward.sandbox.allow_unisolated:
+        return []
+    from hybridflow.rewards import sandbox
+
+    if any(sandbox.available(mode) for mode in sandbox.ISOLATED_MODES):
+        return []
+    reasons = "; ".join(f"{m}: {sandbox.unavailable_reason(m)}" for m in sandbox.ISOLATED_MODES)
+    return [f"the code reward runs policy programs in a sandbox, and none works here ({reasons}); install "
+            "bubblewrap (apt-get install bubblewrap) or allow unprivileged user namespaces, or set "
+            "reward.sandbox.allow_unisolated=true to run them with rlimits only (unsafe)"]
 
 
 # --------------------------------------------------------------------------------------------------- reward
@@ -112,13 +213,16 @@ def _reward_errors(cfg: Config, files: list[str]) -> list[str]:
         if name not in ("rule", "custom", "model") and name not in REWARD_FUNCTIONS:
             out.append(f"reward.sources names {name!r}, which is not a registered reward function, 'rule', "
                        f"'custom' or 'model'; registered: {', '.join(REWARD_FUNCTIONS.names())}")
+    scorers = set(names)
     if "rule" in names and files:
-        missing = sorted(ds for ds in _data_sources(files) if DATA_SOURCES.get(ds, ds) not in REWARD_FUNCTIONS)
+        sources = _data_sources(files)
+        scorers |= {DATA_SOURCES.get(ds, ds) for ds in sources}
+        missing = sorted(ds for ds in sources if DATA_SOURCES.get(ds, ds) not in REWARD_FUNCTIONS)
         if missing:
             out.append(f"reward.sources=[rule] picks a scorer by each row's data_source, and none is known for "
                        f"{missing}; set reward.custom.path to your .py file (its {VERL_SIGNATURE} then scores "
                        "every row) or name a registered function in reward.sources")
-    return out
+    return out + _sandbox_errors(cfg, scorers)
 
 
 def custom_function_errors(path: str, name: str) -> list[str]:

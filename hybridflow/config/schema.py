@@ -31,6 +31,15 @@ def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, key, value, f"must be one of {', '.join(map(repr, allowed))}")
 
 
+def check_path_name(key: str, value: str) -> None:
+    """A name that becomes one directory level (runs/<project>/<experiment>): no separators, no `..`."""
+    bad = (not value or value in (".", "..") or ".." in value or any(c in value for c in "/\\\0")
+           or value != value.strip())
+    _check(not bad, key, value, "a name becomes a directory under trainer.run_dir and trainer.default_local_dir, "
+           "so it must be one non-empty path segment without '/', '\\' or '..' (e.g. "
+           f"{key}=my_run); to write elsewhere set trainer.run_dir / trainer.default_local_dir")
+
+
 # --------------------------------------------------------------------------------------------------- model
 @dataclass(frozen=True)
 class LoraConfig:
@@ -614,6 +623,8 @@ class TrainerConfig:
     weight_sync: WeightSyncConfig
 
     def __post_init__(self) -> None:
+        check_path_name("trainer.project_name", self.project_name)
+        check_path_name("trainer.experiment_name", self.experiment_name)
         _one_of("trainer.mode", self.mode, TRAINER_MODES)
         _one_of("trainer.backend", self.backend, ("auto", "local", "ray"))
         _one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
@@ -643,7 +654,8 @@ class ResourcePoolConfig:
 # --------------------------------------------------------------------------------------------------- sft / rm
 @dataclass(frozen=True)
 class SFTConfig:
-    """`hybridflow sft`: rows from data.task or data.train_files (`prompt` + `response` columns, or `messages`)."""
+    """`hybridflow sft`: rows from data.task or data.train_files (`messages`, `prompt` + `response`, `prompt` +
+    `completion` or `text`: data/layouts.py)."""
 
     epochs: int  # passes over the training rows (used when total_steps is null)
     total_steps: int | None  # optimizer steps; null = epochs × batches per epoch

@@ -7,12 +7,16 @@ from hybridflow.config.resolved import process_on_nodes, resolve
 from hybridflow.config.schema import Config
 
 
-def validate_config(cfg: Config) -> None:
-    """Raise `ConfigError` listing every problem found (not just the first)."""
+def validate_config(cfg: Config, command: str = "train") -> None:
+    """Raise `ConfigError` listing every problem found (not just the first). `command`: train checks everything;
+    sft, rm and offline dpo skip what only RL reads (rollout/actor batch arithmetic, estimators, trainer modes)."""
+    rl = command == "train" or (command == "dpo" and cfg.dpo.online)
     errors = _resource_errors(cfg)
-    if not errors:
+    if rl and not errors:
         errors += _batch_errors(cfg)
-    errors += _name_errors(cfg) + _lora_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg)
+    if rl:
+        errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg)
+    errors += _lora_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 

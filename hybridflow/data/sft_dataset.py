@@ -1,7 +1,8 @@
 """`SFTDataset`: supervised fine-tuning rows with a loss mask on response tokens only.
 
-Rows are `prompt` (messages or string) + `response` (string), or `messages` (a conversation whose assistant
-turns are trained on). The response gets the tokenizer's EOS appended so the model learns to stop. `loss_mask[t]
+Layouts (`layouts.sft_layout`, decided once from the columns): `messages` (a conversation whose assistant turns
+are trained on), prompt (messages or string) + `response` (verl) or `completion` (TRL: a string, or messages whose
+assistant turns are trained on), or `text` (every token trained). The response gets the tokenizer's EOS appended so the model learns to stop. `loss_mask[t]
 = 1` when token t is a response token (a token the model must predict); the trainer shifts it with the labels.
 Sequences longer than `max_length` are cut on the right.
 """
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_sft
+from hybridflow.data.layouts import sft_layout
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
 from hybridflow.protocol import DataProto
@@ -23,33 +25,47 @@ from hybridflow.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 
-def _segments(row: dict[str, Any], prompt_key: str, tokenizer: Any,
+def _chat_segments(messages: list[dict[str, str]], tokenizer: Any, chat_template: str | None,
+                   first_trained: int = 0) -> list[tuple[str, bool]]:
+    """Segments of a conversation; assistant turns from index `first_trained` on are trained."""
+    eos = tokenizer.eos_token or ""
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
+    if not trained:
+        raise MalformedRow("the conversation has no assistant turn to train on")
+    segs: list[tuple[str, bool]] = []
+    done = ""
+    for i in trained:
+        prefix = render(tokenizer, messages[:i], chat_template, add_generation_prompt=True)
+        full = render(tokenizer, messages[: i + 1], chat_template, add_generation_prompt=False)
+        if not prefix.startswith(done) or not full.startswith(prefix):
+            raise MalformedRow("the chat template does not render conversations prefix by prefix")
+        # The turn as the template renders it, up to and including EOS (what generation would produce).
+        turn = full[len(prefix):]
+        end = turn.find(eos) + len(eos) if eos and eos in turn else len(turn)
+        segs.append((prefix[len(done):], False))
+        segs.append((turn[:end] if eos and eos in turn else turn + eos, True))
+        done = prefix + turn[:end]
+    return segs
+
+
+def _segments(row: dict[str, Any], layout: str, prompt_key: str, tokenizer: Any,
               chat_template: str | None) -> list[tuple[str, bool]]:
     """Row → [(text, is_response)] in order."""
     eos = tokenizer.eos_token or ""
-    if row.get("messages") is not None:
-        messages = to_messages(row["messages"])
-        if not any(m["role"] == "assistant" for m in messages):
-            raise MalformedRow("messages has no assistant turn to train on")
-        segs: list[tuple[str, bool]] = []
-        done = ""
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            prefix = render(tokenizer, messages[:i], chat_template, add_generation_prompt=True)
-            full = render(tokenizer, messages[: i + 1], chat_template, add_generation_prompt=False)
-            if not prefix.startswith(done) or not full.startswith(prefix):
-                raise MalformedRow("the chat template does not render conversations prefix by prefix")
-            # The turn as the template renders it, up to and including EOS (what generation would produce).
-            turn = full[len(prefix):]
-            end = turn.find(eos) + len(eos) if eos and eos in turn else len(turn)
-            segs.append((prefix[len(done):], False))
-            segs.append((turn[:end] if eos and eos in turn else turn + eos, True))
-            done = prefix + turn[:end]
-        return segs
-    response = row.get("response")
+    if layout == "messages" or row.get("messages") is not None:
+        return _chat_segments(to_messages(row.get("messages")), tokenizer, chat_template)
+    if layout == "text":
+        text = row.get("text")
+        if not isinstance(text, str) or not text:
+            raise MalformedRow(f"text must be a non-empty string, got {type(text).__name__}")
+        return [(text + eos, True)]
+    column = layout.split("+")[1]  # response | completion
+    response = row.get(column)
+    if column == "completion" and response is not None and not isinstance(response, str):
+        prompt = to_messages(row.get(prompt_key))
+        return _chat_segments(prompt + to_messages(response), tokenizer, chat_template, first_trained=len(prompt))
     if not isinstance(response, str):
-        raise MalformedRow(f"response must be a string, got {type(response).__name__}")
+        raise MalformedRow(f"{column} must be a string, got {type(response).__name__}")
     prompt = render(tokenizer, to_messages(row.get(prompt_key)), chat_template)
     return [(prompt, False), (response + eos, True)]
 
@@ -61,8 +77,11 @@ class SFTDataset(Dataset):
                  prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
                  name: str = "sft") -> None:
         self.tokenizer, self.max_length, self.name = tokenizer, max_length, name
+        if not rows:
+            raise ValueError(f"{name} dataset has no rows")
+        self.layout = sft_layout(list(rows[0]), prompt_key, name)
         self.samples: list[list[tuple[str, bool]]] = parse_rows(
-            rows, lambda row: _segments(row, prompt_key, tokenizer, chat_template), name, strict)
+            rows, lambda row: _segments(row, self.layout, prompt_key, tokenizer, chat_template), name, strict)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> SFTDataset:

@@ -78,11 +78,33 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if path is None:
         return builtin_tokenizer()
     key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
-    tok = _auto_tokenizer(resolve_path(path, key), cfg.trust_remote_code)
+    where = resolve_path(path, key)
+    try:
+        tok = _auto_tokenizer(where, cfg.trust_remote_code)
+    except Exception as err:  # json, tokenizers (a bare Exception from Rust), OSError...: name the file, then re-raise
+        raise ValueError(f"{key}={path!r}: cannot load the tokenizer: {tokenizer_culprit(where)}: "
+                         f"{type(err).__name__}: {err}. Fix: restore the file (e.g. re-export the model or copy "
+                         "the tokenizer files from the original model), or point model.tokenizer_path at a good "
+                         "tokenizer directory") from err
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         logger.warning("tokenizer at %s has no pad token; using eos %r", path, tok.eos_token)
     return tok
+
+
+def tokenizer_culprit(path: Path) -> str:
+    """The tokenizer file in `path` that is damaged: the first JSON file that does not parse, else tokenizer.json
+    (valid JSON that the tokenizers library refuses), else the directory."""
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+    for name in names:
+        f = path / name
+        if f.is_file():
+            try:
+                json.loads(f.read_text())
+            except (ValueError, UnicodeDecodeError):
+                return f"{f} is not valid JSON"
+    tok = path / "tokenizer.json"
+    return f"{tok} was refused" if tok.is_file() else f"the tokenizer files in {path}"
 
 
 def _auto_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
