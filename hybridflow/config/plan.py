@@ -33,6 +33,18 @@ def step_keys(cfg: Config, command: str) -> tuple[str, str, str]:
     return f"{command}.batch_size", f"{command}.total_steps", f"{command}.epochs"
 
 
+def planned_steps(steps_set: int | None, epochs: int, batches_per_epoch: int) -> int:
+    """The rule: a step count set wins (the data cycles); else every epoch's batches."""
+    return int(steps_set) if steps_set else int(epochs) * int(batches_per_epoch)
+
+
+def plan_line(total: int, rows: int, batch: int, batches_per_epoch: int, unit: str = "", why: str = "") -> str:
+    """E.g. "30 steps = 1.07 epochs of 900 rows at 32 prompts a step (trainer.total_training_steps=30)"."""
+    epochs = total / batches_per_epoch if batches_per_epoch else 0.0
+    text = f"{total} steps = {epochs:.2f} epochs of {rows} rows at {batch}{' ' + unit if unit else ''} a step"
+    return f"{text} ({why})" if why else text
+
+
 def step_plan(cfg: Config, rows: int, command: str = "train") -> tuple[int, float, str]:
     """(total optimizer steps, epochs as a float, one line saying so) for a training set of `rows` rows.
 
@@ -44,8 +56,6 @@ def step_plan(cfg: Config, rows: int, command: str = "train") -> tuple[int, floa
     if per_epoch == 0:
         raise ValueError(f"{batch_key}={batch} {unit} is larger than the training set ({rows} rows): lower "
                          f"{batch_key} or add data")
-    total = steps_set if steps_set is not None else epochs * per_epoch
-    epochs_float = total / per_epoch
-    why = f"{steps_key}={steps_set}" if steps_set is not None else f"{epochs_key}={epochs} x {per_epoch} batches"
-    text = (f"{total} steps = {epochs_float:.2f} epochs of {rows} rows at {batch} {unit} a step ({why})")
-    return total, epochs_float, text
+    total = planned_steps(steps_set, epochs, per_epoch)
+    why = f"{steps_key}={steps_set}" if steps_set else f"{epochs_key}={epochs} x {per_epoch} batches"
+    return total, total / per_epoch, plan_line(total, rows, batch, per_epoch, unit, why)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hybridflow.checkpoint import DataPosition
 from hybridflow.checkpoint.policy import CheckpointPolicy
 from hybridflow.config import Config, to_dict
+from hybridflow.config.plan import plan_line
 from hybridflow.data.contract import skipped_rows_event
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.plan import step_plan_text
 from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop
 
 if TYPE_CHECKING:
@@ -206,9 +206,10 @@ class Trainer:
         raise Interrupted(message, self.stop.signum)
 
     def _announce_plan(self) -> None:
-        """The run's plan on its first line: steps, and the epochs of data they are (trainer/plan.py)."""
-        message = step_plan_text(self.total_steps, self.global_step, len(self.loader),
-                                 self.loader.num_rows, self.loader.batch_size)
+        """The run's plan as its first event: steps, and the epochs of data they are (config/plan.py's rule)."""
+        message = plan_line(self.total_steps, self.loader.num_rows, self.loader.batch_size, len(self.loader))
+        if self.global_step:
+            message += f"; resuming after step {self.global_step}, {self.total_steps - self.global_step} to go"
         if self.tracker is not None:
             self.tracker.event("plan", message, self.global_step)
         else:

@@ -24,6 +24,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.config import Config, resolve, to_dict
 from hybridflow.config.lr_rule import lr_warning
+from hybridflow.config.plan import planned_steps
 from hybridflow.protocol import DataProto, keys, late
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
@@ -35,7 +36,6 @@ from hybridflow.trainer.metrics import (
     reduce_metrics,
     throughput_metrics,
 )
-from hybridflow.trainer.plan import steps_for
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
 from hybridflow.trainer.timing import StageTimer
 from hybridflow.trainer.validation import Validator
@@ -72,9 +72,9 @@ class PPOAlgorithm(Algorithm):
                              f"set ({len(self.train_ds)} prompts) with drop_last: lower the batch size or add data")
         self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-        t = cfg.trainer  # a step count set → the data cycles until it is reached (trainer/plan.py)
+        t = cfg.trainer  # a step count set → the data cycles until it is reached (config/plan.py)
         self.total_epochs = None if t.total_training_steps else t.total_epochs
-        self.total_steps = steps_for(t.total_training_steps, t.total_epochs, len(self.loader))
+        self.total_steps = planned_steps(t.total_training_steps, t.total_epochs, len(self.loader))
         self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
         self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn, self.groups.reward_model,
                                    tracker=tracker) if self.val_ds else None
