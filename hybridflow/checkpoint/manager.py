@@ -250,13 +250,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ loading
     def load(self, path: str | os.PathLike | None = None, templates: Mapping[str, Mapping[str, Any]] | None = None,
-             restore_rng: bool = True, payload: bool = True) -> LoadedCheckpoint:
+             restore_rng: bool = True, with_payload: bool = True) -> LoadedCheckpoint:
         """Load a complete checkpoint (default: the latest local one).
 
         `templates` maps component name → the caller's current state (e.g. engine.state_dict() with DTensor
         shards); their tensors are filled in place (DCP reshards to the current world size). Components without
         a template come back as full CPU tensors. Restores this rank's RNG unless `restore_rng=False`. Rank 0
-        reads the driver's payload unless `payload=False`.
+        reads the driver's payload unless `with_payload=False`.
         """
         self.wait()
         ckpt = Path(path) if path is not None else atomic.find_latest(self.root)
@@ -297,7 +297,7 @@ class CheckpointManager:
             logger.warning("%s was saved by %s ranks, now %s: rank %d starts with fresh RNG/rank state", ckpt,
                            meta.get("world_size"), self.world_size, self.rank)
         driver = None
-        if payload and self.rank == 0 and (ckpt / PAYLOAD).is_dir():
+        if with_payload and self.rank == 0 and (ckpt / PAYLOAD).is_dir():
             driver = read_component(ckpt / PAYLOAD, "safetensors", None, None)
         return LoadedCheckpoint(step=int(meta["step"]), path=ckpt, components=components, extra=extra,
                                 rank_state=rank_state, meta=meta, payload=driver)
@@ -326,7 +326,7 @@ class CheckpointManager:
         the same samples). The caller applies the components to its engines and scales the LR if asked."""
         self.discard_after(step)
         return self.load(self.root / atomic.step_dirname(step), templates=templates, restore_rng=False,
-                         payload=False)
+                         with_payload=False)
 
 
 def _remove_checkpoint(path: Path) -> None:

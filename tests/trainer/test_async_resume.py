@@ -14,7 +14,11 @@ import pytest
 import torch
 from ppo_testlib import SimulatedCrash, deterministic_metrics, tiny_ppo_config
 
+from hybridflow.checkpoint import DataPosition
 from hybridflow.checkpoint.storage import read_flat_tensors
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.async_driver import OneStepOffDriver
+from hybridflow.trainer.async_resume import Pipeline, SavedRequest, from_payload, to_payload
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.stop import Interrupted
 
@@ -39,11 +43,15 @@ def _fit(cfg, rows: list[dict[str, Any]], crash_at: int | None = None, stop_afte
     step = alg.step
 
     def stepping(batch, n):
+        b, uids = batch.batch, list(batch.non_tensor_batch["uid"])
         if n == crash_at:
+            rows.append({"step": n, "crashed": True, "uid": uids})
             raise SimulatedCrash(f"step {n}")
-        b = batch.batch
-        rows.append({"step": n, "responses": b["responses"].clone(), "log_probs": b["rollout_log_probs"].clone(),
-                     "version": b["policy_version"].clone(), "uid": list(batch.non_tensor_batch["uid"])})
+        if "responses" not in b:  # sync mode: the step generates
+            rows.append({"step": n, "uid": uids})
+        else:
+            rows.append({"step": n, "responses": b["responses"].clone(), "log_probs": b["rollout_log_probs"].clone(),
+                         "version": b["policy_version"].clone(), "uid": uids})
         out = step(batch, n)
         if n == stop_after:
             trainer.stop.request(signal.SIGTERM)
@@ -52,8 +60,10 @@ def _fit(cfg, rows: list[dict[str, Any]], crash_at: int | None = None, stop_afte
     alg.step = stepping
     try:
         trainer.fit()
-    except (SimulatedCrash, Interrupted):
-        assert crash_at is not None or stop_after is not None
+    except SimulatedCrash:
+        assert crash_at is not None
+    except Interrupted:
+        assert stop_after is not None
     finally:
         trainer.close()
     return [m for m in trainer.history if m.get("training/global_step", 0) >= 1]
@@ -85,6 +95,7 @@ def test_one_step_off_resume_is_bit_exact(tmp_path: Path) -> None:
     straight = _fit(_cfg(tmp_path / "a", "one_step_off", *common), rows_a)
     rows_b: list[dict[str, Any]] = []
     first = _fit(_cfg(tmp_path / "b", "one_step_off", *common), rows_b, crash_at=3)  # after step 2's save
+    assert rows_b.pop()["crashed"]
     rest = _fit(_cfg(tmp_path / "b", "one_step_off", *common), rows_b)
     assert [m["training/global_step"] for m in rest] == [3, 4, 5]
     _assert_equal_runs(straight, first + rest, rows_a, rows_b)
@@ -124,3 +135,47 @@ def test_async_resume_after_a_stop_trains_every_prompt_once(tmp_path: Path, max_
         assert int(rows_b[3]["version"].min()) == 2  # step 4's batch was generated before the stop, and kept
     if capacity is not None:
         assert rest[-1]["async/aborted_prompts"] > 0
+
+
+def test_a_checkpoint_resumed_in_sync_mode_generates_the_saved_prompts_again(tmp_path: Path) -> None:
+    common = ("trainer.total_training_steps=4", "trainer.checkpoint.save_freq=2")
+    rows: list[dict[str, Any]] = []
+    _fit(_cfg(tmp_path, "one_step_off", *common), rows, crash_at=3)
+    crashed = rows.pop()
+    rest = _fit(_cfg(tmp_path, "sync", *common), rows)
+    assert [m["training/global_step"] for m in rest] == [3, 4]
+    assert "responses" not in rows[2] and set(rows[2]["uid"]) == set(crashed["uid"])  # batch 3, generated again
+    per_step = [set(r["uid"]) for r in rows]
+    assert len(per_step) == 4 and len(set().union(*per_step)) == 4 * 2  # 2 prompts a step, none twice
+
+
+def _prompts(*uids: str) -> DataProto:
+    return DataProto.from_dict({"input_ids": torch.arange(len(uids)).view(-1, 1)}, {"uid": list(uids)})
+
+
+def _driver(payload: dict[str, Any]) -> OneStepOffDriver:
+    d = object.__new__(OneStepOffDriver)  # only the resume bookkeeping, no worker groups
+    d.mode, d._sources, d._next_source, d._trained_source, d.trained_position = "one_step_off", {}, 0, -1, None
+    d.load_checkpoint_payload(payload)
+    return d
+
+
+def test_restore_skips_the_batches_it_holds_unless_the_data_changed() -> None:
+    held = _prompts("p2", "p3")
+    pipe = Pipeline("one_step_off", [SavedRequest(held, {"rollout/x": 1.0}, held, 0, 2, 1)],
+                    sources={1: (DataPosition(0, 2), 1)}, next_source=2, trained_source=0,
+                    trained_position=DataPosition(0, 1))
+    payload = to_payload(pipe)
+    assert from_payload(payload, "async") is None  # another mode's pipeline: its prompts are generated again
+
+    d = _driver(payload)
+    it, got = d._restore(iter([_prompts("p2", "p3"), _prompts("p4", "p5")]))
+    assert got is not None and got.requests[0].metrics == {"rollout/x": 1.0} and got.requests[0].planned_step == 2
+    assert list(next(it).non_tensor_batch["uid"]) == ["p4", "p5"]  # the held batch was skipped
+    assert (d._next_source, d._trained_source, d.trained_position) == (2, 0, DataPosition(0, 1))
+    assert d._sources[1].chunks_left == 1
+
+    d = _driver(payload)
+    it, got = d._restore(iter([_prompts("q2", "q3"), _prompts("q4", "q5")]))  # other data now: nothing skipped
+    assert got is None and d._next_source == 0
+    assert [list(b.non_tensor_batch["uid"]) for b in it] == [["q2", "q3"], ["q4", "q5"]]
