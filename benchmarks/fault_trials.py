@@ -10,6 +10,11 @@ older than the previous trial's, and every complete checkpoint loads as exactly 
 Ray trial: a tiny GRPO run on 2 CPU ranks (gloo); rank 1's process is SIGKILLed `--kill-delay` s into step 2.
 Reported: seconds from the kill to the driver's error, whether that error names the dead rank and a training call
 (not a cleanup such as `close_checkpoints`), and whether `run_end` in events.jsonl says `failed`.
+
+Async-resume trial: a tiny `trainer.mode=async` run (local backend, max_staleness 1, 8 steps = 2 epochs) is sent
+SIGTERM at a random moment after its first step, then the same command resumes it. Usable = exit 143, then every
+step trained once and every prompt once per epoch across the two processes, staleness within the bound, and the
+first resumed step trains the rollouts generated before the stop (one version old), not regenerated ones.
 Prints a markdown table, then one JSON object; `--out DIR` also writes `fault_trials.json` there.
 """
 
@@ -194,6 +199,62 @@ def ray_trials(n: int, kill_delay_s: float) -> dict[str, Any]:
             "seconds_to_error_max": max(times) if times else None, "rows": rows}
 
 
+# ------------------------------------------------------------------------------------------ async-resume trials
+def async_child(workdir: Path) -> None:
+    """Child: the async run, resumed from `workdir` when it holds a checkpoint; each step's prompts and versions go to
+    steps.jsonl as the step starts (a SIGTERM lets the step in flight finish and saves it)."""
+    from hybridflow.config import load_config
+    from hybridflow.trainer.ppo import PPOAlgorithm
+    from hybridflow.trainer.run import run_ppo
+    from hybridflow.trainer.stop import Interrupted
+
+    cfg = load_config(overrides=[
+        "trainer.device=cpu", "trainer.backend=local", "trainer.mode=async", "trainer.async.max_staleness=1",
+        "trainer.async.chunk_prompts=1", "trainer.logger=[]", "model.override_config={num_hidden_layers: 1}",
+        "data.train_size=16", "data.val_size=2", "data.max_response_length=6", "data.train_batch_size=4",
+        "rollout.n=2", "actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "trainer.total_training_steps=8", "trainer.checkpoint.save_freq=100", "trainer.resume_mode=auto",
+        f"trainer.run_dir={workdir}/run", f"trainer.default_local_dir={workdir}/ckpt"])
+    step = PPOAlgorithm.step
+
+    def recording(self: PPOAlgorithm, batch: Any, n: int) -> dict[str, float]:
+        with open(workdir / "steps.jsonl", "a") as f:
+            f.write(json.dumps({"step": n, "uid": sorted(set(batch.non_tensor_batch["uid"])),
+                                "version": batch.batch["policy_version"].tolist()}) + "\n")
+        return step(self, batch, n)
+
+    PPOAlgorithm.step = recording  # type: ignore[method-assign]
+    try:
+        run_ppo(cfg)
+    except Interrupted as err:  # the signal's exit code, as `hybridflow train` exits
+        sys.exit(err.exit_code)
+
+
+def async_trials(n: int, seed: int, max_delay_s: float) -> dict[str, Any]:
+    rng, rows = random.Random(seed), []
+    for trial in range(n):
+        with tempfile.TemporaryDirectory(prefix="fault_async_") as tmp:
+            cmd, log = [sys.executable, "-m", "benchmarks.fault_trials", "--async-child", tmp], Path(tmp) / "steps.jsonl"
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            while proc.poll() is None and not log.exists():
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, max_delay_s))
+            proc.send_signal(signal.SIGTERM)
+            first_rc, stopped_after = proc.wait(timeout=600), len(log.read_text().splitlines())
+            second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            steps = [json.loads(line) for line in log.read_text().splitlines()]
+            epochs = [[u for s in steps if (s["step"] - 1) // 4 == e for u in s["uid"]] for e in (0, 1)]
+            staleness = max((s["step"] - 1) - v for s in steps for v in s["version"])
+            resumed = steps[stopped_after] if stopped_after < len(steps) else None  # generated before the stop:
+            kept = resumed is not None and min(resumed["version"]) < resumed["step"] - 1  # one version old
+            rows.append({"trial": trial, "first_exit": first_rc, "second_exit": second.returncode,
+                         "stopped_after_steps": stopped_after, "max_staleness": staleness, "kept_rollouts": kept,
+                         "usable": first_rc == 143 and second.returncode == 0 and staleness <= 1 and kept
+                         and [s["step"] for s in steps] == list(range(1, 9))
+                         and all(len(u) == len(set(u)) == 16 for u in epochs), "stderr_tail": second.stderr[-300:]})
+    return {"trials": n, "usable": sum(r["usable"] for r in rows), "rows": rows}
+
+
 # ----------------------------------------------------------------------------------------------------- report
 def markdown(result: dict[str, Any]) -> str:
     lines = ["| trial | trials | usable checkpoints | kills mid-save | error names dead rank + failing call "
@@ -209,6 +270,10 @@ def markdown(result: dict[str, Any]) -> str:
         both = sum(x["names_dead_rank"] and x["names_training_call"] for x in r["rows"])
         lines.append(f"| Ray worker SIGKILL (PPO, 2 gloo ranks) | {r['trials']} | – | – | {both}/{r['trials']} | "
                      f"{r['run_end_failed']}/{r['trials']} | {times} |")
+    a = result.get("async")
+    if a:
+        lines.append(f"| SIGTERM + resume, trainer.mode=async | {a['trials']} | {a['usable']}/{a['trials']} | – | – | "
+                     "– | – |")
     return "\n".join(lines)
 
 
@@ -223,21 +288,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt-trials", type=int, default=12)
     ap.add_argument("--ray-trials", type=int, default=1, help="0 skips the Ray trial")
+    ap.add_argument("--async-trials", type=int, default=0, help="SIGTERM + resume of an async run")
     ap.add_argument("--max-delay", type=float, default=1.0, help="kill the saver up to this many seconds in")
     ap.add_argument("--kill-delay", type=float, default=0.3, help="kill rank 1 this many seconds into step 2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ray-child", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--async-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.ray_child is not None:
         print(json.dumps(ray_trial(args.ray_child, args.kill_delay)), flush=True)
+        return
+    if args.async_child is not None:
+        async_child(args.async_child)
         return
     result: dict[str, Any] = {"env": environment()}
     if args.ckpt_trials > 0:
         result["checkpoint"] = ckpt_trials(args.ckpt_trials, args.seed, args.max_delay)
     if args.ray_trials > 0:
         result["ray"] = ray_trials(args.ray_trials, args.kill_delay)
+    if args.async_trials > 0:
+        result["async"] = async_trials(args.async_trials, args.seed, args.max_delay)
     print(markdown(result))
     print(json.dumps(result))
     if args.out is not None:

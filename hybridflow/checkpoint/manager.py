@@ -1,7 +1,7 @@
 """CheckpointManager: the one object the trainer calls to save, load, retain and mirror checkpoints.
 
 Layout: `<local_dir>/global_step_<N>/{checkpoint.json, extra.json, <component>/..., ranks/rank_<r>.json}` plus
-`<local_dir>/latest`. `save` validates and flattens on the caller's thread, snapshots tensors to CPU when async,
+`<local_dir>/latest`; `driver/` (skeleton + safetensors, as a component) when the driver gave a payload. `save` validates and flattens on the caller's thread, snapshots tensors to CPU when async,
 then writes (in a background thread when async): every rank its files/shards, rank 0 the marker, the rename,
 `latest`, local retention, the remote mirror, then remote retention. `save`/`load` are collective: call them on every rank.
 """
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 EXTRA = "extra.json"
 RANKS = "ranks"
+PAYLOAD = "driver"  # the driver's tensors (e.g. rollouts generated ahead), written by rank 0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -50,6 +51,7 @@ class LoadedCheckpoint:
     extra: dict[str, Any]
     rank_state: dict[str, Any] | None  # this rank's `rank_state` as passed to save (None if absent)
     meta: dict[str, Any] = field(default_factory=dict)
+    payload: Any = None  # the driver's payload as passed to save (rank 0 only; None if absent or not read)
 
 
 def should_save(save_freq: int, step: int, is_last_step: bool) -> bool:
@@ -119,21 +121,29 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------- saving
     def save(self, step: int, components: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None,
-             rank_state: Mapping[str, Any] | None = None) -> Path:
+             rank_state: Mapping[str, Any] | None = None, payload: Mapping[str, Any] | None = None) -> Path:
         """Save `components` (name → nested state of tensors/DTensors and JSON scalars) as step `step`.
 
-        `extra` is JSON written once (sampler position, KL controller, config, ...); `rank_state` is JSON per rank.
-        Returns the final directory (complete once `wait()` returns when async). Raises `CheckpointWriteError`
-        for a failure of this save (sync) or of the previous one (async).
+        `extra` is JSON written once (sampler position, KL controller, config, ...); `rank_state` is JSON per rank;
+        `payload` is the driver's nested state of plain tensors and JSON (rank 0's is written, as `driver/`, inside
+        the same atomic commit; other ranks pass None). Returns the final directory (complete once `wait()`
+        returns when async). Raises `CheckpointWriteError` for a failure of this save (sync) or of the previous
+        one (async).
         """
         self._writer.wait()
         plan = {}
         for name, state in components.items():
-            if not _NAME_RE.match(name) or name == RANKS:
+            if not _NAME_RE.match(name) or name in (RANKS, PAYLOAD):
                 raise ValueError(f"checkpoint component name {name!r}: use letters, digits, '_', '-', '.' "
-                                 f"(and not {RANKS!r})")
+                                 f"(and not {RANKS!r} or {PAYLOAD!r})")
             tensors, skeleton = flatten_state(state)
             plan[name] = (tensors, skeleton, choose_format(tensors))
+        driver = None
+        if payload is not None and self.rank == 0:
+            tensors, skeleton = flatten_state(payload)
+            if choose_format(tensors) != "safetensors":
+                raise TypeError("the checkpoint's driver payload holds DTensors; give it plain (CPU) tensors")
+            driver = ({k: t.to("cpu", copy=True) for k, t in tensors.items()}, skeleton)  # the caller goes on
         extra_text = _to_json(dict(extra or {}), "extra")
         rank_text = _to_json({"rng": capture_rng_state() if self.capture_rng else None,
                               "state": dict(rank_state) if rank_state is not None else None}, "rank_state")
@@ -145,7 +155,7 @@ class CheckpointManager:
         final = self.root / atomic.step_dirname(step)
 
         def job() -> None:
-            self._write(final, plan, extra_text, rank_text, marker)
+            self._write(final, plan, extra_text, rank_text, marker, driver)
 
         if self.async_save:
             self._writer.submit(job, label=f"step {step} → {final}")
@@ -158,7 +168,7 @@ class CheckpointManager:
         return final
 
     def _write(self, final: Path, plan: dict[str, tuple[dict, dict, str]], extra_text: str, rank_text: str,
-               marker: dict[str, Any]) -> None:
+               marker: dict[str, Any], driver: tuple[dict, dict] | None = None) -> None:
         g, rank = self._group, self.rank
         work = atomic.tmp_path_for(final) if self.atomic else final
         collective.phase("prepare", lambda: atomic.prepare_dir(final, self.atomic) if rank == 0 else None, g)
@@ -178,6 +188,8 @@ class CheckpointManager:
         def finalize() -> None:
             if rank != 0:
                 return
+            if driver is not None:
+                write_component(work / PAYLOAD, driver[0], driver[1], "safetensors", 0, None)
             (work / EXTRA).write_text(extra_text, encoding="utf-8")
             atomic.commit_dir(work, final, marker, self.atomic)
             atomic.write_latest(self.root, final.name)
@@ -238,12 +250,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ loading
     def load(self, path: str | os.PathLike | None = None, templates: Mapping[str, Mapping[str, Any]] | None = None,
-             restore_rng: bool = True) -> LoadedCheckpoint:
+             restore_rng: bool = True, with_payload: bool = True) -> LoadedCheckpoint:
         """Load a complete checkpoint (default: the latest local one).
 
         `templates` maps component name → the caller's current state (e.g. engine.state_dict() with DTensor
         shards); their tensors are filled in place (DCP reshards to the current world size). Components without
-        a template come back as full CPU tensors. Restores this rank's RNG unless `restore_rng=False`.
+        a template come back as full CPU tensors. Restores this rank's RNG unless `restore_rng=False`. Rank 0
+        reads the driver's payload unless `with_payload=False`.
         """
         self.wait()
         ckpt = Path(path) if path is not None else atomic.find_latest(self.root)
@@ -283,8 +296,11 @@ class CheckpointManager:
         elif meta.get("world_size", 1) != self.world_size:
             logger.warning("%s was saved by %s ranks, now %s: rank %d starts with fresh RNG/rank state", ckpt,
                            meta.get("world_size"), self.world_size, self.rank)
+        driver = None
+        if with_payload and self.rank == 0 and (ckpt / PAYLOAD).is_dir():
+            driver = read_component(ckpt / PAYLOAD, "safetensors", None, None)
         return LoadedCheckpoint(step=int(meta["step"]), path=ckpt, components=components, extra=extra,
-                                rank_state=rank_state, meta=meta)
+                                rank_state=rank_state, meta=meta, payload=driver)
 
     # ----------------------------------------------------------------------------------------------- rollback
     def discard_after(self, step: int) -> None:
@@ -309,7 +325,8 @@ class CheckpointManager:
         """Discard checkpoints newer than `step`, then load `step` (RNG not restored, so training does not replay
         the same samples). The caller applies the components to its engines and scales the LR if asked."""
         self.discard_after(step)
-        return self.load(self.root / atomic.step_dirname(step), templates=templates, restore_rng=False)
+        return self.load(self.root / atomic.step_dirname(step), templates=templates, restore_rng=False,
+                         with_payload=False)
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -4,7 +4,9 @@
 The worker groups own the `CheckpointManager`s (one per worker process, see `hybridflow.checkpoint.worker`). The
 trainer names its groups: one (`""`) writes under `trainer.default_local_dir`; several (roles in their own groups)
 write under `<default_local_dir>/<name>` and resume from the newest step present for every one. The trainer gives
-the JSON `extra` (its data position and algorithm state); this policy adds its own (rollback, guard). A rollback
+the JSON `extra` (its data position and algorithm state) and, optionally, a `payload` of tensors (the non-sync
+modes' rollouts generated ahead) that the first group's rank 0 writes inside the same checkpoint; this policy adds
+its own (rollback, guard). A rollback
 restores weights, optimizer and LR schedule and hands the checkpoint's `extra` to `on_rollback`; the data
 position and step counter move on (no replay of the same batches).
 """
@@ -36,9 +38,11 @@ class CheckpointPolicy:
 
     def __init__(self, cfg: Config, groups: dict[str, CheckpointingGroup], guarded: tuple[str, ...],
                  tracker: Tracker | None = None,
-                 on_rollback: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_rollback: Callable[[dict[str, Any]], None] | None = None,
+                 payload: Callable[[], dict[str, Any] | None] | None = None) -> None:
         t = cfg.trainer
         self.cfg, self.guarded, self.tracker, self.on_rollback = cfg, guarded, tracker, on_rollback
+        self.payload = payload  # called after `extra()` at each save
         self.targets = groups
         if t.checkpoint.save_freq == 0 and t.resume_mode == "disable":
             self.targets = {}  # checkpointing off: no managers, no directories created
@@ -56,7 +60,8 @@ class CheckpointPolicy:
     # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> dict[str, Any] | None:
         """Load per `trainer.resume_mode` into the workers and restore the guard/rollback state; returns
-        {"step", "path", "extra"} of the checkpoint, or None when starting fresh."""
+        {"step", "path", "extra", "payload"} of the checkpoint (payload None when it has none), or None when
+        starting fresh."""
         t = self.cfg.trainer
         if t.resume_mode == "disable" or not self.targets:
             return None
@@ -167,7 +172,9 @@ class CheckpointPolicy:
     def _save(self, step: int, extra: Callable[[], dict[str, Any]]) -> None:
         state = {**extra(), "rollback": self.rollback.state_dict() if self.rollback is not None else None,
                  "guard": self.guard.state_dict()}
-        paths = [group.save_checkpoint(step, state)[0] for group in self.targets.values()]
+        payload = self.payload() if self.payload is not None else None
+        paths = [group.save_checkpoint(step, state, payload=payload if i == 0 else None)[0]
+                 for i, group in enumerate(self.targets.values())]
         where = paths[0] if len(paths) == 1 else self.cfg.trainer.default_local_dir
         self.last_saved = (step, str(where))
 

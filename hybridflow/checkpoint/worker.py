@@ -14,13 +14,34 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from hybridflow.checkpoint.remote import join_url
 from hybridflow.config import Config
-from hybridflow.controller import Dispatch, RoleGroup, per_rank, register
+from hybridflow.controller import (
+    Dispatch,
+    DispatchContext,
+    DispatchPlan,
+    RoleGroup,
+    per_rank,
+    register,
+    register_dispatch_mode,
+)
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint import CheckpointManager, LoadedCheckpoint
     from hybridflow.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
+
+SAVE_DISPATCH = "checkpoint_save"
+
+
+def _payload_to_rank_zero(ctx: DispatchContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DispatchPlan:
+    """ONE_TO_ALL, except `payload` (the driver's tensors), which only rank 0 writes and so only rank 0 receives."""
+    rest = {k: v for k, v in kwargs.items() if k != "payload"}
+    return DispatchPlan([args] * ctx.world_size,
+                        [{**rest, "payload": kwargs.get("payload")}] + [rest] * (ctx.world_size - 1))
+
+
+register_dispatch_mode(SAVE_DISPATCH, _payload_to_rank_zero, lambda ctx, outputs, state: list(outputs),
+                       result="per_rank")
 
 
 class CheckpointingWorker:
@@ -97,7 +118,8 @@ class CheckpointingWorker:
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, mode: str, path: str | None = None, step: int | None = None) -> dict[str, Any] | None:
         """Resume per `mode` (auto|disable|path, as `trainer.resume_mode`) or at exactly `step` (local copy, else
-        downloaded from the mirror). Returns {"step", "path", "extra"} or None when there is nothing to load."""
+        downloaded from the mirror). Returns {"step", "path", "extra", "payload"} (the driver's payload: rank 0's,
+        None elsewhere or when the checkpoint has none) or None when there is nothing to load."""
         from hybridflow.checkpoint import atomic, find_resume_checkpoint
 
         mgr = self._manager()
@@ -113,21 +135,22 @@ class CheckpointingWorker:
         self._load_rank_state(loaded.rank_state)
         logger.info("rank %d: loaded checkpoint %s (components %s)", getattr(self, "rank", 0), loaded.path,
                     sorted(loaded.components))
-        return {"step": loaded.step, "path": str(loaded.path), "extra": loaded.extra}
+        return {"step": loaded.step, "path": str(loaded.path), "extra": loaded.extra, "payload": loaded.payload}
 
     def _load_rank_state(self, state: dict[str, Any] | None) -> None:
         for member in self._members():
             member.load_checkpoint_rank_state(state or {})
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
-        """Save every engine of this process as step `step` with the driver's JSON `extra` (async per config)."""
+    @register(dispatch_mode=SAVE_DISPATCH)
+    def save_checkpoint(self, step: int, extra: dict[str, Any], payload: dict[str, Any] | None = None) -> str:
+        """Save every engine of this process as step `step` with the driver's JSON `extra` (async per config) and,
+        on rank 0, the driver's `payload` (tensors and JSON, pass it by keyword: the other ranks do not get it)."""
         engines = self._engines()
         components = {name: engine.state_dict() for name, engine in engines.items()}
         rank_state: dict[str, Any] = {}
         for member in self._members():
             rank_state |= member.checkpoint_rank_state()
-        path = self._manager().save(step, components, extra=extra, rank_state=rank_state)
+        path = self._manager().save(step, components, extra=extra, rank_state=rank_state, payload=payload)
         for engine in engines.values():
             # state_dict() brings offloaded params/optimizer onto the device; async saves have already staged
             # them to CPU memory and sync saves have written them, so put them back where they rest.

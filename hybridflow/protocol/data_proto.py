@@ -382,6 +382,16 @@ class DataProto:
         batch, non, meta = serialization.load(path, device)
         return cls(batch=batch, non_tensor_batch=non, meta_info=meta)
 
+    def to_state(self) -> dict[str, Any]:
+        """As a checkpoint state: tensors plus JSON (what `save` writes, for a checkpoint component or payload)."""
+        return serialization.to_state(self.batch, self.non_tensor_batch, self.meta_info, len(self))
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> DataProto:
+        """Inverse of `to_state`."""
+        batch, non, meta = serialization.from_state(state)
+        return cls(batch=batch, non_tensor_batch=non, meta_info=meta)
+
 
 def _merge_meta(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Keys whose value is equal in every part; `metrics` (dict or list per part) merged into one list."""

@@ -114,3 +114,21 @@ def load(path: str | PathLike[str], device: str | torch.device = "cpu"
     batch = {k: tensors[k] for k in doc["batch_keys"]}
     non_tensor_batch = {k: _array_from_json(v) for k, v in doc["non_tensor_batch"].items()}
     return batch, non_tensor_batch, doc["meta_info"]
+
+
+def to_state(batch: dict[str, torch.Tensor], non_tensor_batch: dict[str, np.ndarray], meta_info: dict[str, Any],
+             num_rows: int) -> dict[str, Any]:
+    """The columns as a checkpoint state (`checkpoint/flatten.py`): the tensors (on CPU) and one JSON string for
+    the non-tensor columns and meta_info. Raises ValueError as `save` does for a value JSON cannot hold."""
+    doc = {"num_rows": num_rows,
+           "non_tensor_batch": {k: _array_to_json(k, v) for k, v in non_tensor_batch.items()},
+           "meta_info": {k: to_json(v, f"meta_info[{k!r}]") for k, v in meta_info.items()}}
+    return {"tensors": {k: v.detach().cpu().contiguous() for k, v in batch.items()},
+            "columns": json.dumps(doc, ensure_ascii=False)}
+
+
+def from_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray], dict[str, Any]]:
+    """Inverse of `to_state`: (batch, non_tensor_batch, meta_info)."""
+    doc = json.loads(state["columns"])
+    non_tensor_batch = {k: _array_from_json(v) for k, v in doc["non_tensor_batch"].items()}
+    return dict(state["tensors"]), non_tensor_batch, doc["meta_info"]

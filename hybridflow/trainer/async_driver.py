@@ -23,10 +23,15 @@ loader's batches until the steps are trained, then the extra loader); the step s
 Both drivers are generators the loop iterates instead of the prompt batches (`Algorithm.batches`); each yielded
 batch is already generated, and `PPOAlgorithm.step` takes it (`take`) instead of generating. Policy version = the
 number of optimizer steps behind the weights; a sample trained at step t has staleness (t - 1) - its version.
+
+A checkpoint holds the pipeline (`checkpoint_payload`, trainer/async_resume.py): the driver waits for its requests
+in flight and saves them with the prompts not yet submitted, and a resumed driver continues with them.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -38,6 +43,7 @@ import torch
 from hybridflow.checkpoint import DataPosition
 from hybridflow.controller import GroupFuture, WorkerError, WorkerTimeoutError
 from hybridflow.protocol import DataProto, keys
+from hybridflow.trainer.async_resume import Pipeline, SavedRequest, from_payload, to_payload
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
 from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.trainer.weight_transport import build_weight_transport
@@ -47,6 +53,8 @@ if TYPE_CHECKING:
     from hybridflow.trainer.ppo import PPOAlgorithm
     from hybridflow.workers.rollout_worker import RolloutGroup
 
+
+logger = logging.getLogger(__name__)
 
 _SUMMED = ("rollout/weight_swaps",)  # request metrics added up over a batch (besides timing/*)
 _CULPRIT_GRACE_S = 5.0  # a failed broadcast: how long to wait for the rollout side to report its failure
@@ -66,13 +74,14 @@ class Request:
     """One generate call in flight: its prompts (to resubmit), the weights' version, the step it was planned for
     and the data position after its source batch."""
 
-    future: GroupFuture
+    future: GroupFuture | None  # None: restored from a checkpoint, finished (`result`)
     prompts: DataProto
     version: int
     planned_step: int
     source: int | None  # index of the source (loader) batch the prompts came from; None: dynamic sampling's extras
     syncs_before: int  # weight syncs sent before this request (queued ahead of it on the rollout worker)
     baseline: GroupFuture | None = None  # ReMax: the greedy responses of the same prompts
+    result: tuple[DataProto, dict[str, float], float] | None = None  # once collected: (rows, metrics, s waited)
 
 
 @dataclass
@@ -113,6 +122,7 @@ class RolloutDriver:
         # (online DPO's step pairs best and worst responses itself and never filters)
         self.scores = self.cfg.algorithm.filter_groups.enable and not self.cfg.dpo.online
         self._max_gen_batches = self.cfg.algorithm.filter_groups.max_num_gen_batches
+        self._restored: Pipeline | None = None  # from the checkpoint resumed, until `run` takes it
 
     # --------------------------------------------------------------------------------------- weight sync
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -205,7 +215,11 @@ class RolloutDriver:
         return Request(fut, prompts, self.version, planned_step, source, self._n_syncs, baseline)
 
     def _collect(self, req: Request) -> tuple[DataProto, dict[str, float], float]:
-        """Wait for `req`; (generated rows, the rollout's metrics, seconds waited)."""
+        """Wait for `req`; (generated rows, the rollout's metrics, seconds waited). Kept in `req.result`."""
+        if req.result is not None:
+            out, metrics, waited = req.result
+            return out, dict(metrics), waited
+        assert req.future is not None, "a request without a future was restored with its result"
         t0 = time.perf_counter()
         try:
             out = req.future.get()
@@ -218,7 +232,8 @@ class RolloutDriver:
             greedy.meta_info.pop("metrics", None)
             scores, _ = self.alg.reward_fn(greedy)
             out.batch[keys.BASELINE_REWARDS.name] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
-        return out, reduce_metrics(out.meta_info.pop("metrics", [])), waited
+        req.result = (out, reduce_metrics(out.meta_info.pop("metrics", [])), waited)
+        return out, dict(req.result[1]), waited
 
     def _failed(self, what: str, err: WorkerError | WorkerTimeoutError) -> RolloutWorkerFailed:
         wg = self.rollout.worker_group
@@ -302,28 +317,103 @@ class RolloutDriver:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Overrides the loop's data position: prompts generated ahead but not trained are regenerated on resume."""
+        """Overrides the loop's data position with the position after the last batch trained: a resume without
+        the checkpoint's payload generates the prompts ahead of it again; with it, the driver skips them."""
         return {} if self.trained_position is None else {"data": self.trained_position.to_dict()}
+
+    # ------------------------------------------------------------------------------------------- resume
+    def _in_flight(self) -> list[Request]:
+        """The requests submitted and not yet taken by a step, in the order the steps take them."""
+        return []
+
+    def _pipeline(self, requests: list[SavedRequest]) -> Pipeline:
+        return Pipeline(self.mode, requests, sources={i: (s.position, s.chunks_left) for i, s in self._sources.items()},
+                        next_source=self._next_source, trained_source=self._trained_source,
+                        trained_position=self.trained_position)
+
+    def checkpoint_payload(self) -> dict[str, Any] | None:
+        """The pipeline for the checkpoint being saved: waits for the requests in flight (their weights may be gone
+        after this step), then the finished rows with their versions and metrics, and the prompts not submitted.
+        None when nothing is ahead of the trained data, or (warned) when a rollout worker failed or a column cannot
+        be saved: a resume then generates those prompts again."""
+        requests = self._in_flight()
+        try:
+            results = [(req, self._collect(req)) for req in requests]
+        except RolloutWorkerFailed as err:
+            logger.warning("checkpoint without the rollouts generated ahead (a resume generates them again): %s", err)
+            return None
+        pipe = self._pipeline([SavedRequest(out, metrics, req.prompts, req.version, req.planned_step, req.source)
+                               for req, (out, metrics, _) in results])
+        if not pipe.requests and not pipe.pending:
+            return None
+        try:
+            return to_payload(pipe)
+        except ValueError as err:
+            logger.warning("checkpoint without the rollouts generated ahead (a resume generates them again): %s", err)
+            return None
+
+    def load_checkpoint_payload(self, payload: dict[str, Any]) -> None:
+        self._restored = from_payload(payload, self.mode)
+
+    def _restore(self, it: Iterator[DataProto]) -> tuple[Iterator[DataProto], Pipeline | None]:
+        """Take the restored pipeline: the loader resumed after the last batch trained, so the batches whose
+        prompts the pipeline holds come next — skip them (their uids must be the saved prompts'; otherwise the
+        data changed, and they are generated again)."""
+        pipe, self._restored = self._restored, None
+        if pipe is None:
+            return it, None
+        want, skipped = pipe.source_uids(), []
+        for index in range(pipe.trained_source + 1, pipe.next_source):
+            batch = next(it, None)
+            if batch is None:
+                break
+            skipped.append(batch)
+            uids = set(map(str, batch.non_tensor_batch.get(keys.UID.name, [])))
+            if not want.get(index, set()) <= uids:
+                break
+        else:
+            self._sources = {i: _Source(pos, left) for i, (pos, left) in pipe.sources.items()}
+            self._next_source, self._trained_source = pipe.next_source, pipe.trained_source
+            self.trained_position = pipe.trained_position
+            logger.info("resumed the %s pipeline: %d finished request(s), %d prompt chunk(s) not yet submitted",
+                        self.mode, len(pipe.requests), len(pipe.pending))
+            return it, pipe
+        logger.warning("the checkpoint's rollouts generated ahead do not match the batches the loader gives after "
+                       "the trained position (data settings changed?): generating those prompts again")
+        return itertools.chain(skipped, it), None
+
+    @staticmethod
+    def _restored_request(saved: SavedRequest) -> Request:
+        return Request(None, saved.prompts, saved.version, saved.planned_step, saved.source, 0,
+                       result=(saved.rows, saved.metrics, 0.0))
 
 
 class OneStepOffDriver(RolloutDriver):
+    def __init__(self, alg: PPOAlgorithm) -> None:
+        super().__init__(alg)
+        self._ahead: Request | None = None  # the next step's batch, generating while this step trains
+
+    def _in_flight(self) -> list[Request]:
+        return [] if self._ahead is None else [self._ahead]
+
     def run(self, source: Iterator[DataProto], start_step: int) -> Iterator[DataProto]:
         self.sync_weights(start_step)  # fresh: the same weights; resumed: the checkpoint's
-        it, step, total = iter(source), start_step, self.alg.total_steps
-        pulled = self._pull_source(it, 1)
-        if pulled is None:
-            return
-        req: Request | None = self._submit(pulled[1], step + 1, pulled[0])
-        while req is not None:
+        it, restored = self._restore(iter(source))
+        step, total = start_step, self.alg.total_steps
+        if restored is not None and restored.requests:  # generated before the save, with the weights it names
+            self._ahead = self._restored_request(restored.requests[0])
+        elif (pulled := self._pull_source(it, 1)) is not None:
+            self._ahead = self._submit(pulled[1], step + 1, pulled[0])
+        while (req := self._ahead) is not None:
             step += 1
             out, metrics, waited = self._collect(req)
             self._mark_trained(req.source)
             if self.scores:
                 out, waited_more = self._fill(out, step, metrics)
                 waited += waited_more
-            req = None
+            self._ahead = None
             if step < total and (pulled := self._pull_source(it, 1)) is not None:
-                req = self._submit(pulled[1], step + 1, pulled[0])  # generates while this step trains
+                self._ahead = self._submit(pulled[1], step + 1, pulled[0])  # generates while this step trains
             metrics["timing/wait_rollout"] = waited
             yield self._ready(out, step, metrics)
 
@@ -355,44 +445,63 @@ class AsyncDriver(RolloutDriver):
         self.chunk = a.chunk_prompts or max(1, self.batch_prompts // 4)
         self.max_staleness = a.max_staleness
         self.capacity = (self.max_staleness + 1) * self.batch_prompts  # prompts submitted and not yet trained
+        self._queue: deque[Request] = deque()
+        self._pending: deque[tuple[DataProto, int, int | None]] = deque()  # (prompts, planned step, source)
+        self._outstanding = 0  # prompts submitted and not yet trained
+        self._planned = 0  # the last step whose source batch was split into requests
+        self._exhausted = False  # the loader ran out
+        self._aborted = 0  # prompts dropped for staleness and resubmitted, over the run
+
+    def _in_flight(self) -> list[Request]:
+        return list(self._queue)
+
+    def _pipeline(self, requests: list[SavedRequest]) -> Pipeline:
+        pipe = super()._pipeline(requests)
+        pipe.pending = list(self._pending)
+        pipe.counters = {"outstanding": self._outstanding, "planned": self._planned,
+                         "exhausted": int(self._exhausted), "aborted": self._aborted}
+        return pipe
 
     def run(self, source: Iterator[DataProto], start_step: int) -> Iterator[DataProto]:
         self.sync_weights(start_step)
-        it, step, total = iter(source), start_step, self.alg.total_steps
-        queue: deque[Request] = deque()
-        pending: deque[tuple[DataProto, int, int | None]] = deque()  # (prompts, planned step, source) to submit
-        outstanding, planned, exhausted, yielded = 0, start_step, False, start_step
-        aborted = 0
+        it, restored = self._restore(iter(source))
+        step, total, yielded = start_step, self.alg.total_steps, start_step
+        queue, pending = self._queue, self._pending
+        self._planned = start_step
+        if restored is not None:  # finished requests first, in their order, then the chunks not yet submitted
+            queue.extend(self._restored_request(r) for r in restored.requests)
+            pending.extend(restored.pending)
+            c = restored.counters
+            self._outstanding, self._planned = c["outstanding"], c["planned"]
+            self._exhausted, self._aborted = bool(c["exhausted"]), c["aborted"]
 
         def pull() -> bool:
             """Split the next source batch into pending requests. Without dynamic sampling one batch per step
             (as many as the steps left); with it, until the steps are trained: the loader's batches, then the
             extra stream (sync mode's, for what filtering dropped) once the loader has run out."""
-            nonlocal planned, exhausted
-            if not self.scores and planned >= total:
+            if not self.scores and self._planned >= total:
                 return False
             if self.scores and yielded >= total:
                 return False
-            pulled = None if exhausted else self._pull_source(it, self.batch_prompts // self.chunk)
+            pulled = None if self._exhausted else self._pull_source(it, self.batch_prompts // self.chunk)
             if pulled is None:
-                exhausted = True
+                self._exhausted = True
                 if not self.scores:
                     return False
                 pulled = (None, next(self.alg._extra_batches()))
-            planned += 1
+            self._planned += 1
             index, batch = pulled
             for lo in range(0, len(batch), self.chunk):
-                pending.append((batch[lo:lo + self.chunk], planned, index))
+                pending.append((batch[lo:lo + self.chunk], self._planned, index))
             return True
 
         def fill() -> None:
-            nonlocal outstanding
-            while outstanding < self.capacity:
+            while self._outstanding < self.capacity:
                 if not pending and not pull():
                     return
                 prompts, plan, index = pending.popleft()
                 queue.append(self._submit(prompts, plan, index))
-                outstanding += len(prompts)
+                self._outstanding += len(prompts)
 
         fill()
         while queue:
@@ -408,15 +517,16 @@ class AsyncDriver(RolloutDriver):
                     fill()
                     if not queue:
                         return  # the data ran out mid-batch (drop_last=false): nothing more to train
-                req = queue.popleft()
+                req = queue[0]  # stays in the queue (a save holds it) until taken
                 out, gen_metrics, w = self._collect(req)
+                queue.popleft()
                 waited += w
                 wait_train += gen_metrics.pop("timing/wait_train", 0.0)
                 self._add_gen_metrics(metrics, gen_metrics)
                 oldest = int(out.batch[keys.POLICY_VERSION.name].min())  # = req.version under abort
                 if (step - 1) - oldest > self.max_staleness:  # drop and resubmit with the newest weights
-                    aborted += len(req.prompts)
-                    outstanding -= len(req.prompts)
+                    self._aborted += len(req.prompts)
+                    self._outstanding -= len(req.prompts)
                     pending.appendleft((req.prompts, step, req.source))
                     fill()
                     continue
@@ -427,19 +537,19 @@ class AsyncDriver(RolloutDriver):
                     parts.append(out)
                     have += len(req.prompts)
                 else:  # no longer outstanding: while filtering empties the queue, fill() may submit more
-                    outstanding -= len(req.prompts)
+                    self._outstanding -= len(req.prompts)
                     out, seconds = self._score(out, scored)
                     reward_s += seconds
                     groups.add(out)
             if groups is None:
-                outstanding -= have
+                self._outstanding -= have
                 batch = DataProto.concat(parts)
             else:
                 metrics |= combine_reward_metrics(scored) | {"timing/reward": reward_s}
                 batch = groups.batch(metrics, consumed / self.batch_prompts)
             batch.meta_info.pop("metrics", None)
             metrics |= {"timing/wait_rollout": waited, "timing/wait_train": wait_train,
-                        "async/aborted_prompts": float(aborted), "async/requests": float(requests)}
+                        "async/aborted_prompts": float(self._aborted), "async/requests": float(requests)}
             yield self._ready(batch, step, metrics)
             yielded = step
             fill()  # after the step's update: new requests get its weights

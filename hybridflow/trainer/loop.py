@@ -64,6 +64,14 @@ class Algorithm(ABC):
     def load_state_dict(self, extra: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restore `state_dict()` from a checkpoint's `extra` when resuming."""
 
+    def checkpoint_payload(self) -> dict[str, Any] | None:
+        """Driver-side state with tensors, saved inside the checkpoint beside `extra` (safetensors + a JSON skeleton,
+        never pickle); called right after `state_dict()` for the same save. None: nothing to save."""
+        return None
+
+    def load_checkpoint_payload(self, payload: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Restore `checkpoint_payload()` when resuming (after `load_state_dict`)."""
+
     def on_rollback(self, extra: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """The workers were rolled back to a checkpoint whose `extra` is given (data position moves on)."""
 
@@ -99,7 +107,7 @@ class Trainer:
         self._once_metrics: dict[str, float] = {}  # sent with the first logged step of this process
         self.stop = StopRequest()  # replaced by `fit`'s signal-backed request while training
         self.ckpt = CheckpointPolicy(cfg, algorithm.checkpoint_groups(), algorithm.guarded, tracker,
-                                     on_rollback=algorithm.on_rollback)
+                                     on_rollback=algorithm.on_rollback, payload=algorithm.checkpoint_payload)
 
     def step(self, batch: DataProto) -> dict[str, float]:
         """One optimizer step of the algorithm at `global_step` (tests and benchmarks call or wrap it)."""
@@ -271,6 +279,8 @@ class Trainer:
             return
         extra = info["extra"]
         self.algorithm.load_state_dict(extra)
+        if info.get("payload") is not None:
+            self.algorithm.load_checkpoint_payload(info["payload"])
         self.global_step = int(extra["global_step"])
         loader_state = extra["loader"]
         if "data" in extra:  # an epoch-boundary save resumes at (epoch + 1, 0), see DataPosition

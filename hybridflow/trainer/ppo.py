@@ -113,6 +113,16 @@ class PPOAlgorithm(Algorithm):
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
         self._gen_calls = int(extra.get("gen_calls", 0))
 
+    def checkpoint_payload(self) -> dict[str, Any] | None:
+        return None if self.driver is None else self.driver.checkpoint_payload()  # the rollouts generated ahead
+
+    def load_checkpoint_payload(self, payload: dict[str, Any]) -> None:
+        if self.driver is None:
+            logger.warning("the checkpoint holds rollouts generated ahead by trainer.mode=%s; trainer.mode=sync "
+                           "generates their prompts again", payload.get("mode"))
+            return
+        self.driver.load_checkpoint_payload(payload)
+
     def on_rollback(self, extra: dict[str, Any]) -> None:
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
         if self.driver is not None:  # the rollout workers must generate with the restored weights

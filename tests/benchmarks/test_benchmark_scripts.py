@@ -66,11 +66,13 @@ def test_four_rank_ppo_colocated_and_split_run_on_gloo(tmp_path):
 
 
 def test_fault_trials_run_on_cpu(tmp_path):
-    """Issue 20's fault script with 2 kill -9 trials during async saves and (with Ray) 1 worker-kill trial."""
+    """Issue 20's fault script with 2 kill -9 trials during async saves, 1 SIGTERM + resume of an async run and
+    (with Ray) 1 worker-kill trial."""
     ray_trials = "1" if importlib.util.find_spec("ray") is not None else "0"
-    proc = _run("benchmarks.fault_trials", "--ckpt-trials", "2", "--ray-trials", ray_trials, "--max-delay", "0.5",
-                "--out", str(tmp_path), timeout=600)
+    proc = _run("benchmarks.fault_trials", "--ckpt-trials", "2", "--ray-trials", ray_trials, "--async-trials", "1",
+                "--max-delay", "0.5", "--out", str(tmp_path), timeout=600)
     assert "| kill -9 during async save | 2 | 2/2 |" in proc.stdout, proc.stdout
+    assert "| SIGTERM + resume, trainer.mode=async | 1 | 1/1 |" in proc.stdout, proc.stdout
     result = json.loads((tmp_path / "fault_trials.json").read_text())
     assert result["checkpoint"]["usable"] == 2 and result["checkpoint"]["broken_checkpoints"] == 0
     if ray_trials == "1":

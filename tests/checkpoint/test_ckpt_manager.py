@@ -253,3 +253,40 @@ def test_tied_and_view_tensors_save(tmp_path: Path, async_save: bool) -> None:
     with CheckpointManager(tmp_path, async_save=async_save) as mgr:
         mgr.save(1, {"m": state})
     _assert_same(state, CheckpointManager(tmp_path).load(restore_rng=False).components["m"])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_driver_payload_round_trip_inside_the_commit(tmp_path: Path, async_save: bool) -> None:
+    from hybridflow.protocol import DataProto
+
+    rows = DataProto.from_dict({"responses": torch.arange(12).view(3, 4)},
+                               {"uid": np.array(["a", "b", "c"], dtype=object)}, meta_info={"n": 4})
+    payload = {"rows": rows.to_state(), "version": 1, "metrics": {"x": float("nan")}}
+    mgr = CheckpointManager(tmp_path, async_save=async_save)
+    path = mgr.save(1, {"m": {"w": torch.ones(2)}}, extra={"a": 1}, payload=payload)
+    rows.batch["responses"].add_(100)  # the caller goes on with its rows: the save holds its own copy
+    mgr.wait()
+    assert (path / "driver" / "tensors.safetensors").is_file() and atomic.is_complete(path)
+    loaded = mgr.load()
+    back = DataProto.from_state(loaded.payload["rows"])
+    assert torch.equal(back.batch["responses"], torch.arange(12).view(3, 4))
+    assert list(back.non_tensor_batch["uid"]) == ["a", "b", "c"] and back.meta_info == {"n": 4}
+    assert loaded.payload["version"] == 1 and np.isnan(loaded.payload["metrics"]["x"])
+    assert "driver" not in loaded.components and mgr.rollback_to(1).payload is None
+    assert mgr.load(with_payload=False).payload is None
+    mgr.save(2, {"m": {"w": torch.ones(2)}})
+    mgr.wait()
+    assert mgr.load().payload is None and not (tmp_path / "global_step_2" / "driver").exists()
+    with pytest.raises(ValueError, match="'driver'"):
+        mgr.save(3, {"driver": {"w": torch.ones(2)}})
+    mgr.close()
+
+
+def test_driver_payload_goes_to_rank_zero_only() -> None:
+    from hybridflow.checkpoint.worker import _payload_to_rank_zero
+    from hybridflow.controller import DispatchContext
+
+    ctx = DispatchContext(3, "local", lambda: [], "test")
+    plan = _payload_to_rank_zero(ctx, (5, {"e": 1}), {"payload": {"t": torch.ones(1)}})
+    assert plan.args == [(5, {"e": 1})] * 3
+    assert [sorted(k) for k in plan.kwargs] == [["payload"], [], []] and plan.kwargs[0]["payload"]["t"].item() == 1

@@ -201,8 +201,9 @@ def test_resume_continues_with_the_untrained_prompts(tmp_path: Path, mode: str) 
     assert [m["training/global_step"] for m in history] == [3.0, 4.0]
     # the prompts generated ahead (steps 3, 4) before the crash were not trained: the resumed run trains them
     assert [r["uid"] for r in first + rest] == [r["uid"] for r in whole]
-    # a resumed pipeline starts from the checkpoint's weights: step 3's samples are on-policy
-    assert history[0]["staleness/max"] == 0.0 and int(rest[0]["version"].min()) == 2
+    # step 3's batch was generated before step 2's save (version 1, as in the uninterrupted run) and kept in it
+    assert [r["version"].tolist() for r in first + rest] == [r["version"].tolist() for r in whole]
+    assert history[0]["staleness/max"] == 1.0 and int(rest[0]["version"].min()) == 1
 
 
 # ------------------------------------------------------------------------------------------------------ config

@@ -1,5 +1,6 @@
 """trainer.mode=one_step_off on Ray (issue 27): the rollout worker is its own process; when it dies mid-run the
-trainer stops at once with an error that names the rollout group, the call and the rank — no hang."""
+trainer stops at once with an error that names the rollout group, the call and the rank — no hang. Async on Ray:
+partial rollouts, and a resume that keeps the rollouts generated before a stop."""
 
 from __future__ import annotations
 
@@ -159,3 +160,45 @@ def test_async_continue_trains_on_ray_with_consistent_versions(tmp_path: Path) -
         assert int((step - 1) - version.min()) <= 1 and m["staleness/max"] <= 1, f"step {step}"
         mixed = float((per_token.max(1).values != per_token.min(1).values).double().mean())
         assert m["async/mixed_version_rows"] == mixed, f"step {step}"
+
+
+def test_async_resume_on_ray_keeps_the_rollouts_generated_before_a_stop(tmp_path: Path) -> None:
+    """A stop during step 2 saves the queue (batch 3, generated with version 1 on the rollout actor) through Ray into
+    rank 0's checkpoint; the resumed run trains it with its version, then every other prompt of the epoch once."""
+
+    def fit(stop_after: int | None, rows: list[dict[str, Any]]) -> list[float]:
+        cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 4, "trainer.backend=ray", "trainer.mode=async",
+                              "trainer.async.max_staleness=1", "trainer.async.chunk_prompts=1",
+                              "data.train_batch_size=4", "trainer.total_training_steps=4", "trainer.logger=[]",
+                              f"trainer.run_dir={tmp_path}/run", "trainer.resume_mode=auto",
+                              "trainer.checkpoint.save_freq=100")
+        trainer = PPOTrainer(cfg)
+        step = trainer.algorithm.step
+
+        def stepping(batch: Any, n: int) -> dict[str, float]:
+            rows.append({"step": n, "version": batch.batch["policy_version"].clone(),
+                         "uid": set(batch.non_tensor_batch["uid"])})
+            out = step(batch, n)
+            if n == stop_after:
+                trainer.stop.request(signal.SIGTERM)
+            return out
+
+        trainer.algorithm.step = stepping
+        try:
+            trainer.fit()
+        except KeyboardInterrupt:  # `Interrupted`, after the stop's checkpoint
+            assert stop_after is not None
+        finally:
+            trainer.close()
+            ray.shutdown()
+        return [m["training/global_step"] for m in trainer.history if m.get("training/global_step", 0) >= 1]
+
+    rows: list[dict[str, Any]] = []
+    assert fit(2, rows) == [1, 2]
+    assert fit(None, rows) == [3, 4]
+    assert (tmp_path / "ckpt" / "global_step_2" / "driver").is_dir()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert int(rows[2]["version"].min()) == 1  # generated before the stop, kept (a regenerated batch: version 2)
+    for r in rows:
+        assert int(((r["step"] - 1) - r["version"]).max()) <= 1, r["step"]
+    assert len(set().union(*(r["uid"] for r in rows))) == 16 and sum(len(r["uid"]) for r in rows) == 16
