@@ -153,7 +153,7 @@ def p_losses(ax: Any, rows: Rows, ctx: dict[str, Any]) -> bool:
 
 
 # --------------------------------------------------------------------------------- supervised methods (SFT, RM, DPO)
-TRAIN_LOSSES = ("sft/loss", "rm/loss", "dpo/loss", "train/loss")
+TRAIN_LOSSES = ("sft/loss", "rm/loss", "dpo/loss")
 # Preference accuracies (training, then validation) and the validation accuracies of SFT; in [0, 1], drawn in %.
 ACCURACIES = ("rm/accuracy", "rewards/accuracies", "val/accuracy", "val/rewards/accuracies", "val/logp_accuracy",
               "val/token_accuracy")

@@ -56,8 +56,9 @@ def check_fresh_run_dir(cfg: Config) -> None:
     t = cfg.trainer
     run_dir = Path(t.run_dir)
     logs = [run_dir / name for name in (METRICS_FILE, EVENTS_FILE)]
-    if not any(p.is_file() and p.stat().st_size > 0 for p in logs) or will_resume(cfg):
-        return
+    metrics = logs[0]
+    if not (metrics.is_file() and metrics.stat().st_size > 0) or will_resume(cfg):
+        return  # an earlier attempt that logged no step (failed at start) leaves nothing to mix with
     if t.overwrite:
         for path in logs:
             path.unlink(missing_ok=True)

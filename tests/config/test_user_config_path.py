@@ -81,6 +81,7 @@ def test_quiet_config_anywhere(tmp_path, monkeypatch, capsys):
 
     seen = []
     monkeypatch.setattr(run, "run_ppo", lambda cfg, tracker=None: seen.append(cfg))
+    monkeypatch.chdir(tmp_path)  # the default run directory is relative
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("rollout: {n: 2}\n")
     for argv in (["train", "--quiet-config", str(cfg_file), "data.train_batch_size=64"],

@@ -69,3 +69,14 @@ def test_lock_of_a_killed_run_is_not_stale(tmp_path: Path) -> None:
     with claimed_run_dirs(_cfg(tmp_path)):
         info = json.loads((run_dir / LOCK_FILE).read_text())
     assert info["pid"] != 1 and info["host"]
+
+
+def test_an_attempt_that_logged_no_step_does_not_block_a_fresh_run(tmp_path: Path) -> None:
+    from hybridflow.trainer.run_dir import check_fresh_run_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "events.jsonl").write_text('{"kind": "run_end", "status": "failed"}\n')
+    check_fresh_run_dir(_cfg(tmp_path, "trainer.checkpoint.save_freq=0"))  # failed at start: nothing to mix with
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="holds another run's metrics"):
+        check_fresh_run_dir(_cfg(tmp_path, "trainer.checkpoint.save_freq=0"))
