@@ -12,7 +12,7 @@ import math
 from hybridflow.config.schema import Config
 
 COMMANDS = ("train", "sft", "rm", "dpo")
-_UNITS = {"train": "prompts", "sft": "sequences", "rm": "pairs", "dpo": "pairs"}
+BATCH_UNITS = {"train": "prompts", "sft": "sequences", "rm": "pairs", "dpo": "pairs"}
 
 
 def _sizes(cfg: Config, command: str) -> tuple[int, int | None, int, bool, str]:
@@ -23,7 +23,7 @@ def _sizes(cfg: Config, command: str) -> tuple[int, int | None, int, bool, str]:
         t = cfg.trainer
         return cfg.data.train_batch_size, t.total_training_steps, t.total_epochs, cfg.data.drop_last, "prompts"
     sec = getattr(cfg, command)
-    return sec.batch_size, sec.total_steps, sec.epochs, True, _UNITS[command]
+    return sec.batch_size, sec.total_steps, sec.epochs, True, BATCH_UNITS[command]
 
 
 def step_keys(cfg: Config, command: str) -> tuple[str, str, str]:

@@ -44,6 +44,7 @@ class Algorithm(ABC):
     total_epochs: int | None = None  # stop after this many passes over the data (None: cycle until total_steps)
     validator: Validator | None = None
     guarded: tuple[str, ...] = ()  # metric namespaces the NaN guard reads (`<ns>/loss`, `<ns>/grad_norm`)
+    batch_unit: str = "rows"  # what a batch counts, for the plan line (prompts, sequences, pairs)
 
     @abstractmethod
     def step(self, batch: DataProto, step: int) -> dict[str, float]:
@@ -215,7 +216,8 @@ class Trainer:
 
     def _announce_plan(self) -> None:
         """The run's plan as its first event: steps, and the epochs of data they are (config/plan.py's rule)."""
-        message = plan_line(self.total_steps, self.loader.num_rows, self.loader.batch_size, len(self.loader))
+        message = plan_line(self.total_steps, self.loader.num_rows, self.loader.batch_size, len(self.loader),
+                            self.algorithm.batch_unit)
         if self.global_step:
             message += f"; resuming after step {self.global_step}, {self.total_steps - self.global_step} to go"
         if self.tracker is not None:

@@ -75,6 +75,7 @@ class PPOAlgorithm(Algorithm):
         t = cfg.trainer  # a step count set → the data cycles until it is reached (config/plan.py)
         self.total_epochs = None if t.total_training_steps else t.total_epochs
         self.total_steps = planned_steps(t.total_training_steps, t.total_epochs, len(self.loader))
+        self.batch_unit = "prompts"
         self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
         self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn, self.groups.reward_model,
                                    tracker=tracker) if self.val_ds else None

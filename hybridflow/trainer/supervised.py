@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch.utils.data import Dataset
 
 from hybridflow.config import Config
-from hybridflow.config.plan import planned_steps
+from hybridflow.config.plan import BATCH_UNITS, planned_steps
 from hybridflow.config.schema import DPOConfig, RMConfig, SFTConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.loop import Algorithm, Trainer
@@ -61,6 +61,7 @@ class SupervisedAlgorithm(Algorithm):
             raise ValueError(f"{self.section}.batch_size={self.sec.batch_size} is larger than the training set "
                              f"({len(self.train_ds)} rows): lower {self.section}.batch_size or add data")
         self.total_steps = planned_steps(self.sec.total_steps, self.sec.epochs, len(self.loader))  # config/plan.py
+        self.batch_unit = BATCH_UNITS[self.section]
         self.group = self._build_group()
         self.validator = self if self.val_ds is not None else None
 

@@ -48,7 +48,7 @@ def test_step_count_above_one_epoch_cycles_validates_and_saves_at_the_end(tmp_pa
     latest = atomic.find_latest(tmp_path / "ckpt")
     assert latest is not None and latest.name.endswith("_3"), latest  # "-1 = at the end only" saved the end
     plan = [e for e in read_events(tmp_path / "run") if e["kind"] == "plan"]
-    assert plan and plan[0]["message"].startswith("3 steps = 1.50 epochs of 4 rows at 2 a step"), plan
+    assert plan and plan[0]["message"].startswith("3 steps = 1.50 epochs of 4 rows at 2 prompts a step"), plan
     lr = [e for e in read_events(tmp_path / "run") if e["kind"] == "lr_far_from_rule"]  # 1e-6 on the tiny model
     assert len(lr) == 1 and "× below" in lr[0]["message"], lr
 
