@@ -13,7 +13,9 @@ bitwise the plain AdamW step: same kernels (foreach), same clip, same order per 
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.config.schema import OptimConfig
 from hybridflow.engine.optim import build_optimizer
-
-logger = logging.getLogger(__name__)
 
 CHUNK_NUMEL = 1 << 26  # elements per pipelined chunk (256 MB of fp32); a larger tensor is a chunk of its own
 
@@ -59,6 +59,63 @@ class _Slot:
     to_device: Any = None  # updated weights copied out
 
 
+class _Lanes:
+    """Where the copies run. On the CPU: in order, at once (no streams, nothing to wait for)."""
+
+    def to_host(self, after: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def to_device(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def mark_to_host(self) -> Any:
+        return None
+
+    def mark_to_device(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def to_host_after_main(self) -> None:
+        pass
+
+    def main_after_both(self) -> None:
+        pass
+
+
+class _CudaLanes(_Lanes):
+    """Two side streams (device→host, host→device) beside the main stream; events mark each chunk's copies."""
+
+    def __init__(self) -> None:
+        self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def to_host(self, after: Any = None) -> contextlib.AbstractContextManager:
+        if after is not None:
+            self.d2h.wait_event(after)
+        return torch.cuda.stream(self.d2h)
+
+    def to_device(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.h2d)
+
+    def mark_to_host(self) -> Any:
+        return self.d2h.record_event()
+
+    def mark_to_device(self) -> Any:
+        return self.h2d.record_event()
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def to_host_after_main(self) -> None:
+        self.d2h.wait_stream(torch.cuda.current_stream())
+
+    def main_after_both(self) -> None:
+        main = torch.cuda.current_stream()
+        main.wait_stream(self.h2d)
+        main.wait_stream(self.d2h)
+
+
 class HostOptimizer:
     """AdamW over host master copies of `params` (the module's trained, FSDP2-sharded, compute-dtype parameters).
     `optimizer` is the torch AdamW over the masters: the LR schedule, LR scaling and checkpoints use it."""
@@ -84,7 +141,7 @@ class HostOptimizer:
         self.chunks = _chunks([m.numel() for m in self.masters], CHUNK_NUMEL)
         self.cuda = any(p.device.type == "cuda" for p in self.params)
         self._slots: list[_Slot] = []
-        self._streams: tuple[Any, Any] | None = None
+        self._lanes_: _Lanes | None = None
 
     # ----------------------------------------------------------------------------------------- the step
     def zero_grad(self) -> None:
@@ -101,56 +158,47 @@ class HostOptimizer:
         chunks = [c for c in ([i for i in c if self.params[i].grad is not None] for c in self.chunks) if c]
         if chunks and not skip:
             norm = grad_norm.detach().to("cpu")
-            if self.cuda:
-                self._step_pipelined(chunks, norm, max_norm)
-            else:
-                for chunk in chunks:
-                    self._update([_local(self.params[i].grad) for i in chunk], chunk, norm, max_norm)
-                    for i in chunk:
-                        _local(self.params[i]).copy_(self.masters[i])
+            with _threads(host_cores() if self.cuda else torch.get_num_threads()):
+                self._pipeline(chunks, norm, max_norm)
         self.zero_grad()
+
+    def _pipeline(self, chunks: list[list[int]], norm: torch.Tensor, max_norm: float) -> None:
+        """Chunk k+1's gradients go to the host and chunk k-1's weights to the device while the CPU updates chunk k,
+        through two staging buffers that alternate."""
+        lanes = self._lanes()
+        lanes.to_host_after_main()
+        slots = self._staging()
+        self._grads_to_host(chunks[0], slots[0], lanes)
+        for k, chunk in enumerate(chunks):
+            slot = slots[k % 2]
+            if k + 1 < len(chunks):
+                self._grads_to_host(chunks[k + 1], slots[(k + 1) % 2], lanes)
+            lanes.wait(slot.to_host)
+            views = self._views(slot, chunk)
+            self._update(views, chunk, norm, max_norm)
+            for v, i in zip(views, chunk):
+                v.copy_(self.masters[i])  # rounded to the compute dtype in the staging buffer
+            with lanes.to_device():
+                for v, i in zip(views, chunk):
+                    _local(self.params[i]).copy_(v, non_blocking=True)
+                slot.to_device = lanes.mark_to_device()
+        # the next forward reads the new weights; the gradients' memory is reused only after their copies
+        lanes.main_after_both()
+
+    def _grads_to_host(self, chunk: list[int], slot: _Slot, lanes: _Lanes) -> None:
+        with lanes.to_host(after=slot.to_device):  # the copy out of this buffer's previous chunk is done first
+            for v, i in zip(self._views(slot, chunk), chunk):
+                v.copy_(_local(self.params[i].grad), non_blocking=True)
+            slot.to_host = lanes.mark_to_host()
 
     def _update(self, grads: list[torch.Tensor], chunk: list[int], norm: torch.Tensor, max_norm: float) -> None:
         masters = [self.masters[i] for i in chunk]
         for m, g in zip(masters, grads):
-            m.grad = g.to(m.dtype)  # no copy when the dtypes agree (CPU runs): the clip then scales g in place
+            m.grad = g.to(m.dtype)  # no copy when the dtypes agree: the clip then scales the staging buffer
         torch.nn.utils.clip_grads_with_norm_(masters, max_norm, norm, foreach=True)
         self.optimizer.step()  # AdamW skips parameters without a gradient: only this chunk moves
         for m in masters:
             m.grad = None
-
-    def _step_pipelined(self, chunks: list[list[int]], norm: torch.Tensor, max_norm: float) -> None:
-        to_host, to_device = self._side_streams()
-        main = torch.cuda.current_stream()
-        to_host.wait_stream(main)  # the gradients (and the norm) are complete on the main stream
-        slots = self._staging()
-        self._copy_grads_to_host(chunks[0], slots[0], to_host)
-        for k, chunk in enumerate(chunks):
-            slot = slots[k % 2]
-            if k + 1 < len(chunks):
-                self._copy_grads_to_host(chunks[k + 1], slots[(k + 1) % 2], to_host)
-            slot.to_host.synchronize()
-            views = self._views(slot, chunk)
-            self._update(views, chunk, norm, max_norm)
-            for v, i in zip(views, chunk):
-                v.copy_(self.masters[i])  # round to the compute dtype into the pinned buffer
-            with torch.cuda.stream(to_device):
-                for v, i in zip(views, chunk):
-                    _local(self.params[i]).copy_(v, non_blocking=True)
-                slot.to_device = torch.cuda.Event()
-                slot.to_device.record(to_device)
-        # the next forward reads the new weights; the gradients' memory is reused only after their copies
-        main.wait_stream(to_device)
-        main.wait_stream(to_host)
-
-    def _copy_grads_to_host(self, chunk: list[int], slot: _Slot, stream: Any) -> None:
-        with torch.cuda.stream(stream):
-            if slot.to_device is not None:  # the copy out of this buffer's previous chunk must be done
-                stream.wait_event(slot.to_device)
-            for v, i in zip(self._views(slot, chunk), chunk):
-                v.copy_(_local(self.params[i].grad), non_blocking=True)
-            slot.to_host = torch.cuda.Event()
-            slot.to_host.record(stream)
 
     def _views(self, slot: _Slot, chunk: list[int]) -> list[torch.Tensor]:
         out, offset = [], 0
@@ -164,13 +212,13 @@ class HostOptimizer:
         if not self._slots:
             size = max(sum(self.masters[i].numel() for i in c) for c in self.chunks)
             dtype = self.params[0].dtype
-            self._slots = [_Slot(torch.empty(size, dtype=dtype, pin_memory=True)) for _ in range(2)]
+            self._slots = [_Slot(torch.empty(size, dtype=dtype, pin_memory=self.cuda)) for _ in range(2)]
         return self._slots
 
-    def _side_streams(self) -> tuple[Any, Any]:
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
-        return self._streams
+    def _lanes(self) -> _Lanes:
+        if self._lanes_ is None:
+            self._lanes_ = _CudaLanes() if self.cuda else _Lanes()
+        return self._lanes_
 
     @torch.no_grad()
     def push(self) -> None:
@@ -212,6 +260,25 @@ class HostOptimizer:
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k not in ("params", "fused", "foreach")})
         self.push()
+
+
+def host_cores() -> int:
+    """Intra-op threads of the host step on a GPU run: every core this process may use. A GPU run otherwise keeps
+    few (utils/threads.py); the step is the only host work while the device waits for it, and it is bound by
+    memory bandwidth, which one thread does not fill."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
