@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from engine_testlib import make_batch, make_engine, nan_loss, nll_loss, train_step
 from torch.distributed.tensor import DTensor
 
+from hybridflow.checkpoint import CheckpointManager
 from hybridflow.config import load_config
 
 HERE = str(Path(__file__).parent)
@@ -98,8 +99,28 @@ def test_host_step_resumes_bitwise_from_a_checkpoint(tmp_path, dist_group):
     _assert_bitwise(_snapshot(straight), _snapshot(resumed))
 
 
-def test_compute_dtype_weights_on_the_module_fp32_masters_on_the_host(dist_group):
-    engine = make_engine("model.dtype=bfloat16", "actor.optim.lr=3e-3", CPU_STEP)
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_host_step_resumes_bitwise_through_the_trainers_checkpoints(tmp_path, async_save, dist_group):
+    """The run-level path (CheckpointManager: flattened state, async staging, load into templates)."""
+    straight = make_engine(*CLIPPED, CPU_STEP)
+    _train(straight, 3)
+    first = make_engine(*CLIPPED, CPU_STEP)
+    _train(first, 2)
+    with CheckpointManager(tmp_path, async_save=async_save, capture_rng=False) as mgr:
+        mgr.save(2, {"actor": first.state_dict()})
+    _train(first, 1)  # training on while an async save writes must not change what it wrote
+    resumed = make_engine(*CLIPPED, CPU_STEP)
+    loaded = CheckpointManager(tmp_path, capture_rng=False).load(tmp_path / "global_step_2",
+                                                                 templates={"actor": resumed.state_dict()})
+    resumed.load_state_dict(loaded.components["actor"])
+    _train(resumed, 1)
+    _assert_bitwise(_snapshot(straight), _snapshot(resumed))
+
+
+@pytest.mark.parametrize("micro", [4, 1], ids=["one-micro-batch", "deferred-sum-of-4"])
+def test_compute_dtype_weights_on_the_module_fp32_masters_on_the_host(micro, dist_group):
+    engine = make_engine("model.dtype=bfloat16", "actor.optim.lr=3e-3", f"actor.ppo_micro_batch_size_per_gpu={micro}",
+                         CPU_STEP)
     host = engine.host_optimizer
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
     assert {m.dtype for m in host.masters} == {torch.float32}
