@@ -141,6 +141,8 @@ class HostOptimizer:
         self.chunks = _chunks([m.numel() for m in self.masters], CHUNK_NUMEL)
         self.cuda = any(p.device.type == "cuda" for p in self.params)
         self._slots: list[_Slot] = []
+        self._wide: torch.Tensor | None = None  # gradients widened to the master dtype, one chunk at a time
+        self.fused = fused
         self._lanes_: _Lanes | None = None
 
     # ----------------------------------------------------------------------------------------- the step
@@ -174,8 +176,8 @@ class HostOptimizer:
             if k + 1 < len(chunks):
                 self._grads_to_host(chunks[k + 1], slots[(k + 1) % 2], lanes)
             lanes.wait(slot.to_host)
-            views = self._views(slot, chunk)
-            self._update(views, chunk, norm, max_norm)
+            views = self._views(slot.buf, chunk)
+            self._update(self._in_master_dtype(views, chunk), chunk, norm, max_norm)
             for v, i in zip(views, chunk):
                 v.copy_(self.masters[i])  # rounded to the compute dtype in the staging buffer
             with lanes.to_device():
@@ -187,32 +189,54 @@ class HostOptimizer:
 
     def _grads_to_host(self, chunk: list[int], slot: _Slot, lanes: _Lanes) -> None:
         with lanes.to_host(after=slot.to_device):  # the copy out of this buffer's previous chunk is done first
-            for v, i in zip(self._views(slot, chunk), chunk):
+            for v, i in zip(self._views(slot.buf, chunk), chunk):
                 v.copy_(_local(self.params[i].grad), non_blocking=True)
             slot.to_host = lanes.mark_to_host()
+
+    def _in_master_dtype(self, grads: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
+        """`grads` (compute dtype) widened into one reused buffer: a fresh tensor per chunk would cost more in page
+        faults than the conversion itself. Already in the master dtype (CPU runs): themselves."""
+        if grads[0].dtype == self.masters[chunk[0]].dtype:
+            return grads
+        if self._wide is None:
+            self._wide = torch.empty(self._max_chunk(), dtype=self.masters[0].dtype)
+        out = self._views(self._wide, chunk)
+        for o, g in zip(out, grads):
+            o.copy_(g)
+        return out
 
     def _update(self, grads: list[torch.Tensor], chunk: list[int], norm: torch.Tensor, max_norm: float) -> None:
         masters = [self.masters[i] for i in chunk]
         for m, g in zip(masters, grads):
-            m.grad = g.to(m.dtype)  # no copy when the dtypes agree: the clip then scales the staging buffer
-        torch.nn.utils.clip_grads_with_norm_(masters, max_norm, norm, foreach=True)
-        self.optimizer.step()  # AdamW skips parameters without a gradient: only this chunk moves
+            m.grad = g
+        if self.fused:  # the clip factor rides in the kernel (grad / grad_scale) instead of a pass of its own
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            self.optimizer.grad_scale = 1.0 / coef
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
+        else:  # foreach (CPU runs): the device step's clip, bit for bit
+            torch.nn.utils.clip_grads_with_norm_(masters, max_norm, norm, foreach=True)
+            self.optimizer.step()  # AdamW skips parameters without a gradient: only this chunk moves
         for m in masters:
             m.grad = None
 
-    def _views(self, slot: _Slot, chunk: list[int]) -> list[torch.Tensor]:
+    def _views(self, flat: torch.Tensor, chunk: list[int]) -> list[torch.Tensor]:
         out, offset = [], 0
         for i in chunk:
             n = self.masters[i].numel()
-            out.append(slot.buf[offset:offset + n].view(self.masters[i].shape))
+            out.append(flat[offset:offset + n].view(self.masters[i].shape))
             offset += n
         return out
 
+    def _max_chunk(self) -> int:
+        return max(sum(self.masters[i].numel() for i in c) for c in self.chunks)
+
     def _staging(self) -> list[_Slot]:
         if not self._slots:
-            size = max(sum(self.masters[i].numel() for i in c) for c in self.chunks)
             dtype = self.params[0].dtype
-            self._slots = [_Slot(torch.empty(size, dtype=dtype, pin_memory=self.cuda)) for _ in range(2)]
+            self._slots = [_Slot(torch.empty(self._max_chunk(), dtype=dtype, pin_memory=self.cuda)) for _ in range(2)]
         return self._slots
 
     def _lanes(self) -> _Lanes:

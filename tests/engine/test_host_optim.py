@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.config import load_config
+from hybridflow.engine import host_optim
 
 HERE = str(Path(__file__).parent)
 CPU_STEP = "actor.fsdp.optimizer_offload=cpu_step"
@@ -131,6 +132,36 @@ def test_compute_dtype_weights_on_the_module_fp32_masters_on_the_host(micro, dis
     for p, m in zip(host.params, host.masters):  # the module holds the masters rounded to bf16
         assert torch.equal(_local(p), m.detach().to(torch.bfloat16))
     assert engine.state_dict()["model"][host.fqns[0]].dtype == torch.float32  # checkpoints keep the masters
+
+
+@pytest.mark.parametrize("max_norm", [0.1, 100.0], ids=["clipped", "not-clipped"])
+def test_fused_host_step_matches_clip_then_adamw(max_norm):
+    """The kind a GPU run uses (fused AdamW, the clip folded into its grad_scale; bf16 gradients widened in
+    chunks) against clip_grads_with_norm_ + fused AdamW on fp32 copies: equal to rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    optim = load_config(files=[], overrides=["actor.optim.weight_decay=0.1"]).actor.optim
+    masters = host_optim.cut_masters(model, torch.float32, 0, 1)
+    ref = [torch.nn.Parameter(m.clone()) for m in masters.values()]
+    host_optim.cast_params(model, torch.bfloat16)
+    host = host_optim.HostOptimizer(model, masters, optim, fused=True)
+    host.chunks = host_optim._chunks([m.numel() for m in host.masters], 270)  # several chunks, a large one alone
+    assert len(host.chunks) > 2
+    ref_optim = torch.optim.AdamW(ref, lr=optim.lr, weight_decay=0.1, fused=True)
+    for _ in range(3):
+        grads = [torch.randn(p.shape).to(torch.bfloat16) for p in host.params]
+        for p, g, r in zip(host.params, grads, ref):
+            p.grad, r.grad = g, g.float()
+        norm = torch.nn.utils.get_total_norm([g.float() for g in grads])
+        torch.nn.utils.clip_grads_with_norm_(ref, max_norm, norm)
+        ref_optim.step()
+        host.step(norm, max_norm, skip=False)
+        for p, m, r in zip(host.params, host.masters, ref):
+            torch.testing.assert_close(m.detach(), r.detach(), rtol=2e-6, atol=1e-7)
+            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16)) and p.grad is None
+    for m, r in zip(host.masters, ref):
+        torch.testing.assert_close(host.optimizer.state[m]["exp_avg_sq"], ref_optim.state[r]["exp_avg_sq"],
+                                   rtol=2e-6, atol=1e-12)
 
 
 def test_optimizer_offload_values_are_checked():
