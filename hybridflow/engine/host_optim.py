@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hybridflow.config.schema import OptimConfig
 from hybridflow.engine.optim import build_optimizer
@@ -314,11 +315,16 @@ def _to_local(t: Any) -> torch.Tensor:
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> DTensor | torch.Tensor:
-    """`local` (host memory) as a tensor sharded like `param`, sharing `local`'s storage."""
+    """`local` (host memory) as a tensor sharded like `param`, sharing `local`'s storage. Not `DTensor.from_local`:
+    that moves the local tensor to the mesh's device (the GPU); built as the checkpoint stager builds its CPU
+    DTensors (checkpoint/storage.py), with `local`'s dtype."""
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    out = DTensor.__new__(DTensor, local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta),
+                          requires_grad=False)
+    assert out._local_tensor is local, "the checkpoint entry must alias the host tensor (DCP loads in place)"
+    return out
 
 
 def _chunks(numels: list[int], budget: int) -> list[list[int]]:
