@@ -288,10 +288,12 @@ class HostOptimizer:
 
 
 def host_cores() -> int:
-    """Intra-op threads of the host step on a GPU run: every core this process may use. A GPU run otherwise keeps
-    few (utils/threads.py); the step is the only host work while the device waits for it, and it is bound by
-    memory bandwidth, which one thread does not fill."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Intra-op threads of the host step on a GPU run: this process's share of the cores it may use (the ranks on
+    one host step at the same time: `LOCAL_WORLD_SIZE`). A GPU run otherwise keeps few (utils/threads.py); the step
+    is the only host work while the device waits for it, and it is bound by memory bandwidth, which one thread
+    does not fill."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 @contextlib.contextmanager
