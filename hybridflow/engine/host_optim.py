@@ -78,7 +78,7 @@ class _Lanes:
     def wait(self, event: Any) -> None:
         pass
 
-    def to_host_after_main(self) -> None:
+    def after_main(self) -> None:
         pass
 
     def main_after_both(self) -> None:
@@ -108,8 +108,12 @@ class _CudaLanes(_Lanes):
     def wait(self, event: Any) -> None:
         event.synchronize()
 
-    def to_host_after_main(self) -> None:
-        self.d2h.wait_stream(torch.cuda.current_stream())
+    def after_main(self) -> None:
+        """Both side streams start after what the main stream has queued: the gradients and the norm (read),
+        the last passes over the weights (overwritten)."""
+        main = torch.cuda.current_stream()
+        self.d2h.wait_stream(main)
+        self.h2d.wait_stream(main)
 
     def main_after_both(self) -> None:
         main = torch.cuda.current_stream()
@@ -169,7 +173,7 @@ class HostOptimizer:
         """Chunk k+1's gradients go to the host and chunk k-1's weights to the device while the CPU updates chunk k,
         through two staging buffers that alternate."""
         lanes = self._lanes()
-        lanes.to_host_after_main()
+        lanes.after_main()
         slots = self._staging()
         self._grads_to_host(chunks[0], slots[0], lanes)
         for k, chunk in enumerate(chunks):
