@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_testlib import make_batch, make_engine, nan_loss, nll_loss, train_step
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.config import load_config
@@ -162,6 +163,101 @@ def test_fused_host_step_matches_clip_then_adamw(max_norm):
     for m, r in zip(host.masters, ref):
         torch.testing.assert_close(host.optimizer.state[m]["exp_avg_sq"], ref_optim.state[r]["exp_avg_sq"],
                                    rtol=2e-6, atol=1e-12)
+
+
+class _Lane:
+    """A side stream that runs nothing until someone waits: copies queue up, events mark positions."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+        self.done = 0
+
+    def flush(self, upto: int | None = None) -> None:
+        upto = len(self.queue) if upto is None else upto
+        while self.done < upto:
+            item, self.done = self.queue[self.done], self.done + 1
+            item()
+
+
+class _Event:
+    def __init__(self, lane: _Lane) -> None:
+        self.lane, self.at = lane, len(lane.queue)
+
+    def __call__(self) -> None:
+        self.lane.flush(self.at)
+
+
+class _Queue(TorchFunctionMode):
+    def __init__(self, lane: _Lane) -> None:
+        super().__init__()
+        self.lane = lane
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and kwargs.get("non_blocking"):
+            dst, src = args
+            self.lane.queue.append(lambda: dst.copy_(src))  # reads `src` when it runs, as a device copy would
+            return dst
+        return func(*args, **kwargs)
+
+
+class DeferredLanes(host_optim._Lanes):
+    """The pipeline's protocol with maximal asynchrony: a copy runs only once an event after it is waited for
+    (or a stream that waits on that event runs), so a missing wait reads or overwrites a staging buffer early."""
+
+    def __init__(self, honour_waits: bool = True) -> None:
+        self.d2h, self.h2d, self.honour = _Lane(), _Lane(), honour_waits
+
+    def to_host(self, after=None):
+        if after is not None:
+            self.d2h.queue.append(after)
+        return _Queue(self.d2h)
+
+    def to_device(self):
+        return _Queue(self.h2d)
+
+    def mark_to_host(self):
+        return _Event(self.d2h)
+
+    def mark_to_device(self):
+        return _Event(self.h2d)
+
+    def wait(self, event) -> None:
+        if self.honour:
+            event()
+
+    def main_after_both(self) -> None:
+        self.h2d.flush()
+        self.d2h.flush()
+
+
+@pytest.mark.parametrize("honour_waits", [True, False], ids=["ordered", "control-without-waits"])
+def test_pipelined_copies_are_ordered_by_their_events(honour_waits):
+    """The GPU path's ordering (two staging buffers, copies on side streams) checked on the CPU with lanes whose
+    copies run as late as the events allow: the result equals the in-order run; without the waits it does not
+    (the check can fail)."""
+    torch.manual_seed(0)
+    optim = load_config(files=[]).actor.optim
+    runs = []
+    for lanes in (None, DeferredLanes(honour_waits)):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8), torch.nn.Linear(8, 8))
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.data = torch.randn(p.shape)
+        masters = host_optim.cut_masters(model, torch.float32, 0, 1)
+        host_optim.cast_params(model, torch.bfloat16)
+        host = host_optim.HostOptimizer(model, masters, optim, fused=True)
+        host.chunks = host_optim._chunks([m.numel() for m in host.masters], 270)
+        host._lanes_ = lanes
+        torch.manual_seed(2)
+        for _ in range(3):
+            for p in host.params:
+                p.grad = torch.randn(p.shape).to(torch.bfloat16)
+            host.step(torch.tensor(2.0), 1.0, skip=False)
+        runs.append([p.detach().clone() for p in host.params] + [m.detach().clone() for m in host.masters])
+    assert len(host.chunks) >= 4  # every staging buffer is reused
+    same = all(torch.equal(a, b) for a, b in zip(*runs))
+    assert same == honour_waits
 
 
 def test_optimizer_offload_values_are_checked():
