@@ -1,7 +1,8 @@
 """`fsdp.optimizer_offload=cpu_step` (engine/host_optim.py): on the CPU in fp32 the host step is the device step
 bit for bit — weights, Adam moments, step counts, LR, metrics — with clipping, weight decay, warm-up, several
 mini-batches, the non-finite skip, LoRA, a checkpoint resume and 2 gloo ranks; with a bf16 compute dtype the module
-holds only bf16 weights and the fp32 masters live in the host optimizer."""
+holds only bf16 weights and the fp32 masters live in the host optimizer. The GPU run's kind (fused AdamW, bf16
+gradients widened in chunks) and the ordering of its pipelined copies are checked on the CPU too."""
 
 from __future__ import annotations
 
