@@ -156,7 +156,9 @@ class OptimConfig:
 @dataclass(frozen=True)
 class FSDPConfig:
     param_offload: bool  # keep parameters on CPU between uses
-    optimizer_offload: bool  # keep optimizer state on CPU (also during generation)
+    # false | true: Adam state parked on the CPU between updates, the step on the device (verl) | cpu_step: fp32
+    # master weights and Adam state live on the CPU and the step runs there (engine/host_optim.py)
+    optimizer_offload: bool | str
     reshard_after_forward: bool
     param_dtype: str  # master weights dtype: float32 | bfloat16
     reduce_dtype: str  # gradient reduction dtype
@@ -168,6 +170,12 @@ class FSDPConfig:
         _one_of("fsdp.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
         _check(self.defer_grad_sync in ("auto", True, False), "fsdp.defer_grad_sync", self.defer_grad_sync,
                "must be auto, true or false")
+        _check(self.optimizer_offload in (True, False, "cpu_step"), "fsdp.optimizer_offload", self.optimizer_offload,
+               "must be true, false or cpu_step")
+
+    @property
+    def cpu_step(self) -> bool:
+        return self.optimizer_offload == "cpu_step"
 
 
 # --------------------------------------------------------------------------------------------------- actor

@@ -20,10 +20,12 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.engine.host_optim import HostOptimizer
 from hybridflow.models.loader import save_model
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,22 @@ def set_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     # trainable_only: the state holds the trained parameters only; the frozen base keeps its loaded weights.
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(strict=not trainable_only))
+
+
+def get_host_step_state(model: torch.nn.Module, host: HostOptimizer, trainable_only: bool = False) -> dict[str, Any]:
+    """`get_engine_state` for `fsdp.optimizer_offload=cpu_step`: the trained parameters' entries are the host's
+    full-precision masters (not the device's compute-dtype copies), the optimizer entries its AdamW state; same
+    names and layout as the device step's checkpoint."""
+    model_sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    return {"model": {**model_sd, **host.model_entries()}, "optimizer": host.optimizer_state()}
+
+
+def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict[str, Any]) -> None:
+    trained = set(host.fqns)
+    rest = {k: v for k, v in state["model"].items() if k not in trained}
+    if rest:  # frozen weights (LoRA base, when saved) and buffers
+        set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
+    host.load(state["model"], state["optimizer"])
 
 
 def save_dir(path: str | Path, state: dict[str, Any], extra: dict[str, Any]) -> None:

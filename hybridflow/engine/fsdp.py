@@ -3,7 +3,8 @@
 Decision: master weights stay in `fsdp.param_dtype` (float32 by default) and compute runs in the model dtype
 (bf16 on GPU, fp32 on CPU) through `MixedPrecisionPolicy`. Offload is explicit and between phases (verl style:
 parameters and optimizer state are moved to CPU while another role or the rollout owns the GPU), not FSDP's
-per-layer CPUOffloadPolicy, so the optimizer step still runs on the GPU.
+per-layer CPUOffloadPolicy, so the optimizer step still runs on the GPU — except with
+`optimizer_offload=cpu_step`, where the step and the fp32 masters live on the host (`host_optim.py`).
 """
 
 from __future__ import annotations

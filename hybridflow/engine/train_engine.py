@@ -39,6 +39,7 @@ from hybridflow.engine.fsdp import (
     move_optimizer,
     resolve_dtype,
 )
+from hybridflow.engine.host_optim import HostOptimizer, cast_params, cut_masters
 from hybridflow.engine.lora import adapters_disabled, apply_lora, merged_state_dict
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
@@ -101,6 +102,12 @@ class TrainEngine:
         if wants_compile(spec.model.use_torch_compile, self.device):
             compile_layers(decoder_layers(model))
         reduce_dtype, master_dtype = DTYPES[fsdp.reduce_dtype], DTYPES[fsdp.param_dtype]
+        masters = None
+        if fsdp.cpu_step and spec.trainable:  # full-precision copies to the host, compute dtype on the device
+            masters = cut_masters(model, master_dtype, self.dp_rank, self.dp_size)
+            cast_params(model, self.compute_dtype)
+        elif fsdp.cpu_step:
+            logger.warning("fsdp.optimizer_offload=cpu_step ignored: this engine is not trained (no optimizer)")
         apply_fsdp2(model, build_mesh(self.device), self.compute_dtype, reduce_dtype, fsdp.reshard_after_forward)
         # Deferring the gradient reduction to a mini-batch's last micro-batch accumulates in reduce_dtype; only
         # when that is at least as wide as the master weights is it the same sum (bf16 reduce + fp32 master: no).
@@ -112,9 +119,15 @@ class TrainEngine:
         self.tokenizer = load_tokenizer(spec.model)
         self.flops = FlopsCounter(model.config, with_lm_head=spec.head == "lm")
         self.optimizer = self.lr_scheduler = None
-        if spec.optimizer is not None:
+        self.host_optimizer: HostOptimizer | None = None  # fsdp.optimizer_offload=cpu_step
+        if masters is not None:
+            self.host_optimizer = HostOptimizer(model, masters, spec.optimizer.optim,
+                                                fused=_wants_fused_optimizer(self.device))
+            self.optimizer = self.host_optimizer.optimizer  # over the host masters
+        elif spec.optimizer is not None:
             self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], spec.optimizer.optim,
                                              fused=_wants_fused_optimizer(self.device))
+        if self.optimizer is not None:
             self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer.optim, spec.optimizer.total_steps)
         self._params_on_device = self._optim_on_device = True
         self._training = False  # inside `training()`
@@ -129,7 +142,7 @@ class TrainEngine:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         if self.optimizer is not None and mode != "train":
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
         self._place(params=mode != "offload",
                     optim=mode == "train" or (mode == "generate" and not self.spec.fsdp.optimizer_offload))
 
@@ -140,7 +153,7 @@ class TrainEngine:
         if params != self._params_on_device:
             move_model(self.module, self.device if params else cpu)
             self._params_on_device = params
-        if self.optimizer is not None and optim != self._optim_on_device:
+        if self.optimizer is not None and self.host_optimizer is None and optim != self._optim_on_device:
             move_optimizer(self.optimizer, self.device if optim else cpu)
             self._optim_on_device = optim
         if not (params and optim):
@@ -274,7 +287,7 @@ class TrainEngine:
         global_norm = self._global_norms(batch.batch["response_mask"])
         fresh = self._pending_loss is None
         if fresh:  # a new accumulation (the last step's gradients stay readable until now)
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
         batching = self._train_batching_now()
         try:
             return self._accumulate(batch, loss_fn, head, global_norm, batching, late)
@@ -282,7 +295,7 @@ class TrainEngine:
             if not (fresh and self._may_retry_oom(batching)):
                 raise
         # One retry at half the micro-batch: drop this mini-batch's partial gradients and run it again.
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._pending_loss = None
         torch.cuda.empty_cache()
         self._train_micro_override = max(1, batching.size // 2)
@@ -345,6 +358,9 @@ class TrainEngine:
         grad_norm = self._grad_norm(params)
         bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss_total))
         # A non-finite norm makes the clipped gradients NaN/0; they are never applied (skip below).
+        if self.host_optimizer is not None:  # clipped on the host; the skip needs the flag there anyway
+            self.host_optimizer.step(grad_norm, self.spec.optimizer.grad_clip, skip=bool(bad))
+            return {"loss": loss_total, "grad_norm": grad_norm, "skipped": bad.float()}
         torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, grad_norm, foreach=True)
         if is_fused(self.optimizer):
             self.optimizer.found_inf = bad.float()
@@ -353,7 +369,7 @@ class TrainEngine:
             finally:
                 del self.optimizer.found_inf
         elif bool(bad):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
         else:
             self.optimizer.step()
         return {"loss": loss_total, "grad_norm": grad_norm, "skipped": bad.float()}
@@ -396,30 +412,48 @@ class TrainEngine:
                     if unsharded is not None:
                         unsharded.grad = None
         if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
         if hasattr(self.module, "reset_iter_state"):  # torch >= 2.12
             self.module.reset_iter_state()
             return
         _reset_fsdp_iter_state(self.module._get_fsdp_state())
 
+    def _zero_grad(self) -> None:
+        if self.host_optimizer is not None:
+            self.host_optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
     @staticmethod
     def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        grads = [p.grad for p in params]
+        if all(g.dtype == torch.float32 for g in grads):
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        else:  # compute-dtype gradients (optimizer_offload=cpu_step): sum the squares in fp32
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+                                                         for g in grads]), 2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer" (sharded, DCP-ready), "extra" (JSON-safe counters)}."""
         self._enter(optim=True)
-        state = ckpt.get_engine_state(self.module, self.optimizer, trainable_only=self.lora_targets is not None)
+        trainable_only = self.lora_targets is not None
+        if self.host_optimizer is not None:
+            state = ckpt.get_host_step_state(self.module, self.host_optimizer, trainable_only)
+        else:
+            state = ckpt.get_engine_state(self.module, self.optimizer, trainable_only)
         state["extra"] = {"global_step": self.global_step,
                           "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._enter(optim=True)
-        ckpt.set_engine_state(self.module, self.optimizer, state, trainable_only=self.lora_targets is not None)
-        if self.optimizer is not None:  # the saved groups' fused/foreach flags came with the state: ours win
+        if self.host_optimizer is not None:
+            ckpt.set_host_step_state(self.module, self.host_optimizer, state)
+        else:
+            ckpt.set_engine_state(self.module, self.optimizer, state, trainable_only=self.lora_targets is not None)
+        if self.optimizer is not None and self.host_optimizer is None:  # saved fused/foreach flags: ours win
             set_optimizer_kind(self.optimizer, fused=_wants_fused_optimizer(self.device))
         extra = state.get("extra") or {}
         self.global_step = int(extra.get("global_step", 0))

@@ -112,6 +112,19 @@ def test_lora_gpu_benchmark_smoke(tmp_path):
     assert "| lora_7b | ok |" in proc.stdout and (tmp_path / "lora_gpu.md").exists()
 
 
+def test_cpu_step_7b_benchmark_smoke(tmp_path):
+    """The 7B full fine-tuning benchmark's code path at tiny shapes: GRPO with the reference model and the KL loss,
+    the optimizer step on the host, per-stage times and host memory in the JSON, one warm-up + 3 timed steps."""
+    proc = _run("benchmarks.cpu_step_7b", "--smoke", "--out", str(tmp_path), timeout=600)
+    res = json.loads((tmp_path / "cpu_step_7b.json").read_text())
+    assert "actor.fsdp.optimizer_offload=cpu_step" in res["overrides"] and res["trained_params"] > 0
+    assert [s["timed"] for s in res["steps"]] == [False, True, True, True]
+    for step in res["steps"]:
+        assert step["host_step_s"] > 0 and step["timing/ref"] > 0 and "actor/kl_loss" in step, step
+        assert step["host_peak_rss_gb"] > 0
+    assert res["median"]["timing/update_actor"] > 0 and '"median"' in proc.stdout
+
+
 def test_lora_switch_work_counts_one_merge_per_projection():
     """The CPU op/byte count of one hybrid switch (issue 24): LoRA = one base copy + one baddbmm_ per adapted
     projection (7 with all-linear), full fine-tuning = one cast copy; both report the bytes moved."""
