@@ -1,0 +1,129 @@
+"""Hang watchdog with the in-process backend: a sleeping call or driver stage stops within seconds of the timeout,
+with stack dumps naming the sleeping function; a slow call that keeps beating is left alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.controller import Dispatch, Worker, WorkerGroup, register
+from hybridflow.controller.errors import HangError
+from hybridflow.controller.hang import (
+    COLLECTIVE_TIMEOUT_OFF_S,
+    HangWatchdog,
+    active_watchdog,
+    collective_timeout_s,
+)
+from hybridflow.tracking.jsonl import read_events
+from hybridflow.trainer.run import tracked_run
+from hybridflow.trainer.timing import StageTimer
+from hybridflow.utils.progress import beat
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def sleeping_reward_fn(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+class NapWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def nap_in_update(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def slow_but_beating(self, steps: int, step_s: float) -> int:
+        for i in range(steps):
+            time.sleep(step_s)
+            beat(i)
+        return steps
+
+    @register(Dispatch.ONE_TO_ALL)
+    def collective_timeout(self) -> float:
+        return self.worker_env.hang_timeout_s
+
+
+def test_local_sleeping_call_stops_with_stacks(tmp_path):
+    start = time.monotonic()
+    with HangWatchdog(1.0, tmp_path / "hang", poll_s=0.1) as wd:
+        wg = WorkerGroup(None, NapWorker, backend="local", name="nappers")
+        assert wg.collective_timeout() == [1.0]  # the worker learns the run's hang timeout (collectives derive from it)
+        with pytest.raises(HangError) as info:
+            wg.nap_in_update(60.0)
+        wg.shutdown()
+    took = time.monotonic() - start
+    assert took < 6.0, took
+    err = info.value
+    assert (err.stage, err.rank, err.group, err.method) == ("nap_in_update", 0, "nappers", "nap_in_update")
+    assert str(err).startswith("hang in nap_in_update on rank 0"), err
+    assert wd.fired is not None and active_watchdog() is None
+    for name in ("driver.txt", "nappers.rank0.txt"):
+        text = (tmp_path / "hang" / name).read_text()
+        assert "nap_in_update" in text, text
+    assert json.loads((tmp_path / "hang" / "progress.json").read_text())["nappers.rank0"]["method"] == "nap_in_update"
+
+
+def test_local_slow_but_progressing_call_is_not_stopped(tmp_path):
+    with HangWatchdog(0.6, tmp_path / "hang", poll_s=0.05) as wd:
+        wg = WorkerGroup(None, NapWorker, backend="local", name="slow")
+        assert wg.slow_but_beating(12, 0.2) == [12]  # 2.4 s, four times the timeout, a beat every 0.2 s
+        wg.shutdown()
+    assert wd.fired is None and not (tmp_path / "hang").exists()
+
+
+def test_idle_driver_outside_stages_is_not_a_hang(tmp_path):
+    with HangWatchdog(0.3, tmp_path / "hang", poll_s=0.05) as wd:
+        time.sleep(1.0)
+    assert wd.fired is None
+
+
+def _cfg(tmp_path: Path, timeout_s: float | None):
+    return load_config(overrides=["trainer.logger=[]", f"trainer.run_dir={tmp_path}/run",
+                                  f"trainer.hang_timeout_s={'null' if timeout_s is None else timeout_s}"])
+
+
+def test_tracked_run_records_a_driver_stage_hang(tmp_path):
+    timer = StageTimer(sync_cuda=False)
+    start = time.monotonic()
+    with pytest.raises(HangError, match=r"^hang in reward on the driver"), tracked_run(_cfg(tmp_path, 1.0)):
+        with timer("reward"):
+            sleeping_reward_fn(60.0)
+    assert time.monotonic() - start < 8.0
+    end = [e for e in read_events(tmp_path / "run") if e["kind"] == "run_end"][-1]
+    assert end["status"] == "failed" and end["error_type"] == "HangError", end
+    assert "HangError: hang in reward on the driver" in end["message"], end
+    assert "sleeping_reward_fn" in (tmp_path / "run" / "hang" / "driver.txt").read_text()
+
+
+def test_tracked_run_without_timeout_starts_no_watchdog(tmp_path):
+    seen = []
+    with tracked_run(_cfg(tmp_path, 0)):
+        seen.append(active_watchdog())
+    with tracked_run(_cfg(tmp_path, None)):
+        seen.append(active_watchdog())
+    assert seen == [None, None]
+    with tracked_run(_cfg(tmp_path, 1800)):
+        seen.append(active_watchdog())
+    assert isinstance(seen[-1], HangWatchdog) and seen[-1].timeout_s == 1800 and active_watchdog() is None
+
+
+def test_collective_timeout_derives_from_hang_timeout():
+    assert collective_timeout_s(0.0) == COLLECTIVE_TIMEOUT_OFF_S
+    assert collective_timeout_s(1800.0) == 1980.0  # the watchdog (stack dumps, stage name) acts first
+    assert collective_timeout_s(2.0) == 62.0
+
+
+def test_watchdog_thread_is_gone_after_the_run(tmp_path):
+    with HangWatchdog(5.0, tmp_path / "hang", poll_s=0.05):
+        pass
+    assert not [t for t in threading.enumerate() if t.name == "hybridflow-hang-watchdog"]
+
+
+def test_hang_timeout_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="trainer.hang_timeout_s"):
+        HangWatchdog(0.0, tmp_path)
