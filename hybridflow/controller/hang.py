@@ -74,7 +74,7 @@ class _Watched:
 
 @dataclass(frozen=True)
 class _Stall:
-    stalled_s: float
+    quiet_s: float  # seconds since the rank last beat
     group: str
     rank: int
     snap: dict[str, Any]
@@ -174,7 +174,7 @@ class HangWatchdog:
         now = time.monotonic() if now is None else now
         driver = PROGRESS.snapshot()
         driver_stalled = self._stalled_for(_DRIVER, driver, now)
-        worst: _Stall | None = None
+        stalls: list[_Stall] = []
         any_busy = False
         for w in list(self._watched):
             for rank, snap in enumerate(w.backend.progress(w.handles, timeout_s=self.poll_s)):
@@ -184,12 +184,19 @@ class HangWatchdog:
                 if known is None or known.get("method") is None:
                     continue
                 any_busy = True
-                if stalled >= self.timeout_s and (worst is None or stalled > worst.stalled_s):
-                    worst = _Stall(stalled, w.group, rank, known)
-        if worst is not None:
+                if stalled >= self.timeout_s:
+                    # the rank quiet the longest by its own clock is the likeliest cause (the others often wait
+                    # for it in a collective); an unanswered read counts from what the driver saw
+                    quiet = snap["quiet_s"] if snap is not None else stalled
+                    stalls.append(_Stall(quiet, w.group, rank, known))
+        if stalls:
+            worst = max(stalls, key=lambda s: s.quiet_s)  # first of equals: the lowest rank
             stage = driver["stage"] or worst.snap["method"]
             mb = worst.snap.get("micro_batch")
             detail = f", last micro-batch {mb}" if mb is not None else ""
+            others = [f"{s.group} rank {s.rank} in {s.snap['method']}" for s in stalls if s is not worst]
+            if others:
+                detail += f"; also without progress: {', '.join(others)}"
             hang = HangError(stage, worst.rank, worst.group, worst.snap["method"], self.timeout_s,
                              str(self.dump_dir), detail)
         elif driver["stage"] is not None and not any_busy and driver_stalled >= self.timeout_s:

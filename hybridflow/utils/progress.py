@@ -18,19 +18,20 @@ class Progress:
     """What this process is doing (`stage` on the driver, `method` in a worker call) and `beats`, a counter that
     moves whenever it makes progress."""
 
-    __slots__ = ("stage", "method", "micro_batch", "beats", "since")
+    __slots__ = ("stage", "method", "micro_batch", "beats", "since", "last")
 
     def __init__(self) -> None:
         self.stage: str | None = None
         self.method: str | None = None
         self.micro_batch: int | None = None
         self.beats = 0
-        self.since = time.monotonic()  # when `method` (or else `stage`) began
+        self.since = self.last = time.monotonic()  # when `method` (or else `stage`) began; the last beat
 
     def snapshot(self) -> dict[str, Any]:
-        busy_s = time.monotonic() - self.since if (self.method or self.stage) else 0.0
+        now = time.monotonic()
+        busy_s = now - self.since if (self.method or self.stage) else 0.0
         return {"stage": self.stage, "method": self.method, "micro_batch": self.micro_batch, "beats": self.beats,
-                "busy_s": round(busy_s, 3)}
+                "busy_s": round(busy_s, 3), "quiet_s": round(now - self.last, 3)}
 
 
 PROGRESS = Progress()
@@ -38,9 +39,10 @@ PROGRESS = Progress()
 
 def beat(micro_batch: int | None = None) -> None:
     """Progress inside a long call (one micro-batch, one decode step)."""
-    PROGRESS.beats += 1
+    p = PROGRESS
+    p.beats, p.last = p.beats + 1, time.monotonic()
     if micro_batch is not None:
-        PROGRESS.micro_batch = micro_batch
+        p.micro_batch = micro_batch
 
 
 @contextlib.contextmanager
@@ -48,13 +50,13 @@ def in_stage(name: str) -> Iterator[None]:
     """The driver is in stage `name` (nested stages restore the outer one)."""
     p = PROGRESS
     outer = p.stage
-    p.stage, p.beats = name, p.beats + 1
+    p.stage, p.beats, p.last = name, p.beats + 1, time.monotonic()
     if p.method is None:
-        p.since = time.monotonic()
+        p.since = p.last
     try:
         yield
     finally:
-        p.stage, p.beats = outer, p.beats + 1
+        p.stage, p.beats, p.last = outer, p.beats + 1, time.monotonic()
 
 
 @contextlib.contextmanager
@@ -62,8 +64,9 @@ def in_method(name: str) -> Iterator[None]:
     """A worker runs its method `name` (called by the worker host around every driver call)."""
     p = PROGRESS
     outer = p.method
-    p.method, p.micro_batch, p.beats, p.since = name, None, p.beats + 1, time.monotonic()
+    p.method, p.micro_batch, p.beats = name, None, p.beats + 1
+    p.since = p.last = time.monotonic()
     try:
         yield
     finally:
-        p.method, p.beats = outer, p.beats + 1
+        p.method, p.beats, p.last = outer, p.beats + 1, time.monotonic()
