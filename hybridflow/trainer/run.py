@@ -2,9 +2,10 @@
 turns SIGTERM into an interrupt, runs cleanups without letting them hide the failure, and writes `run_end`.
 
 `run_end` says `finished | failed | interrupted` with the error's type and message (and the worker group, method
-and rank of a worker's failure). With `trainer.hang_timeout_s` set, a hang watchdog (`controller.hang`) watches the
-run: a stage without progress dumps every rank's stacks to `<run_dir>/hang/` and fails the run with `HangError`. A cleanup that fails while a failure is in flight (closing checkpoints on a dead
-Ray group) is attached to the original error as a note and logged; the original is the error the user sees.
+and rank of a worker's failure). A cleanup that fails while a failure is in flight (closing checkpoints on a dead
+Ray group) is attached to the original error as a note and logged; the original is the error the user sees. With
+`trainer.hang_timeout_s` > 0 a hang watchdog (`controller.hang`) watches the run: a stage without progress dumps
+every rank's stacks to `<run_dir>/hang/` and fails the run with `HangError`.
 """
 
 from __future__ import annotations
