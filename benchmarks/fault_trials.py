@@ -2,7 +2,7 @@
 Ray worker that hangs inside a training stage.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fault_trials --ckpt-trials 16 --ray-trials 3 \
-        --hang-trials 1
+        --hang-trials 3
 
 Checkpoint trial: a child process trains nothing but saves a tiny model + AdamW state (filled with its step's
 value) in a loop with `async_save=true` (so a kill usually lands inside a save) and is SIGKILLed at a random moment;
@@ -13,10 +13,10 @@ Ray trial: a tiny GRPO run on 2 CPU ranks (gloo); rank 1's process is SIGKILLed 
 Reported: seconds from the kill to the driver's error, whether that error names the dead rank and a training call
 (not a cleanup such as `close_checkpoints`), and whether `run_end` in events.jsonl says `failed`.
 Hang trial: the same run with `trainer.hang_timeout_s=--hang-timeout`; from step 2 on, rank 1 sleeps for 10 minutes
-at the start of `update_actor` (rank 0 waits for it in FSDP's collectives). Reported: seconds from the start of step
-2 to the driver's error, less the timeout (an upper bound on the delay: generation and log-probs come first), whether
-the `HangError` names `update_actor` and rank 1, whether rank 1's stack dump names the sleeping function, and whether
-`run_end` says `failed`.
+at the start of `update_actor` (rank 0 waits for it in FSDP's collectives). Reported: seconds from the start of the
+sleep to `run_ppo` raising (after its cleanups and `run_end`), less the timeout; whether the `HangError` names
+`update_actor` and rank 1, whether rank 1's stack dump names the sleeping function, and whether `run_end` says
+`failed`.
 Prints a markdown table, then one JSON object; `--out DIR` also writes `fault_trials.json` there.
 """
 
@@ -187,12 +187,13 @@ def hang_trial_sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _sleep_before(host: Any, suffix: str, seconds: float) -> list[str]:
-    """Run inside a worker actor: its methods named `*suffix` first sleep `seconds` (instance attributes win over the
-    class's, and the host calls `getattr(worker, target)`)."""
+def _sleep_before(host: Any, suffix: str, seconds: float, started: str) -> list[str]:
+    """Run inside a worker actor: its methods named `*suffix` first write the wall time to `started` and sleep
+    `seconds` (instance attributes win over the class's, and the host calls `getattr(worker, target)`)."""
     worker, names = host.worker, [n for n in dir(type(host.worker)) if n.endswith(suffix)]
     for name in names:
         def sleepy(*args: Any, _original: Any = getattr(worker, name), **kwargs: Any) -> Any:
+            Path(started).write_text(str(time.time()))
             hang_trial_sleep(seconds)
             return _original(*args, **kwargs)
         setattr(worker, name, sleepy)
@@ -223,8 +224,8 @@ def hang_trial(workdir: Path, hang_timeout_s: float) -> dict[str, Any]:
     def step(self: PPOTrainer, batch: Any) -> dict[str, float]:
         if self.global_step == 2 and "patched" not in state:
             handle = self.groups.owners[0]._handles[1]  # noqa: SLF001 - the trial reaches into the Ray backend
-            state["patched"] = ray.get(handle.__ray_call__.remote(_sleep_before, "update_actor", 600.0))
-            state["t_step"] = time.perf_counter()
+            state["patched"] = ray.get(handle.__ray_call__.remote(_sleep_before, "update_actor", 600.0,
+                                                                  str(workdir / "sleep_started")))
         return original_step(self, batch)
 
     PPOTrainer.step = step  # type: ignore[method-assign]
@@ -236,7 +237,8 @@ def hang_trial(workdir: Path, hang_timeout_s: float) -> dict[str, Any]:
     finally:
         PPOTrainer.step = original_step  # type: ignore[method-assign]
         ray.shutdown()
-    t_error = time.perf_counter()
+    t_error = time.time()
+    started = workdir / "sleep_started"
     ends = [e for e in read_events(workdir / "run") if e["kind"] == "run_end"]
     dumps = sorted(p.name for p in (workdir / "run" / "hang").glob("*.txt"))
     rank1 = [p for p in (workdir / "run" / "hang").glob("*.rank1.txt")]
@@ -244,8 +246,8 @@ def hang_trial(workdir: Path, hang_timeout_s: float) -> dict[str, Any]:
             "names_stage_and_rank": isinstance(error, HangError) and error.stage == "update_actor"
             and error.rank == 1, "dumps": dumps,
             "dump_names_sleeper": any("hang_trial_sleep" in p.read_text() for p in rank1),
-            "seconds_past_timeout": (round(t_error - state["t_step"] - hang_timeout_s, 2)
-                                     if "t_step" in state else None),
+            "seconds_past_timeout": (round(t_error - float(started.read_text()) - hang_timeout_s, 2)
+                                     if started.exists() else None),
             "run_end": ends[-1]["status"] if ends else None, "run_end_message": ends[-1]["message"] if ends else None,
             "error_head": str(error).splitlines()[0][:300]}
 
