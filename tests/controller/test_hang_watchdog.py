@@ -127,3 +127,56 @@ def test_watchdog_thread_is_gone_after_the_run(tmp_path):
 def test_hang_timeout_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="trainer.hang_timeout_s"):
         HangWatchdog(0.0, tmp_path)
+
+
+class FakeBackend:
+    """Progress records set by the test; a None record is a rank that did not answer (stuck holding the GIL)."""
+
+    def __init__(self, snaps):
+        self.snaps = snaps
+
+    def progress(self, handles, timeout_s):
+        return list(self.snaps)
+
+    def dump_stacks(self, handles, timeout_s):
+        return [f"stacks of rank {r}" for r in range(len(handles))]
+
+
+def _snap(method, beats, quiet_s, micro_batch=None):
+    return {"stage": None, "method": method, "micro_batch": micro_batch, "beats": beats, "busy_s": quiet_s,
+            "quiet_s": quiet_s}
+
+
+def test_the_rank_quiet_longest_is_named_and_waiting_peers_listed(tmp_path):
+    """Rank 0 waits in a collective for rank 1 (it beat more recently): rank 1 is the hang, rank 0 is listed."""
+    backend = FakeBackend([_snap("update_actor", 5, 0.5, micro_batch=2), _snap("update_actor", 3, 0.9)])
+    wd = HangWatchdog(10.0, tmp_path / "hang", poll_s=1.0)
+    wd.watch("actor", backend, ["h0", "h1"])
+    assert wd.poll(now=100.0) is None  # first sight: nothing has been still for 10 s yet
+    backend.snaps = [_snap("update_actor", 5, 10.5, micro_batch=2), _snap("update_actor", 3, 10.9)]
+    assert wd.poll(now=109.0) is None
+    err = wd.poll(now=110.5)
+    assert isinstance(err, HangError) and (err.rank, err.group, err.stage) == (1, "actor", "update_actor")
+    assert "also without progress: actor rank 0 in update_actor" in str(err)
+    assert (tmp_path / "hang" / "actor.rank1.txt").read_text() == "stacks of rank 1"
+
+
+def test_a_rank_that_stops_answering_mid_call_is_a_hang(tmp_path):
+    backend = FakeBackend([_snap("generate_sequences", 7, 0.1)])
+    wd = HangWatchdog(5.0, tmp_path / "hang", poll_s=1.0)
+    wd.watch("rollout", backend, ["h0"])
+    assert wd.poll(now=0.0) is None
+    backend.snaps = [None]  # stuck in C holding the GIL: its watch thread cannot answer
+    assert wd.poll(now=4.0) is None
+    err = wd.poll(now=5.5)
+    assert err is not None and (err.rank, err.method) == (0, "generate_sequences")
+
+
+def test_moving_beats_or_idle_ranks_never_fire(tmp_path):
+    backend = FakeBackend([_snap("update_actor", 1, 0.0), _snap(None, 9, 50.0)])
+    wd = HangWatchdog(5.0, tmp_path / "hang", poll_s=1.0)
+    wd.watch("actor", backend, ["h0", "h1"])
+    for t in range(0, 30, 3):  # rank 0 beats between polls; rank 1 is idle (no call) the whole time
+        backend.snaps[0] = _snap("update_actor", 1 + t, 0.1)
+        assert wd.poll(now=float(t)) is None
+    assert wd.fired is None
