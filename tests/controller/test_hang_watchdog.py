@@ -22,7 +22,7 @@ from hybridflow.controller.hang import (
 from hybridflow.tracking.jsonl import read_events
 from hybridflow.trainer.run import tracked_run
 from hybridflow.trainer.timing import StageTimer
-from hybridflow.utils.progress import beat
+from hybridflow.utils.progress import PROGRESS, beat, in_method
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,3 +180,28 @@ def test_moving_beats_or_idle_ranks_never_fire(tmp_path):
         backend.snaps[0] = _snap("update_actor", 1 + t, 0.1)
         assert wd.poll(now=float(t)) is None
     assert wd.fired is None
+
+
+def test_calls_on_two_threads_are_tracked_apart():
+    """A Ray actor's concurrency group runs a call beside the default group's: when the first call ends before the
+    second, the record must not keep showing it as running (an idle rank would look hung forever)."""
+    first_in, first_may_end, second_in, second_may_end = (threading.Event() for _ in range(4))
+
+    def call(name, entered, may_end):
+        with in_method(name):
+            entered.set()
+            may_end.wait(10)
+
+    a = threading.Thread(target=call, args=("generate", first_in, first_may_end))
+    b = threading.Thread(target=call, args=("receive_weights", second_in, second_may_end))
+    a.start()
+    first_in.wait(10)
+    b.start()
+    second_in.wait(10)
+    assert PROGRESS.snapshot()["method"] == "generate"  # the oldest call running
+    first_may_end.set()
+    a.join()
+    assert PROGRESS.snapshot()["method"] == "receive_weights"
+    second_may_end.set()
+    b.join()
+    assert PROGRESS.snapshot()["method"] is None
