@@ -234,16 +234,18 @@ class HangWatchdog:
         (self.dump_dir / "progress.json").write_text(json.dumps(records, indent=1))
 
     def _stop_main_thread(self, hang: HangError) -> None:
-        """Ray waits raise the hang within `poll_s`; a main thread stuck elsewhere gets the signal, and one that still
-        has not left the run `exit_grace_s` later is ended."""
+        """Ray waits raise the hang within `poll_s`; a main thread stuck elsewhere gets the signal; a run still not
+        ended `exit_grace_s` later (twice that once the error was raised: cleanups) is ended."""
         if self._stop.wait(2 * self.poll_s + 0.5):
             return
         if self._previous_handler is not None and not self._raised:
             signal.pthread_kill(threading.main_thread().ident or 0, INTERRUPT_SIGNAL)
         if self._stop.wait(self.exit_grace_s):
             return
-        logger.critical("hang watchdog: the main thread did not stop %g s after the hang; ending the process "
-                        "(exit status %d)", self.exit_grace_s, EXIT_CODE)
+        if self._raised and self._stop.wait(self.exit_grace_s):  # raised, still cleaning up: once more as long
+            return
+        logger.critical("hang watchdog: the run did not end %g s after the hang; ending the process (exit status "
+                        "%d)", self.exit_grace_s, EXIT_CODE)
         if self.on_unresponsive is not None:
             try:
                 self.on_unresponsive(hang)

@@ -4,6 +4,9 @@ with stack dumps naming the sleeping function; a slow call that keeps beating is
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from hybridflow.controller import Dispatch, Worker, WorkerGroup, register
 from hybridflow.controller.errors import HangError
 from hybridflow.controller.hang import (
     COLLECTIVE_TIMEOUT_OFF_S,
+    EXIT_CODE,
     HangWatchdog,
     active_watchdog,
     collective_timeout_s,
@@ -205,3 +209,27 @@ def test_calls_on_two_threads_are_tracked_apart():
     second_may_end.set()
     b.join()
     assert PROGRESS.snapshot()["method"] is None
+
+
+STUCK_IN_C = """
+import signal, sys, time
+from pathlib import Path
+from hybridflow.controller.hang import HangWatchdog
+from hybridflow.utils.progress import in_stage
+out = Path(sys.argv[1])
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])  # the interrupt never lands: as if stuck in C
+with HangWatchdog(0.5, out / "hang", poll_s=0.05, exit_grace_s=1.0,
+                  on_unresponsive=lambda err: (out / "recorded.txt").write_text(str(err))):
+    with in_stage("update_actor"):
+        time.sleep(60)
+"""
+
+
+def test_a_main_thread_that_cannot_be_interrupted_is_ended(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK_IN_C, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode == EXIT_CODE, proc.stderr[-2000:]
+    assert time.monotonic() - start < 40
+    assert (tmp_path / "recorded.txt").read_text().startswith("hang in update_actor on the driver")
+    assert "<string>" in (tmp_path / "hang" / "driver.txt").read_text()  # the stuck script's frame
