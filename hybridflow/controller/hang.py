@@ -61,6 +61,22 @@ def collective_timeout_s(hang_timeout_s: float) -> float:
     return hang_timeout_s + max(60.0, 0.1 * hang_timeout_s)
 
 
+def collective_wait(stacks: str) -> str | None:
+    """The torch.distributed function a worker's call is blocked in (e.g. "all_reduce"), from its faulthandler text:
+    the innermost frame of the thread running the call (the one through `WorkerHost.call`); None when it is not
+    inside torch.distributed (NCCL's asynchronous collectives block later, at a device sync: None there too)."""
+    for block in stacks.split("\n\n"):
+        frames = _FRAME.findall(block)
+        if frames and any(path.endswith(_HOST_FILE) and func == "call" for path, func in frames):
+            path, func = frames[0]
+            return func if "/torch/distributed/" in path.replace("\\", "/") else None
+    return None
+
+
+_FRAME = re.compile(r'File "([^"]+)", line \d+ in (\S+)')
+_HOST_FILE = "controller/backends/host.py"
+
+
 def default_poll_s(timeout_s: float) -> float:
     return min(10.0, max(0.05, timeout_s / 8))
 
@@ -189,24 +205,36 @@ class HangWatchdog:
                     # for it in a collective); an unanswered read counts from what the driver saw
                     quiet = snap["quiet_s"] if snap is not None else stalled
                     stalls.append(_Stall(quiet, w.group, rank, known))
-        if stalls:
-            worst = max(stalls, key=lambda s: s.quiet_s)  # first of equals: the lowest rank
-            stage = driver["stage"] or worst.snap["method"]
-            mb = worst.snap.get("micro_batch")
-            detail = f", last micro-batch {mb}" if mb is not None else ""
-            others = [f"{s.group} rank {s.rank} in {s.snap['method']}" for s in stalls if s is not worst]
-            if others:
-                detail += f"; also without progress: {', '.join(others)}"
-            hang = HangError(stage, worst.rank, worst.group, worst.snap["method"], self.timeout_s,
-                             str(self.dump_dir), detail)
-        elif driver["stage"] is not None and not any_busy and driver_stalled >= self.timeout_s:
-            hang = HangError(driver["stage"], -1, "", "", self.timeout_s, str(self.dump_dir))
-        else:
+        driver_hang = driver["stage"] is not None and not any_busy and driver_stalled >= self.timeout_s
+        if not stalls and not driver_hang:
             return None
-        self.dump(hang, driver)
+        stacks = self._stacks()
+        if stalls:
+            hang = self._blame(stalls, stacks, driver["stage"])
+        else:
+            hang = HangError(driver["stage"], -1, "", "", self.timeout_s, str(self.dump_dir))
+        self._write(hang, driver, stacks)
         self.fired = hang
         logger.error("%s", hang)
         return hang
+
+    def _blame(self, stalls: list[_Stall], stacks: dict[tuple[str, int], str], stage: str | None) -> HangError:
+        """The likeliest cause among the ranks without progress: one not waiting inside a torch.distributed call
+        (the others usually wait there for it), then the one quiet longest by its own clock, then the lowest."""
+        waits = {(s.group, s.rank): collective_wait(stacks.get((s.group, s.rank), "")) for s in stalls}
+        worst = min(stalls, key=lambda s: (waits[(s.group, s.rank)] is not None, -s.quiet_s))
+        mb = worst.snap.get("micro_batch")
+        detail = f", last micro-batch {mb}" if mb is not None else ""
+        others = []
+        for s in stalls:
+            if s is not worst:
+                wait = waits[(s.group, s.rank)]
+                others.append(f"{s.group} rank {s.rank} in {s.snap['method']}"
+                              + (f" (waiting in {wait})" if wait else ""))
+        if others:
+            detail += f"; also without progress: {', '.join(others)}"
+        return HangError(stage or worst.snap["method"], worst.rank, worst.group, worst.snap["method"],
+                         self.timeout_s, str(self.dump_dir), detail)
 
     def _stalled_for(self, key: tuple[str, int], snap: dict[str, Any] | None, now: float) -> float:
         """Seconds since `key`'s beats last moved (an unanswered read moves nothing)."""
@@ -218,19 +246,26 @@ class HangWatchdog:
             return 0.0
         return now - seen[1]
 
-    def dump(self, hang: HangError, driver: dict[str, Any]) -> None:
-        """driver.txt, `<group>.rank<r>.txt` per worker (all threads' Python stacks) and progress.json."""
+    def _stacks(self) -> dict[tuple[str, int], str]:
+        """Every watched worker's Python stacks (all threads), by (group, rank)."""
+        out: dict[tuple[str, int], str] = {}
+        for w in list(self._watched):
+            for rank, text in enumerate(w.backend.dump_stacks(w.handles, timeout_s=max(5.0, self.poll_s))):
+                out[(w.group, rank)] = text
+        return out
+
+    def _write(self, hang: HangError, driver: dict[str, Any], stacks: dict[tuple[str, int], str]) -> None:
+        """driver.txt (this process's stacks, taken now), `<group>.rank<r>.txt` per worker and progress.json."""
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         with open(self.dump_dir / "driver.txt", "w") as f:
             f.write(f"pid {os.getpid()} driver; {hang}\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         records: dict[str, Any] = {"hang": str(hang), "driver": driver}
-        for w in list(self._watched):
-            for rank, text in enumerate(w.backend.dump_stacks(w.handles, timeout_s=max(5.0, self.poll_s))):
-                name = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', w.group)}.rank{rank}"
-                (self.dump_dir / f"{name}.txt").write_text(text)
-                records[name] = self._last.get((w.group, rank))
+        for (group, rank), text in stacks.items():
+            name = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', group)}.rank{rank}"
+            (self.dump_dir / f"{name}.txt").write_text(text)
+            records[name] = self._last.get((group, rank))
         (self.dump_dir / "progress.json").write_text(json.dumps(records, indent=1))
 
     def _stop_main_thread(self, hang: HangError) -> None:

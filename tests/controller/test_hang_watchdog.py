@@ -22,6 +22,7 @@ from hybridflow.controller.hang import (
     HangWatchdog,
     active_watchdog,
     collective_timeout_s,
+    collective_wait,
 )
 from hybridflow.tracking.jsonl import read_events
 from hybridflow.trainer.run import tracked_run
@@ -136,14 +137,29 @@ def test_hang_timeout_must_be_positive(tmp_path):
 class FakeBackend:
     """Progress records set by the test; a None record is a rank that did not answer (stuck holding the GIL)."""
 
-    def __init__(self, snaps):
-        self.snaps = snaps
+    def __init__(self, snaps, stacks=None):
+        self.snaps, self.stacks = snaps, stacks
 
     def progress(self, handles, timeout_s):
         return list(self.snaps)
 
     def dump_stacks(self, handles, timeout_s):
-        return [f"stacks of rank {r}" for r in range(len(handles))]
+        return self.stacks or [f"stacks of rank {r}" for r in range(len(handles))]
+
+
+WAITING_IN_ALL_REDUCE = """pid 11 rank 0
+Thread 0x00007f3e493be6c0 (most recent call first):
+  File "/venv/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/venv/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/src/hybridflow/engine/train_engine.py", line 258 in _global_norms
+  File "/src/hybridflow/workers/actor_rollout_ref.py", line 107 in update_actor
+  File "/src/hybridflow/controller/backends/host.py", line 63 in call
+
+Current thread 0x00007f3e49bbf6c0 (most recent call first):
+  File "/src/hybridflow/controller/backends/host.py", line 77 in dump_stacks
+"""
+SLEEPING = WAITING_IN_ALL_REDUCE.replace(
+    '"/venv/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce', '"/x/t.py", line 3 in nap')
 
 
 def _snap(method, beats, quiet_s, micro_batch=None):
@@ -163,6 +179,25 @@ def test_the_rank_quiet_longest_is_named_and_waiting_peers_listed(tmp_path):
     assert isinstance(err, HangError) and (err.rank, err.group, err.stage) == (1, "actor", "update_actor")
     assert "also without progress: actor rank 0 in update_actor" in str(err)
     assert (tmp_path / "hang" / "actor.rank1.txt").read_text() == "stacks of rank 1"
+
+
+def test_a_rank_waiting_in_a_collective_is_not_blamed(tmp_path):
+    """Rank 0 has been quiet longer, but its call sits in all_reduce (waiting for a peer); rank 1's does not."""
+    backend = FakeBackend([_snap("update_actor", 5, 0.0), _snap("update_actor", 3, 0.0)],
+                          stacks=[WAITING_IN_ALL_REDUCE, SLEEPING])
+    wd = HangWatchdog(10.0, tmp_path / "hang", poll_s=1.0)
+    wd.watch("actor", backend, ["h0", "h1"])
+    assert wd.poll(now=0.0) is None
+    backend.snaps = [_snap("update_actor", 5, 12.0), _snap("update_actor", 3, 11.0)]
+    err = wd.poll(now=11.0)
+    assert err is not None and err.rank == 1, err
+    assert "actor rank 0 in update_actor (waiting in all_reduce)" in str(err)
+
+
+def test_collective_wait_reads_the_calling_thread():
+    assert collective_wait(WAITING_IN_ALL_REDUCE) == "all_reduce"
+    assert collective_wait(SLEEPING) is None
+    assert collective_wait("") is None
 
 
 def test_a_rank_that_stops_answering_mid_call_is_a_hang(tmp_path):
