@@ -115,8 +115,10 @@ class HangWatchdog:
         self._seen: dict[tuple[str, int], tuple[Any, float]] = {}  # (group, rank) -> (beats, when they last moved)
         self._last: dict[tuple[str, int], dict[str, Any]] = {}  # last answered snapshot
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the interrupt is never sent after the handler is gone
         self._thread: threading.Thread | None = None
         self._previous_handler: Any = None
+        self._interruptible = False  # our handler is installed (the block runs in the main thread)
 
     # -------------------------------------------------------------------------------------------- watching
     def watch(self, group: str, backend: Backend, handles: Sequence[Any]) -> None:
@@ -137,6 +139,7 @@ class HangWatchdog:
             raise RuntimeError("a hang watchdog is already running in this process (one run at a time)")
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
+            self._interruptible = True
         else:
             logger.warning("hang watchdog: the run is not in the main thread, so a hang in the driver's own code or "
                            "an in-process worker is reported but cannot be interrupted")
@@ -150,13 +153,18 @@ class HangWatchdog:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         global _ACTIVE
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(5.0, 2 * self.poll_s))
-        if self._previous_handler is not None:
-            signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
-            self._previous_handler = None
-        _ACTIVE = None
+        try:
+            with self._lock:
+                self._stop.set()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=max(5.0, 2 * self.poll_s))
+        finally:  # the interrupt may land in here (a hang found as the block ended): leave nothing behind
+            if self._interruptible:
+                # None: a handler installed outside Python, which cannot be restored from here
+                signal.signal(INTERRUPT_SIGNAL, self._previous_handler if self._previous_handler is not None
+                              else signal.SIG_DFL)
+                self._interruptible = False
+            _ACTIVE = None
 
     def raise_if_fired(self) -> None:
         """Raise the hang (once as found; a fresh copy for each later wait, e.g. a cleanup's call)."""
@@ -273,8 +281,9 @@ class HangWatchdog:
         ended `exit_grace_s` later (twice that once the error was raised: cleanups) is ended."""
         if self._stop.wait(2 * self.poll_s + 0.5):
             return
-        if self._previous_handler is not None and not self._raised:
-            signal.pthread_kill(threading.main_thread().ident or 0, INTERRUPT_SIGNAL)
+        with self._lock:
+            if self._interruptible and not self._raised and not self._stop.is_set():
+                signal.pthread_kill(threading.main_thread().ident or 0, INTERRUPT_SIGNAL)
         if self._stop.wait(self.exit_grace_s):
             return
         if self._raised and self._stop.wait(self.exit_grace_s):  # raised, still cleaning up: once more as long
