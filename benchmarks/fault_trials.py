@@ -1,6 +1,8 @@
-"""Fault trials (issue 20): kill -9 during async checkpoint saves, and a Ray worker killed during PPO training.
+"""Fault trials (issue 20): kill -9 during async checkpoint saves, a Ray worker killed during PPO training, and a
+Ray worker that hangs inside a training stage.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fault_trials --ckpt-trials 16 --ray-trials 3
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fault_trials --ckpt-trials 16 --ray-trials 3 \
+        --hang-trials 3
 
 Checkpoint trial: a child process trains nothing but saves a tiny model + AdamW state (filled with its step's
 value) in a loop with `async_save=true` (so a kill usually lands inside a save) and is SIGKILLed at a random moment;
@@ -15,6 +17,11 @@ Async-resume trial: a tiny `trainer.mode=async` run (local backend, max_stalenes
 SIGTERM at a random moment after its first step, then the same command resumes it. Usable = exit 143, then every
 step trained once and every prompt once per epoch across the two processes, staleness within the bound, and the
 first resumed step trains the rollouts generated before the stop (one version old), not regenerated ones.
+Hang trial: the same run with `trainer.hang_timeout_s=--hang-timeout`; from step 2 on, rank 1 sleeps for 10 minutes
+at the start of `update_actor` (rank 0 waits for it in FSDP's collectives). Reported: seconds from the start of the
+sleep to `run_ppo` raising (after its cleanups and `run_end`), less the timeout; whether the `HangError` names
+`update_actor` and rank 1, whether rank 1's stack dump names the sleeping function, and whether `run_end` says
+`failed`.
 Prints a markdown table, then one JSON object; `--out DIR` also writes `fault_trials.json` there.
 """
 
@@ -180,17 +187,102 @@ def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
             "notes": list(getattr(error, "__notes__", [])), "error_head": str(error).splitlines()[0][:300]}
 
 
-def ray_trials(n: int, kill_delay_s: float) -> dict[str, Any]:
+def hang_trial_sleep(seconds: float) -> None:
+    """What rank 1 runs instead of training (its stack dump must name this function)."""
+    time.sleep(seconds)
+
+
+def _sleep_before(host: Any, suffix: str, seconds: float, started: str) -> list[str]:
+    """Run inside a worker actor: its methods named `*suffix` first write the wall time to `started` and sleep
+    `seconds` (instance attributes win over the class's, and the host calls `getattr(worker, target)`)."""
+    worker, names = host.worker, [n for n in dir(type(host.worker)) if n.endswith(suffix)]
+    for name in names:
+        def sleepy(*args: Any, _original: Any = getattr(worker, name), **kwargs: Any) -> Any:
+            Path(started).write_text(str(time.time()))
+            hang_trial_sleep(seconds)
+            return _original(*args, **kwargs)
+        setattr(worker, name, sleepy)
+    return names
+
+
+def hang_trial(workdir: Path, hang_timeout_s: float) -> dict[str, Any]:
+    """A tiny GRPO run on 2 Ray CPU ranks whose rank 1 sleeps in `update_actor` from step 2 on."""
+    import ray
+
+    from hybridflow.config import load_config
+    from hybridflow.controller.errors import HangError
+    from hybridflow.tracking.jsonl import read_events
+    from hybridflow.trainer.ppo import PPOTrainer
+    from hybridflow.trainer.run import run_ppo
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = load_config(overrides=[
+        "trainer.device=cpu", "trainer.backend=ray", "trainer.n_gpus_per_node=2", "trainer.logger=[]",
+        "model.override_config={num_hidden_layers: 1}", "data.train_size=16", "data.val_size=2",
+        "data.max_response_length=6", "data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=20",
+        "trainer.checkpoint.save_freq=0", f"trainer.hang_timeout_s={hang_timeout_s}",
+        f"trainer.run_dir={workdir}/run", f"trainer.default_local_dir={workdir}/ckpt"])
+    state: dict[str, Any] = {}
+    original_step = PPOTrainer.step
+
+    def step(self: PPOTrainer, batch: Any) -> dict[str, float]:
+        if self.global_step == 2 and "patched" not in state:
+            handle = self.groups.owners[0]._handles[1]  # noqa: SLF001 - the trial reaches into the Ray backend
+            state["patched"] = ray.get(handle.__ray_call__.remote(_sleep_before, "update_actor", 600.0,
+                                                                  str(workdir / "sleep_started")))
+        return original_step(self, batch)
+
+    PPOTrainer.step = step  # type: ignore[method-assign]
+    error: BaseException | None = None
+    try:
+        run_ppo(cfg)
+    except Exception as err:  # the trial's subject: recorded below, not swallowed
+        error = err
+    finally:
+        PPOTrainer.step = original_step  # type: ignore[method-assign]
+        ray.shutdown()
+    t_error = time.time()
+    started = workdir / "sleep_started"
+    ends = [e for e in read_events(workdir / "run") if e["kind"] == "run_end"]
+    dumps = sorted(p.name for p in (workdir / "run" / "hang").glob("*.txt"))
+    rank1 = [p for p in (workdir / "run" / "hang").glob("*.rank1.txt")]
+    return {"error_type": type(error).__name__ if error else None, "patched": state.get("patched"),
+            "names_stage_and_rank": isinstance(error, HangError) and error.stage == "update_actor"
+            and error.rank == 1, "dumps": dumps,
+            "dump_names_sleeper": any("hang_trial_sleep" in p.read_text() for p in rank1),
+            "seconds_past_timeout": (round(t_error - float(started.read_text()) - hang_timeout_s, 2)
+                                     if started.exists() else None),
+            "run_end": ends[-1]["status"] if ends else None, "run_end_message": ends[-1]["message"] if ends else None,
+            "error_head": str(error).splitlines()[0][:300]}
+
+
+def _child_trials(n: int, flag: str, value: float, name: str) -> list[dict[str, Any]]:
     """Each trial in a fresh Python process (a fresh Ray cluster); the trial prints its JSON as the last line."""
     rows = []
     for _ in range(n):
-        with tempfile.TemporaryDirectory(prefix="fault_ray_") as tmp:
-            cmd = [sys.executable, "-m", "benchmarks.fault_trials", "--ray-child", tmp, "--kill-delay", str(kill_delay_s)]
+        with tempfile.TemporaryDirectory(prefix=f"fault_{name}_") as tmp:
+            cmd = [sys.executable, "-m", "benchmarks.fault_trials", f"--{name}-child", tmp, flag, str(value)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"Ray trial exited {proc.returncode}: {proc.stderr[-3000:]}")
+                raise RuntimeError(f"{name} trial exited {proc.returncode}: {proc.stderr[-3000:]}")
             rows.append(json.loads(lines[-1]))
+    return rows
+
+
+def hang_trials(n: int, hang_timeout_s: float) -> dict[str, Any]:
+    rows = _child_trials(n, "--hang-timeout", hang_timeout_s, "hang")
+    late = [r["seconds_past_timeout"] for r in rows if r["seconds_past_timeout"] is not None]
+    return {"trials": n, "hang_timeout_s": hang_timeout_s,
+            "names_stage_and_rank": sum(r["names_stage_and_rank"] for r in rows),
+            "dump_names_sleeper": sum(r["dump_names_sleeper"] for r in rows),
+            "run_end_failed": sum(r["run_end"] == "failed" for r in rows),
+            "seconds_past_timeout_max": max(late) if late else None, "rows": rows}
+
+
+def ray_trials(n: int, kill_delay_s: float) -> dict[str, Any]:
+    rows = _child_trials(n, "--kill-delay", kill_delay_s, "ray")
     times = [r["seconds_to_error"] for r in rows if r["seconds_to_error"] is not None]
     return {"trials": n, "names_dead_rank": sum(r["names_dead_rank"] for r in rows),
             "names_training_call": sum(r["names_training_call"] for r in rows),
@@ -274,6 +366,13 @@ def markdown(result: dict[str, Any]) -> str:
     if a:
         lines.append(f"| SIGTERM + resume, trainer.mode=async | {a['trials']} | {a['usable']}/{a['trials']} | – | – | "
                      "– | – |")
+    h = result.get("hang")
+    if h:
+        late = h["seconds_past_timeout_max"]
+        times = "–" if late is None else f"timeout + {late:.2f} s (max)"
+        both = sum(x["names_stage_and_rank"] and x["dump_names_sleeper"] for x in h["rows"])
+        lines.append(f"| Ray worker hangs in update_actor (hang_timeout_s={h['hang_timeout_s']:g}) | {h['trials']} | – "
+                     f"| – | {both}/{h['trials']} | {h['run_end_failed']}/{h['trials']} | {times} |")
     return "\n".join(lines)
 
 
@@ -291,10 +390,13 @@ def main() -> None:
     ap.add_argument("--async-trials", type=int, default=0, help="SIGTERM + resume of an async run")
     ap.add_argument("--max-delay", type=float, default=1.0, help="kill the saver up to this many seconds in")
     ap.add_argument("--kill-delay", type=float, default=0.3, help="kill rank 1 this many seconds into step 2")
+    ap.add_argument("--hang-trials", type=int, default=1, help="0 skips the hang trial")
+    ap.add_argument("--hang-timeout", type=float, default=5.0, help="trainer.hang_timeout_s of the hang trial")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ray-child", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--async-child", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hang-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.ray_child is not None:
@@ -303,6 +405,9 @@ def main() -> None:
     if args.async_child is not None:
         async_child(args.async_child)
         return
+    if args.hang_child is not None:
+        print(json.dumps(hang_trial(args.hang_child, args.hang_timeout)), flush=True)
+        return
     result: dict[str, Any] = {"env": environment()}
     if args.ckpt_trials > 0:
         result["checkpoint"] = ckpt_trials(args.ckpt_trials, args.seed, args.max_delay)
@@ -310,6 +415,8 @@ def main() -> None:
         result["ray"] = ray_trials(args.ray_trials, args.kill_delay)
     if args.async_trials > 0:
         result["async"] = async_trials(args.async_trials, args.seed, args.max_delay)
+    if args.hang_trials > 0:
+        result["hang"] = hang_trials(args.hang_trials, args.hang_timeout)
     print(markdown(result))
     print(json.dumps(result))
     if args.out is not None:

@@ -625,6 +625,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig
     rollback: RollbackConfig
     max_consecutive_bad_steps: int
+    hang_timeout_s: float | None  # a stage without progress this long stops the run with stacks dumped; 0/null = off
     health: HealthConfig
     mode: str  # sync | one_step_off | async (trainer/async_driver.py)
     async_: AsyncConfig  # YAML key `async`
@@ -641,6 +642,8 @@ class TrainerConfig:
         _check(self.nnodes >= 1, "trainer.nnodes", self.nnodes, "must be >= 1")
         _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", self.n_gpus_per_node, "must be >= 1")
         _check(self.total_epochs >= 1, "trainer.total_epochs", self.total_epochs, "must be >= 1")
+        _check(self.hang_timeout_s is None or self.hang_timeout_s >= 0, "trainer.hang_timeout_s", self.hang_timeout_s,
+               "must be seconds >= 0 (0 or null turns the hang watchdog off)")
         if self.resume_mode == "path":
             _check(bool(self.resume_path), "trainer.resume_path", self.resume_path,
                    "trainer.resume_mode=path needs trainer.resume_path=<checkpoint dir>")

@@ -40,3 +40,22 @@ class RemoteCallError(Exception):
 
     def __reduce__(self):
         return (type(self), (self.rank, self.summary, self.traceback_text))
+
+
+class HangError(RuntimeError):
+    """The hang watchdog saw no progress for `timeout_s` (trainer.hang_timeout_s) in `stage` on `rank` (-1: the
+    driver itself); every rank's Python stacks are in `dump_dir`."""
+
+    def __init__(self, stage: str, rank: int, group: str, method: str, timeout_s: float, dump_dir: str,
+                 detail: str = "") -> None:
+        self.stage, self.rank, self.group, self.method = stage, rank, group, method
+        self.timeout_s, self.dump_dir, self.detail = timeout_s, dump_dir, detail
+        where = "the driver" if rank < 0 else f"rank {rank}"
+        call = f" (worker group {group!r}, method {method!r}{detail})" if group else detail
+        super().__init__(f"hang in {stage} on {where}{call}: no progress for {timeout_s:g} s; Python stacks of "
+                         f"every rank and the driver are in {dump_dir}/ (raise trainer.hang_timeout_s if this stage "
+                         f"is legitimately this slow; 0 turns the watchdog off)")
+
+    def __reduce__(self):
+        return (type(self), (self.stage, self.rank, self.group, self.method, self.timeout_s, self.dump_dir,
+                             self.detail))

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridflow.controller.hang import collective_timeout_s
+
 logger = logging.getLogger(__name__)
 
 # Always set in worker processes: NVLink multicast (NVLS) hangs or fails on the shared H200 hosts.
@@ -40,6 +42,7 @@ class WorkerEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    hang_timeout_s: float = 0.0  # the run's trainer.hang_timeout_s (0 = off): collective timeouts derive from it
 
     def to_env_vars(self) -> dict[str, str]:
         return {
@@ -49,6 +52,7 @@ class WorkerEnv:
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            "HYBRIDFLOW_HANG_TIMEOUT_S": str(self.hang_timeout_s),
         }
 
     @staticmethod
@@ -60,6 +64,7 @@ class WorkerEnv:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 0)),
+            hang_timeout_s=float(env.get("HYBRIDFLOW_HANG_TIMEOUT_S", 0.0)),
         )
 
 
@@ -155,8 +160,9 @@ class Worker:
         return self._dispatch_info
 
     # ---------------------------------------------------------------------------------------- distributed
-    def init_distributed(self, backend: str | None = None, timeout_s: float = 600.0) -> None:
-        """Join this group's default process group (gloo on CPU, nccl on GPU). Safe to call more than once."""
+    def init_distributed(self, backend: str | None = None, timeout_s: float | None = None) -> None:
+        """Join this group's default process group (gloo on CPU, nccl on GPU). Safe to call more than once.
+        `timeout_s` (collectives): by default a little over the run's hang timeout (`collective_timeout_s`)."""
         env = self._worker_env
         if dist.is_initialized():
             if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
@@ -168,6 +174,8 @@ class Worker:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         device_id = self._device if backend == "nccl" else None
+        if timeout_s is None:
+            timeout_s = collective_timeout_s(env.hang_timeout_s)
         timeout = timedelta(seconds=timeout_s)
         if env.world_size == 1 and env.master_port == 0:
             # FSDP2 needs a process group even for one rank; an in-memory store avoids picking a port.

@@ -23,6 +23,7 @@ from hybridflow.controller.decorator import (
     registered_methods,
 )
 from hybridflow.controller.futures import GroupFuture, ProtoLayout
+from hybridflow.controller.hang import active_watchdog
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import DispatchInfo, Worker
 
@@ -64,6 +65,9 @@ class WorkerGroup:
         self._pool, self._worker_cls = pool, cls
         self._handles = self._backend.start(pool, cls, args, kwargs, self.name)
         self._alive = [True]  # shared with role views
+        watchdog = active_watchdog()
+        if watchdog is not None:
+            watchdog.watch(self.name, self._backend, self._handles)
         self._role: str | None = None
         self._bind(cls, role=None)
         logger.info("worker group %r: %d %s worker(s) of %s", self.name, self.world_size, self._backend.kind,
@@ -202,6 +206,9 @@ class WorkerGroup:
         """Stop the workers (shared with every role view); idempotent. The pool stays allocated."""
         if self._alive[0]:
             self._alive[0] = False
+            watchdog = active_watchdog()
+            if watchdog is not None:
+                watchdog.unwatch(self._handles)
             self._backend.stop(self._handles, self._pool)
 
     def __enter__(self) -> WorkerGroup:

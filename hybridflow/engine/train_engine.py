@@ -50,6 +50,7 @@ from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.models.loader import load_module, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.protocol.late import new_columns
+from hybridflow.utils.progress import beat
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ class TrainEngine:
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         order: list[int] = []
         try:
-            for idx in self._micro_batches(data, self.spec.infer_batching):
+            for i, idx in enumerate(self._micro_batches(data, self.spec.infer_batching)):
+                beat(i)
                 index = torch.tensor(idx)
                 out, _ = self._forward_micro({k: data.batch[k][index] for k in INPUT_KEYS}, head)
                 for k, v in out.items():
@@ -321,6 +323,7 @@ class TrainEngine:
         micro = self._micro_batches(batch, batching)
         tokens, flops = 0, 0.0
         for i, idx in enumerate(micro):
+            beat(i)
             self._set_grad_sync(i == len(micro) - 1)
             mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())

@@ -18,6 +18,7 @@ import torch
 
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.versions import TokenVersions
+from hybridflow.utils.progress import beat
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Scheduler:
         decode_steps = prefills = 0
         versions = TokenVersions(weight_check, B * n, r.R) if weight_check is not None else None
         while waiting or live:
+            beat()  # one per decode chunk, for the hang watchdog
             if versions is not None and decode_steps:
                 versions.poll(r, live)
             while waiting and len(free) >= n:

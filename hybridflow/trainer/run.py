@@ -3,7 +3,9 @@ turns SIGTERM into an interrupt, runs cleanups without letting them hide the fai
 
 `run_end` says `finished | failed | interrupted` with the error's type and message (and the worker group, method
 and rank of a worker's failure). A cleanup that fails while a failure is in flight (closing checkpoints on a dead
-Ray group) is attached to the original error as a note and logged; the original is the error the user sees.
+Ray group) is attached to the original error as a note and logged; the original is the error the user sees. With
+`trainer.hang_timeout_s` > 0 a hang watchdog (`controller.hang`) watches the run: a stage without progress dumps
+every rank's stacks to `<run_dir>/hang/` and fails the run with `HangError`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +112,7 @@ def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker
             stack.enter_context(claimed_run_dirs(cfg))
             tracker = Tracker.from_config(cfg)
         assert tracker is not None
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), hang_watchdog(cfg, tracker if own else None):
             try:
                 yield tracker
             except BaseException as err:
@@ -118,6 +121,22 @@ def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker
                 raise
         if own:
             tracker.close()
+
+
+@contextlib.contextmanager
+def hang_watchdog(cfg: Config, tracker: Tracker | None = None) -> Iterator[None]:
+    """Watch the block for hangs when `trainer.hang_timeout_s` > 0 (stacks go to `<run_dir>/hang/`). `tracker`
+    (one this run owns) records `run_end` if the watchdog has to end a process whose main thread is stuck."""
+    from hybridflow.controller.hang import HangWatchdog, active_watchdog
+
+    timeout_s = cfg.trainer.hang_timeout_s
+    if not timeout_s or active_watchdog() is not None:  # off, or a run inside a run: the outer watchdog watches
+        yield
+        return
+
+    on_unresponsive = None if tracker is None else (lambda err: tracker.close(error=err))
+    with HangWatchdog(timeout_s, Path(cfg.trainer.run_dir) / "hang", on_unresponsive=on_unresponsive):
+        yield
 
 
 def run_ppo(cfg: Config, tracker: Tracker | None = None) -> list[dict[str, float]]:

@@ -1,5 +1,6 @@
 """Stage timers: `with timer("gen"):` records `timing/gen`; `timer.metrics()` returns them for the step. Each stage is
-also a `stage/<name>` range in a torch profile (benchmarks/run.py names the stage behind each idle GPU gap)."""
+also a `stage/<name>` range in a torch profile (benchmarks/run.py names the stage behind each idle GPU gap), and the
+driver's current stage for the hang watchdog (`hybridflow.controller.hang`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 from collections.abc import Iterator
 
 import torch
+
+from hybridflow.utils.progress import in_stage
 
 
 class StageTimer:
@@ -23,7 +26,7 @@ class StageTimer:
         this stage's)."""
         start = time.perf_counter()
         try:
-            with torch.profiler.record_function(f"stage/{name}"):
+            with torch.profiler.record_function(f"stage/{name}"), in_stage(name):
                 yield
         finally:
             if self._sync and sync:

@@ -1,4 +1,4 @@
-"""Ray backend on CPU (gloo): dispatch modes, padding, chained futures, colocation, failures, all-reduce.
+"""Ray backend on CPU (gloo): dispatch modes, padding, chained futures, colocation, failures, all-reduce, hangs.
 
 One `ray.init(num_cpus=4)` for the module; most tests share one 2-worker group on a pool that allows several
 groups per slot, so the file stays well under a minute of actor start-up.
@@ -30,7 +30,10 @@ from hybridflow.controller import (  # noqa: E402
     spawn,
 )
 from hybridflow.controller.backends.ray import init_ray  # noqa: E402
+from hybridflow.controller.errors import HangError  # noqa: E402
+from hybridflow.controller.hang import HangWatchdog  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
+from hybridflow.utils.progress import beat  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -353,6 +356,61 @@ def test_dead_rank_named_before_its_echo(monkeypatch):
     monkeypatch.setattr(ray_backend, "_failures", lambda r, k: [(0, echo_err)])
     err = backend._worker_error(refs, ranks, "g", "update_actor", echo_err)
     assert err.rank == 0 and err.remote_traceback == "tb0"
+
+
+def rank_one_sleeps_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+class RankNapWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def update_actor(self, seconds: float) -> int:
+        if self.rank == 1:
+            rank_one_sleeps_here(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def slow_but_beating(self, steps: int, step_s: float) -> int:
+        for i in range(steps):
+            time.sleep(step_s)
+            beat(i)
+        return steps
+
+    @register(Dispatch.ONE_TO_ALL)
+    def hang_timeout(self) -> float:
+        return self.worker_env.hang_timeout_s
+
+
+def test_hang_watchdog_stops_a_sleeping_rank_with_stacks(shared_pool, tmp_path):
+    """Rank 1 sleeps inside a call: the wait ends with a HangError naming the stage and rank within seconds of
+    the timeout; one stack file per rank, rank 1's names the sleeping function."""
+    with HangWatchdog(2.0, tmp_path / "hang", poll_s=0.2) as wd:
+        wg = WorkerGroup(shared_pool, RankNapWorker, backend="ray", name="actor")
+        assert wg.hang_timeout() == [2.0, 2.0]  # the workers' collective timeouts derive from it
+        start = time.monotonic()
+        with pytest.raises(HangError) as info:
+            wg.update_actor(120.0)
+        took = time.monotonic() - start
+        with pytest.raises(HangError):  # a cleanup's call on the hung group fails fast instead of queuing
+            wg.hang_timeout()
+        wg.shutdown()
+    assert took < 8.0, took
+    err = info.value
+    assert (err.stage, err.rank, err.group, err.method) == ("update_actor", 1, "actor", "update_actor")
+    assert str(err).startswith("hang in update_actor on rank 1"), err
+    assert wd.fired is err
+    rank1 = (tmp_path / "hang" / "actor.rank1.txt").read_text()
+    assert "rank_one_sleeps_here" in rank1 and "update_actor" in rank1, rank1
+    assert "rank_one_sleeps_here" not in (tmp_path / "hang" / "actor.rank0.txt").read_text()
+    assert "update_actor" in (tmp_path / "hang" / "driver.txt").read_text()
+
+
+def test_hang_watchdog_leaves_slow_but_progressing_ranks_alone(shared_pool, tmp_path):
+    with HangWatchdog(1.0, tmp_path / "hang", poll_s=0.1) as wd:
+        wg = WorkerGroup(shared_pool, RankNapWorker, backend="ray", name="slow")
+        assert wg.slow_but_beating(10, 0.3) == [10, 10]  # 3 s per rank, a beat every 0.3 s
+        wg.shutdown()
+    assert wd.fired is None and not (tmp_path / "hang").exists()
 
 
 def test_dead_worker_reported_quickly(colocated):

@@ -38,5 +38,14 @@ class Backend(ABC):
         """True when every reference has finished; never blocks."""
 
     @abstractmethod
+    def progress(self, handles: Sequence[Any], timeout_s: float) -> list[dict[str, Any] | None]:
+        """Each worker's progress record (`WorkerHost.progress`), read while calls run; None for a worker that did
+        not answer within `timeout_s` (dead, or stuck holding the GIL)."""
+
+    @abstractmethod
+    def dump_stacks(self, handles: Sequence[Any], timeout_s: float) -> list[str]:
+        """Each worker's Python stacks (all threads), or a line saying why they could not be read."""
+
+    @abstractmethod
     def stop(self, handles: Sequence[Any], pool: ResourcePool) -> None:
         """Stop the workers; the pool's allocation stays until `pool.release()`."""

@@ -7,15 +7,18 @@ arguments (chunks of a previous call's output fetched worker-side).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.controller.errors import RemoteCallError
+from hybridflow.controller.errors import HangError, RemoteCallError
 from hybridflow.controller.futures import RemoteSlice
 from hybridflow.controller.worker import WORKER_BASE_ENV, Worker, WorkerEnv, find_free_port, worker_env
+from hybridflow.utils.progress import PROGRESS, in_method
 
 
 class WorkerHost:
@@ -58,15 +61,30 @@ class WorkerHost:
 
     def call(self, target: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self._fetch is not None:
-                args, kwargs = self._resolve(args, kwargs)
-            return getattr(self.worker, target)(*args, **kwargs)
+            with in_method(target):
+                if self._fetch is not None:
+                    args, kwargs = self._resolve(args, kwargs)
+                return getattr(self.worker, target)(*args, **kwargs)
+        except HangError:  # the driver's watchdog interrupted an in-process call: the run stops with it
+            raise
         except KeyboardInterrupt as exc:
             if self.in_driver_process:
                 raise
             raise self._wrap(exc) from None
         except BaseException as exc:
             raise self._wrap(exc) from None
+
+    # The hang watchdog's two questions; a Ray actor answers them on its own thread while a call runs.
+    def progress(self) -> dict[str, Any]:
+        """This process's progress record (what it runs, and a counter that moves while it makes progress)."""
+        return PROGRESS.snapshot()
+
+    def dump_stacks(self) -> str:
+        """Every thread's Python stack in this process (faulthandler's text: works while another thread is stuck)."""
+        with tempfile.TemporaryFile(mode="w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            return f"pid {os.getpid()} rank {self.rank}\n" + f.read()
 
     def _resolve(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         fetch = self._fetch

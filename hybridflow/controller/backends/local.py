@@ -14,6 +14,7 @@ import torch
 from hybridflow.controller.backends.base import Backend
 from hybridflow.controller.backends.host import WorkerHost
 from hybridflow.controller.errors import RemoteCallError, WorkerError
+from hybridflow.controller.hang import active_timeout_s
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import Worker, WorkerEnv
 
@@ -40,7 +41,7 @@ class LocalBackend(Backend):
                              f"trainer.device=cuda) but torch sees none; use trainer.device=cpu or auto")
         host = WorkerHost()
         try:
-            host.construct(WorkerEnv(), (worker_cls, args, kwargs), export_env=False)
+            host.construct(WorkerEnv(hang_timeout_s=active_timeout_s()), (worker_cls, args, kwargs), export_env=False)
         except RemoteCallError as err:
             raise WorkerError(group, "__init__", 0, err.summary, err.traceback_text) from None
         pool.groups_placed += 1
@@ -66,6 +67,12 @@ class LocalBackend(Backend):
 
     def ready(self, refs: Sequence[Any]) -> bool:
         return True
+
+    def progress(self, handles: Sequence[Any], timeout_s: float) -> list[dict[str, Any] | None]:
+        return [host.progress() for host in handles]  # the driver's own record: the worker runs in this process
+
+    def dump_stacks(self, handles: Sequence[Any], timeout_s: float) -> list[str]:
+        return [host.dump_stacks() for host in handles]
 
     def stop(self, handles: Sequence[Any], pool: ResourcePool) -> None:
         for host in handles:

@@ -30,6 +30,7 @@ from hybridflow.controller.backends.base import Backend
 from hybridflow.controller.backends.host import WorkerHost
 from hybridflow.controller.backends.ray_tensors import register_tensor_serializer
 from hybridflow.controller.errors import RemoteCallError, WorkerError, WorkerTimeoutError
+from hybridflow.controller.hang import active_timeout_s, active_watchdog
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import WORKER_BASE_ENV, Worker, WorkerEnv
 
@@ -72,13 +73,20 @@ class RayWorkerHost(WorkerHost):
 
 _REMOTE_HOSTS: dict[tuple[tuple[str, int], ...], Any] = {}
 
+# Every actor answers the hang watchdog (progress, stack dumps) on this one-thread group while its calls run. With
+# any named group, Ray runs the default group's calls on one thread of its own (not the process's main thread).
+WATCH_GROUP = "hybridflow_watch"
+
 
 def _remote_host(concurrency_groups: dict[str, int] | None = None) -> Any:
     """The Ray actor class; Ray takes `concurrency_groups` only here (not in `.options()`), so one class per set."""
-    key = tuple(sorted((concurrency_groups or {}).items()))
+    groups = dict(concurrency_groups or {})
+    if WATCH_GROUP in groups:
+        raise ValueError(f"concurrency group name {WATCH_GROUP!r} is reserved for the hang watchdog; rename the "
+                         f"worker's group")
+    key = tuple(sorted({**groups, WATCH_GROUP: 1}.items()))
     if key not in _REMOTE_HOSTS:
-        _REMOTE_HOSTS[key] = ray.remote(concurrency_groups=dict(key))(RayWorkerHost) if key else \
-            ray.remote(RayWorkerHost)
+        _REMOTE_HOSTS[key] = ray.remote(concurrency_groups=dict(key))(RayWorkerHost)
     return _REMOTE_HOSTS[key]
 
 
@@ -155,7 +163,7 @@ class RayBackend(Backend):
             addr, port = self.wait([hosts[0].node_address.remote()], [0], group, "__init__", self.start_timeout_s)[0]
             process_s = time.perf_counter() - start
             payload = ray.put((worker_cls, args, kwargs))  # serialised once; Ray resolves it in each actor
-            envs = [WorkerEnv(rank, len(hosts), bundle, pg.bundle_count, addr, port)
+            envs = [WorkerEnv(rank, len(hosts), bundle, pg.bundle_count, addr, port, active_timeout_s())
                     for rank, (pg, bundle) in enumerate(slots)]
             refs = [host.construct.remote(env, payload, True) for host, env in zip(hosts, envs)]
             self.wait(refs, ranks, group, "__init__", self.start_timeout_s)
@@ -180,7 +188,10 @@ class RayBackend(Backend):
              timeout_s: float | None) -> list[Any]:
         error: Exception
         try:
-            return ray.get(list(refs), timeout=timeout_s)  # raises as soon as any rank fails
+            watchdog = active_watchdog()
+            if watchdog is None:
+                return ray.get(list(refs), timeout=timeout_s)  # raises as soon as any rank fails
+            return self._watched_get(refs, timeout_s, watchdog.poll_s)
         except GetTimeoutError:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
             done = set(ready)
@@ -192,6 +203,21 @@ class RayBackend(Backend):
         # error already in flight is (a cleanup call in a trainer's `finally` after a worker died), where
         # `from None` hid it: the user saw only the cleanup's failure.
         raise error
+
+    @staticmethod
+    def _watched_get(refs: Sequence[Any], timeout_s: float | None, poll_s: float) -> list[Any]:
+        """`ray.get` in slices of `poll_s`, raising the watchdog's `HangError` between slices once it fired."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return ray.get(list(refs), timeout=poll_s if left is None else min(poll_s, left))
+            except GetTimeoutError:
+                if left is not None and left <= poll_s:
+                    raise
+            watchdog = active_watchdog()
+            if watchdog is not None:
+                watchdog.raise_if_fired()
 
     def _worker_error(self, refs: Sequence[Any], ranks: Sequence[int], group: str, method: str,
                       err: RayError) -> WorkerError:
@@ -221,10 +247,31 @@ class RayBackend(Backend):
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         return len(ready) == len(refs)
 
+    def progress(self, handles: Sequence[Any], timeout_s: float) -> list[dict[str, Any] | None]:
+        return _watch_call(handles, "progress", timeout_s, None)
+
+    def dump_stacks(self, handles: Sequence[Any], timeout_s: float) -> list[str]:
+        return _watch_call(handles, "dump_stacks", timeout_s,
+                           f"(no answer within {timeout_s:g} s: the process is dead or a thread holds the GIL)")
+
     def stop(self, handles: Sequence[Any], pool: ResourcePool) -> None:
         for host in handles:
             ray.kill(host, no_restart=True)
         pool.groups_placed = max(0, pool.groups_placed - 1)
+
+
+def _watch_call(handles: Sequence[Any], method: str, timeout_s: float, missing: Any) -> list[Any]:
+    """`method` on every actor's watch thread; `missing` for an actor that did not answer in time or died."""
+    refs = [getattr(h, method).options(concurrency_group=WATCH_GROUP).remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done, out = set(ready), []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=0) if ref in done else missing)
+        except RayError as err:
+            logger.debug("hang watchdog: %s failed: %s", method, err)
+            out.append(missing)
+    return out
 
 
 def _limit_driver_threads() -> None:
