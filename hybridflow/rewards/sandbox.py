@@ -241,6 +241,7 @@ def _execute(argv: list[str], tmp: Path, code_fd: int, timeout_s: float, mode: M
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
     with open(tmp / "stdin.txt", "rb") as fin, open(tmp / "out", "wb") as fout, open(tmp / "err", "wb") as ferr:
+        (tmp / "stdin.txt").unlink()  # reachable only as the program's fd 0 (the code harness's nonce is in it)
         proc = subprocess.Popen(argv, cwd=tmp / "work", env=env, stdin=fin, stdout=fout, stderr=ferr,
                                 start_new_session=True, close_fds=True, pass_fds=(code_fd,))
         try:
