@@ -121,6 +121,8 @@ def _build_root(spec: dict[str, Any]) -> None:
         _bind_ro(src, root + dst)
     for target, dst in spec["symlinks"]:
         os.symlink(target, root + dst)
+    for hidden in spec["hidden"]:  # third-party packages: an empty read-only tmpfs on top
+        _mount("tmpfs", root + hidden, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=64k,mode=555")
     work = root + spec["work_dir"]
     os.makedirs(work)
     _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_mb']}m,mode=1777")
