@@ -1,13 +1,15 @@
 """Run untrusted Python (a policy's program) in a sandbox; `run_python` is the one entry point.
 
 Guarantees in the isolated modes (`bubblewrap`, preferred, else `namespaces`: the same layout built by our own
-launcher with unshare + pivot_root): the program sees only read-only binds of /usr, the Python install, the
-dynamic-linker cache and a few /dev nodes, and writes only to a private size-limited tmpfs (its cwd); it has no
-network (empty network namespace); it is pid 1's tree in its own pid namespace, so at the time limit, or when the
-sandbox or its caller dies, every process inside dies, `setsid` escapes included; rlimits cap memory (RLIMIT_AS),
-CPU, file size and processes; a root caller's program runs as uid 65534 with no capabilities.
+launcher with unshare + pivot_root): the program sees only read-only binds of /usr, the Python install (its
+site-/dist-packages dirs covered by empty tmpfs: the standard library only), the dynamic-linker cache and a few
+/dev nodes, and writes only to a private size-limited tmpfs (its cwd); it has no network (empty network
+namespace); it is pid 1's tree in its own pid namespace, so at the time limit, or when the sandbox or its caller
+dies, every process inside dies, `setsid` escapes included; rlimits cap memory (RLIMIT_AS), CPU, file size and
+processes; a root caller's program runs as uid 65534 with no capabilities.
 When neither mode works, code rewards are refused unless `reward.sandbox.allow_unisolated=true` (mode `none`:
-rlimits and a temp dir only). Per-call limits may only lower the configured caps.
+rlimits and a temp dir only; a root caller's program runs as uid 65534 there too, since RLIMIT_NPROC never binds
+uid 0, and the mode is refused when that uid cannot run Python). Per-call limits may only lower the configured caps.
 """
 
 from __future__ import annotations
