@@ -2,8 +2,9 @@
 
 A tool is an OpenAI function schema plus `execute(arguments, context) -> ToolResult`. Stateful tools may override
 `create`/`release` (called once per trajectory, around its calls). Built-ins: `calculator` (an AST walk over
-numbers and + - * / // % ** and parentheses: no `eval`, bounded exponents) and `python` (the reward sandbox,
-`rewards/sandbox.run_python`: time/memory limits, no network, private tmpfs). User tools are loaded from the YAML
+numbers and + - * / // % ** and parentheses: no `eval`; exponents and integer sizes are checked before each
+operation, so a call never runs long) and `python` (the reward sandbox, `rewards/sandbox.run_python`:
+time/memory limits, no network, private tmpfs). User tools are loaded from the YAML
 named by `rollout.multi_turn.tool_config_path` (verl's layout: `tools: [{class_name, config, tool_schema}]`).
 """
 
@@ -91,11 +92,15 @@ _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64
 MAX_EXPRESSION_CHARS = 200
+# Integer results are capped BEFORE they are computed: one big-int multiply or power is a single C call that
+# holds the GIL, so no timeout (not even rollout.multi_turn.tool_timeout_s) could interrupt it.
+MAX_INT_BITS = 4096  # ~1233 decimal digits; each operation on such numbers takes microseconds
 
 
 def safe_arithmetic(expression: str) -> int | float:
     """Value of an arithmetic expression: numbers, + - * / // % **, unary +/-, parentheses. Anything else
-    (names, calls, attributes, huge powers) raises ValueError. Parsed with `ast`, evaluated by walking the tree."""
+    (names, calls, attributes, exponents above MAX_EXPONENT, integers above MAX_INT_BITS, float overflow) raises
+    ValueError. Parsed with `ast`, evaluated by walking the tree; sizes are checked before each operation."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
@@ -107,18 +112,40 @@ def safe_arithmetic(expression: str) -> int | float:
 
 def _walk(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_walk(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         left, right = _walk(node.left), _walk(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ValueError(f"exponent {right} too large (|exponent| <= {MAX_EXPONENT})")
+        _check_size(node.op, left, right)
         try:
-            return _BINOPS[type(node.op)](left, right)
+            return _bounded(_BINOPS[type(node.op)](left, right))
         except ZeroDivisionError:
             raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("result too large for a float") from None
     raise ValueError(f"unsupported syntax: {type(node).__name__} (only numbers, + - * / // % ** and parentheses)")
+
+
+def _check_size(op: ast.operator, left: int | float, right: int | float) -> None:
+    """Refuse an operation whose integer result would exceed MAX_INT_BITS, from the operands' sizes alone."""
+    if isinstance(op, ast.Pow):
+        if abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent {right} too large (|exponent| <= {MAX_EXPONENT})")
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                and abs(left).bit_length() * right > MAX_INT_BITS:
+            raise ValueError(f"result too large (over {MAX_INT_BITS} bits)")
+    elif isinstance(op, ast.Mult) and isinstance(left, int) and isinstance(right, int) \
+            and abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS + 1:
+        raise ValueError(f"result too large (over {MAX_INT_BITS} bits)")
+
+
+def _bounded(x: int | float | complex) -> int | float:
+    if isinstance(x, complex):  # a negative number to a fractional power
+        raise ValueError("the result is not a real number")
+    if isinstance(x, int) and x.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"result too large (over {MAX_INT_BITS} bits)")
+    return x
 
 
 def format_number(x: int | float) -> str:

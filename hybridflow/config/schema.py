@@ -390,7 +390,7 @@ class OverlongBufferConfig:
 class SandboxConfig:
     """Caps for policy code run by code rewards (`rewards/sandbox.py`); a row's extra_info may only lower them."""
 
-    allow_unisolated: bool  # run code rewards even where no sandbox works (rlimits only: unsafe)
+    allow_unisolated: bool  # run code rewards even where no sandbox works (rlimits only: unsafe; root → uid 65534)
     timeout_s: float  # wall clock per program run
     memory_mb: int  # RLIMIT_AS
     max_output_mb: int  # stdout/stderr kept, and the largest file the program may write (RLIMIT_FSIZE)

@@ -1,22 +1,26 @@
 """`code` scorer: runs the response's last ```python block in the sandbox against the ground-truth tests.
 
 ground_truth is a dict (or its JSON string) with either `inputs` + `outputs` (stdin → expected stdout, compared
-after stripping trailing whitespace) or `test_code` (appended to the program; passes when it exits 0). The score
-is the fraction of tests passed (1.0 = all); `extra_info` may set `timeout_s` and `memory_mb` per test, which
-only lower the caps of `reward.sandbox`. Programs run isolated (see `sandbox.py`); where no sandbox works the
-scorer refuses unless `reward.sandbox.allow_unisolated=true`.
+after stripping trailing whitespace) or `test_code` (run after the program, in its globals, by `code_harness.py`;
+passes only when the tests run to their end: exiting early, exit code 0, a raised SystemExit or faked output do not
+pass). The score is the fraction of tests passed (1.0 = all); `extra_info` may set `timeout_s` and `memory_mb` per
+test, which only lower the caps of `reward.sandbox`. Programs run isolated (see `sandbox.py`); where no sandbox
+works the scorer refuses unless `reward.sandbox.allow_unisolated=true`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+from pathlib import Path
 from typing import Any
 
 from hybridflow.rewards.registry import REWARD_FUNCTIONS
 from hybridflow.rewards.sandbox import SandboxResult, current_config, run_python
 
 _BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
+_HARNESS = Path(__file__).with_name("code_harness.py").read_text()
 
 
 def extract_code(solution: str) -> str | None:
@@ -38,7 +42,7 @@ def code(data_source: str, solution_str: str, ground_truth: Any, extra_info: dic
         return {"score": 0.0, "passed": 0, "total": 0}
     limits = {k: (extra_info or {})[k] for k in ("timeout_s", "memory_mb") if k in (extra_info or {})}
     if "test_code" in tests:
-        ok = _checked(run_python(program + "\n\n" + tests["test_code"], **limits)).ok
+        ok = _tests_pass(program, tests["test_code"], limits)
         return {"score": float(ok), "passed": int(ok), "total": 1}
     pairs = list(zip(tests["inputs"], tests["outputs"]))
     passed = 0
@@ -46,6 +50,14 @@ def code(data_source: str, solution_str: str, ground_truth: Any, extra_info: dic
         result = _checked(run_python(program, stdin=stdin, **limits))
         passed += int(result.ok and _same_output(result.stdout, want))
     return {"score": passed / max(1, len(pairs)), "passed": passed, "total": len(pairs)}
+
+
+def _tests_pass(program: str, test_code: str, limits: dict[str, Any]) -> bool:
+    """The harness prints `<nonce> passed` only after the tests returned; the nonce is fresh per run."""
+    nonce = secrets.token_hex(16)
+    stdin = nonce + "\n" + json.dumps({"program": program, "tests": test_code})
+    result = _checked(run_python(_HARNESS, stdin=stdin, **limits))
+    return result.ok and f"{nonce} passed" in result.stdout.splitlines()
 
 
 def _checked(result: SandboxResult) -> SandboxResult:

@@ -1,19 +1,22 @@
 """Run untrusted Python (a policy's program) in a sandbox; `run_python` is the one entry point.
 
 Guarantees in the isolated modes (`bubblewrap`, preferred, else `namespaces`: the same layout built by our own
-launcher with unshare + pivot_root): the program sees only read-only binds of /usr, the Python install, the
-dynamic-linker cache and a few /dev nodes, and writes only to a private size-limited tmpfs (its cwd); it has no
-network (empty network namespace); it is pid 1's tree in its own pid namespace, so at the time limit, or when the
-sandbox or its caller dies, every process inside dies, `setsid` escapes included; rlimits cap memory (RLIMIT_AS),
-CPU, file size and processes; a root caller's program runs as uid 65534 with no capabilities.
+launcher with unshare + pivot_root): the program sees only read-only binds of /usr, the Python install (its
+site-/dist-packages dirs covered by empty tmpfs: the standard library only), the dynamic-linker cache and a few
+/dev nodes, and writes only to a private size-limited tmpfs (its cwd); it has no network (empty network
+namespace); it is pid 1's tree in its own pid namespace, so at the time limit, or when the sandbox or its caller
+dies, every process inside dies, `setsid` escapes included; rlimits cap memory (RLIMIT_AS), CPU, file size and
+processes; a root caller's program runs as uid 65534 with no capabilities.
 When neither mode works, code rewards are refused unless `reward.sandbox.allow_unisolated=true` (mode `none`:
-rlimits and a temp dir only). Per-call limits may only lower the configured caps.
+rlimits and a temp dir only; a root caller's program runs as uid 65534 there too, since RLIMIT_NPROC never binds
+uid 0, and the mode is refused when that uid cannot run Python). Per-call limits may only lower the configured caps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import logging
 import os
@@ -37,6 +40,7 @@ ISOLATED_MODES: tuple[Mode, ...] = ("bubblewrap", "namespaces")
 WORK_DIR = "/sandbox"  # the program's cwd and only writable directory, inside the sandbox
 _INIT_SOURCE = Path(__file__).with_name("sandbox_init.py").read_text()
 _DEVICES = ("null", "zero", "full", "random", "urandom")
+NOBODY = 65534  # a root caller's program runs as this uid, in every mode
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -103,8 +107,8 @@ _probe_errors: dict[str, str] = {}
 @functools.cache
 def available(mode: Mode) -> bool:
     """Whether `mode` works on this machine (probed once per process by running a tiny program in it)."""
-    if mode == "none":
-        return True
+    if mode == "none" and os.getuid() != 0:
+        return True  # as root, mode none must be able to drop to uid 65534: probed below
     if mode == "bubblewrap" and shutil.which("bwrap") is None:
         _probe_errors[mode] = "bwrap not installed"
         return False
@@ -134,6 +138,13 @@ def select_mode() -> Mode:
             f"refusing to run code rewards unisolated: no sandbox works here ({reasons}). Fix: install bubblewrap "
             "(apt-get install bubblewrap) or allow unprivileged user namespaces, or set "
             "reward.sandbox.allow_unisolated=true to run policy code with rlimits only")
+    if not available("none"):
+        raise SandboxUnavailableError(
+            "refusing to run code rewards unisolated as root: reward.sandbox.allow_unisolated=true runs them as uid "
+            f"{NOBODY} (reward.sandbox.max_processes is an RLIMIT_NPROC, which never binds uid 0), and that failed "
+            f"here ({unavailable_reason('none')}; no sandbox works: {reasons}). Fix: install bubblewrap "
+            "(apt-get install bubblewrap), or train as a non-root user, or use a Python install that uid "
+            f"{NOBODY} can run (not under a private home such as /root)")
     _warn_unisolated(reasons)
     return "none"
 
@@ -165,6 +176,17 @@ def _layout(python: str) -> tuple[list[list[str]], list[list[str]]]:
     return binds, symlinks
 
 
+def _package_dirs(binds: list[list[str]]) -> list[str]:
+    """Third-party package dirs inside the binds (site-packages, Debian's dist-packages): each gets an empty
+    read-only tmpfs on top, so the program sees the standard library only, even through sys.path edits."""
+    found = set()
+    for _, dst in binds:
+        for lib in (dst, os.path.join(dst, "lib"), os.path.join(dst, "lib64"), os.path.join(dst, "local", "lib")):
+            for name in ("site-packages", "dist-packages"):
+                found.update(p for p in glob.glob(os.path.join(lib, "python*", name)) if os.path.isdir(p))
+    return sorted(found)
+
+
 def _limits(cfg: SandboxConfig, timeout_s: float, memory_mb: int) -> dict[str, int]:
     return {"memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1, "file_mb": cfg.max_output_mb,
             "processes": cfg.max_processes}
@@ -185,6 +207,8 @@ def _bwrap_argv(python: str, code_fd: int, spec: dict[str, Any], disk_mb: int) -
         argv += ["--ro-bind", src, dst]
     for target, dst in symlinks:
         argv += ["--symlink", target, dst]
+    for hidden in _package_dirs(binds):
+        argv += ["--size", "65536", "--perms", "0555", "--tmpfs", hidden, "--remount-ro", hidden]
     argv += ["--dev", "/dev", "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORK_DIR,
              "--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/main.py", "--chdir", WORK_DIR, "--remount-ro", "/", "--"]
     return argv + [python, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(spec)]
@@ -200,11 +224,15 @@ def _command(mode: Mode, python: str, tmp: Path, code_fd: int, spec: dict[str, A
         binds += [[f"/dev/{d}", f"/dev/{d}"] for d in _DEVICES]
         (tmp / "root").mkdir()
         spec = {**spec, "stage": "namespaces", "drop": "setuid" if root else "userns", "root_dir": str(tmp / "root"),
-                "binds": binds, "symlinks": symlinks, "work_dir": WORK_DIR, "disk_mb": disk_mb, "code_fd": code_fd,
-                "parent_pid": os.getpid()}
+                "binds": binds, "symlinks": symlinks, "hidden": _package_dirs(binds), "work_dir": WORK_DIR,
+                "disk_mb": disk_mb, "code_fd": code_fd, "parent_pid": os.getpid()}
         return launcher + [json.dumps(spec)]
-    shutil.copy(tmp / "main.py", tmp / "work" / "main.py")  # mode none: caller's uid, a host temp dir
-    return launcher + [json.dumps({**spec, "stage": "exec", "drop": "none", "parent_pid": os.getpid()})]
+    shutil.copy(tmp / "main.py", tmp / "work" / "main.py")  # mode none: a host temp dir
+    if root:  # RLIMIT_NPROC never binds uid 0: the program runs as uid 65534, which it does bind
+        os.chmod(tmp, 0o711)
+        os.chown(tmp / "work", NOBODY, NOBODY)
+    return launcher + [json.dumps({**spec, "stage": "exec", "drop": "setuid" if root else "none",
+                                   "parent_pid": os.getpid()})]
 
 
 # --------------------------------------------------------------------------------------------------- run
@@ -241,16 +269,28 @@ def _execute(argv: list[str], tmp: Path, code_fd: int, timeout_s: float, mode: M
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
     with open(tmp / "stdin.txt", "rb") as fin, open(tmp / "out", "wb") as fout, open(tmp / "err", "wb") as ferr:
+        (tmp / "stdin.txt").unlink()  # reachable only as the program's fd 0 (the code harness's nonce is in it)
         proc = subprocess.Popen(argv, cwd=tmp / "work", env=env, stdin=fin, stdout=fout, stderr=ferr,
                                 start_new_session=True, close_fds=True, pass_fds=(code_fd,))
-        try:
-            return proc.wait(timeout=timeout_s), False
-        except subprocess.TimeoutExpired:
-            # The group holds the launcher and the sandbox's pid 1; their death takes the pid namespace with them.
-            with contextlib.suppress(ProcessLookupError):  # exited between the timeout and the kill
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None, True
+        exited = _wait_unreaped(proc.pid, timeout_s)
+        # The group holds the launcher and the sandbox's pid 1, whose death takes the pid namespace with it; in
+        # mode none, the program's children too (else a fork bomb would outlive the run). Killed before the
+        # launcher is reaped, so the group id cannot have been reused.
+        with contextlib.suppress(ProcessLookupError):  # the whole group already exited
+            os.killpg(proc.pid, signal.SIGKILL)
+        returncode = proc.wait()
+        return (returncode, False) if exited else (None, True)
+
+
+def _wait_unreaped(pid: int, timeout_s: float) -> bool:
+    """Wait until child `pid` exits, leaving it unreaped (WNOWAIT); False when `timeout_s` passed first."""
+    deadline, delay = time.monotonic() + timeout_s, 0.001
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(2 * delay, 0.02)
+    return True
 
 
 __all__ = ["ISOLATED_MODES", "Mode", "SandboxResult", "SandboxUnavailableError", "available", "configure",

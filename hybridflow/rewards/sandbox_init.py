@@ -3,8 +3,9 @@ under bubblewrap it runs inside the sandbox, where the project tree is invisible
 
 Stage `exec` sets the rlimits, drops to uid 65534, sets no_new_privs and execs the program. Stage `namespaces`
 (the fallback when bubblewrap is missing) first builds the sandbox itself: new mount/pid/net/ipc/uts namespaces,
-a tmpfs root holding read-only binds of what Python needs plus a size-limited tmpfs work dir, pivot_root; the
-program runs as pid 1 of its namespace, so when it or this launcher dies every process inside dies with it.
+a tmpfs root holding read-only binds of what Python needs (package dirs under an empty tmpfs) plus a size-limited
+tmpfs work dir, pivot_root; the program runs as pid 1 of its namespace, so when it or this launcher dies every
+process inside dies with it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def _build_root(spec: dict[str, Any]) -> None:
         _bind_ro(src, root + dst)
     for target, dst in spec["symlinks"]:
         os.symlink(target, root + dst)
+    for hidden in spec["hidden"]:  # third-party packages: an empty read-only tmpfs on top
+        _mount("tmpfs", root + hidden, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=64k,mode=555")
     work = root + spec["work_dir"]
     os.makedirs(work)
     _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_mb']}m,mode=1777")

@@ -78,6 +78,21 @@ def test_calculator_refuses_everything_else(expr):
     assert res.is_error and res.text.startswith("Error:")
 
 
+@pytest.mark.parametrize("expr", ["((((9**64)**64)**64)**64)", "*".join(["9**64"] * 33), "(9**64)**64 * 3",
+                                  " * ".join(["99**64"] * 10), "(-8) ** (1/3)",
+                                  "(2**64)**64 / 3", "(3**64)**10.5"])
+def test_calculator_refuses_huge_results_before_computing_them(expr):
+    # A big-int power or product is one C call holding the GIL: computed, it would stall every tool call's timeout.
+    start = time.monotonic()
+    res = CalculatorTool().execute({"expression": expr}, ToolContext("0"))
+    assert res.is_error and res.text.startswith("Error:") and time.monotonic() - start < 1.0, res
+
+
+def test_calculator_keeps_large_results_under_the_cap():
+    assert safe_arithmetic("99999999999 ** 64") == 99999999999 ** 64
+    assert safe_arithmetic("(2**64)**-2") == 2.0 ** -128
+
+
 def test_calculator_formats_integral_results():
     assert CalculatorTool().execute({"expression": "6 / 2"}, ToolContext("0")).text == "3"
     assert CalculatorTool().execute({}, ToolContext("0")).is_error

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -106,6 +107,20 @@ def test_project_tree_host_files_and_home_are_invisible(mode: str) -> None:
             % [str(p) for p in secrets])
     r = run_python(code, mode=mode)
     assert r.ok and r.stdout.count("hidden") == len(secrets), r.stdout + r.stderr
+
+
+def test_only_the_standard_library_is_importable(mode: str) -> None:
+    base = sandbox._default_python()
+    on_host = [name for name in ("yaml", "IPython", "attr", "certifi", "numpy")  # whichever the host has
+               if subprocess.run([base, "-I", "-c", f"import {name}"], capture_output=True).returncode == 0]
+    hidden = sandbox._package_dirs(sandbox._layout(base)[0])  # even when the program puts them on sys.path
+    code = (f"import importlib.util, json, os, sys\nsys.path += {hidden!r}\n"
+            f"found = [n for n in {on_host!r} if importlib.util.find_spec(n)]\n"
+            f"listed = [p for d in {hidden!r} for p in os.listdir(d)]\n"
+            "import decimal, sqlite3\nprint(json.dumps({'found': found, 'listed': listed}))\n")
+    r = run_python(code, mode=mode)
+    assert r.ok, r
+    assert json.loads(r.stdout) == {"found": [], "listed": []}, (on_host, hidden, r.stdout)
 
 
 # ---------------------------------------------------------------------------------------- processes
@@ -209,8 +224,52 @@ def test_refuses_to_run_unisolated_unless_allowed(caps: None, monkeypatch: pytes
     with pytest.raises(SandboxUnavailableError, match="allow_unisolated"):
         RewardManager(cfg, builtin_tokenizer(), 16)
     _set_caps(allow_unisolated=True)
+    if os.getuid() == 0:  # a root caller's program runs as uid 65534, which must be able to run that Python
+        python = _python_nobody_can_run()
+        if python is None:
+            pytest.skip("no Python here that uid 65534 can run (the refusal is tested below)")
+        monkeypatch.setattr(sandbox, "_default_python", lambda: python)
     r = run_python("print(1)")
-    assert r.ok and r.mode == "none" and not r.isolated
+    assert r.ok and r.mode == "none" and not r.isolated, r
+
+
+def _python_nobody_can_run() -> str | None:
+    """A Python whose every parent directory lets others through (the host's venv base may sit under /root)."""
+    for python in (sandbox._default_python(), "/usr/bin/python3"):
+        path = Path(os.path.realpath(python))
+        if path.exists() and all(p.stat().st_mode & 0o001 for p in path.parents):
+            return str(path)
+    return None
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="RLIMIT_NPROC binds a non-root caller's uid already")
+def test_unisolated_root_caller_runs_code_as_nobody_under_the_process_cap(caps: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    python = _python_nobody_can_run()
+    if python is None:
+        pytest.skip("no Python here that uid 65534 can run (the refusal is tested below)")
+    monkeypatch.setattr(sandbox, "_default_python", lambda: python)
+    _set_caps(allow_unisolated=True, max_processes=16)
+    code = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n"
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfnonebomb").splitlines())
+            + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, os.getuid(), flush=True)\n")
+    r = run_python(code, timeout_s=5.0, mode="none")
+    assert r.ok and r.mode == "none", r
+    forked, uid = map(int, r.stdout.split())
+    assert uid == 65534 and forked < 16, r.stdout
+    assert _wait_gone("hfnonebomb") == [], "the program's children outlived its run"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root caller's unisolated mode drops to uid 65534")
+def test_unisolated_root_caller_is_refused_when_nobody_cannot_run_python(caps: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "available", lambda mode: False)
+    monkeypatch.setitem(sandbox._probe_errors, "none", "PermissionError: [Errno 13] Permission denied")
+    _set_caps(allow_unisolated=True)
+    with pytest.raises(SandboxUnavailableError, match=r"(?s)as root.*RLIMIT_NPROC.*Permission denied.*"
+                                                      r"install bubblewrap.*non-root user"):
+        run_python("print(1)")
 
 
 def test_code_scorer_rejects_an_unisolated_result_when_not_allowed(caps: None,
