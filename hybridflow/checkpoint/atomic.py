@@ -186,6 +186,17 @@ def find_latest(root: Path) -> Path | None:
     return complete[-1][1] if complete else None
 
 
+def find_latest_of_run(root: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory: under `root` itself (one group) or under one of its role
+    sub-directories (`actor/`, `critic/`: roles in their own groups save there)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [p for p in [find_latest(root), *(find_latest(sub) for sub in sorted(root.iterdir()) if sub.is_dir())]
+             if p is not None]
+    return max(found, key=lambda p: parse_step(p.name) or 0) if found else None
+
+
 def clean_stale(root: Path) -> list[Path]:
     """Remove `.tmp_*`/`.trash_*` leftovers of crashed saves. Call only when no save is in flight."""
     root = Path(root)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import shlex
 import sys
 import time
@@ -22,6 +23,8 @@ from hybridflow.tracking import Tracker
 from hybridflow.tracking.jsonl import read_metrics
 from hybridflow.tracking.run_info import CONFIG_FILE
 from hybridflow.tracking.summary import Outcome, build_summary
+
+logger = logging.getLogger(__name__)
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +71,7 @@ def latest_checkpoint(cfg: Config) -> Path | None:
     root = cfg.trainer.default_local_dir
     if "://" in root:
         return None
-    return atomic.find_latest(Path(root))
+    return atomic.find_latest_of_run(Path(root))
 
 
 @dataclass
@@ -102,7 +105,12 @@ class TrackedRun:
                     export = train(tracker)
             except BaseException as err:  # noqa: BLE001 - summarised, then re-raised or turned into an exit code below
                 error = err
-            self.print_summary(tracker, export, error, time.monotonic() - start)
+            try:
+                self.print_summary(tracker, export, error, time.monotonic() - start)
+            except Exception as summary_error:  # the run's own outcome (and error) must reach the user regardless
+                logger.exception("the closing summary could not be printed: %s", summary_error)
+                if error is None:
+                    raise
         if error is None:
             return 0
         if isinstance(error, KeyboardInterrupt):

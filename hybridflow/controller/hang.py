@@ -159,6 +159,7 @@ class HangWatchdog:
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout=max(5.0, 2 * self.poll_s))
         finally:  # the interrupt may land in here (a hang found as the block ended): leave nothing behind
+            self._stop.set()  # also when the interrupt landed while the lock above was awaited
             if self._interruptible:
                 # None: a handler installed outside Python, which cannot be restored from here
                 signal.signal(INTERRUPT_SIGNAL, self._previous_handler if self._previous_handler is not None

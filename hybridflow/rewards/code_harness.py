@@ -37,7 +37,7 @@ class FrameAccessDenied(ValueError):
 
 def _audit(event: str, args: tuple, _denied=DENIED_EVENTS, _modules=DENIED_MODULES, _attrs=FRAME_ATTRIBUTES,
            _isinstance=builtins.isinstance, _str=str, _bytes=bytes, _frame=FrameAccessDenied,
-           _error=PermissionError) -> None:
+           _error=PermissionError, _int=int, _fsdecode=os.fsdecode, _realpath=os.path.realpath) -> None:
     # Defaults bind everything used here: the program may patch builtins and modules, not these references.
     if event in _denied:
         raise (_frame if event.startswith("sys._") else _error)(f"{event} is not allowed in a code reward")
@@ -47,9 +47,11 @@ def _audit(event: str, args: tuple, _denied=DENIED_EVENTS, _modules=DENIED_MODUL
         raise _error(f"import {args[0]} is not allowed in a code reward")
     if event == "object.__getattr__" and args[1] in _attrs:
         raise _error(f"reading {args[1]} is not allowed in a code reward")
-    if event == "open" and _isinstance(args[0], _str | _bytes) and args[0].startswith("/proc" if _isinstance(
-            args[0], _str) else b"/proc"):
-        raise _error("opening /proc is not allowed in a code reward")
+    if event == "open" and args[0] is not None and not _isinstance(args[0], _int):
+        # the resolved path: "//proc", "/x/../proc", a Path, or a relative path after chdir("/proc") all count
+        path = _realpath(_fsdecode(args[0]))
+        if path == "/proc" or path.startswith("/proc/"):
+            raise _error("opening /proc is not allowed in a code reward")
 
 
 def _read_stdin() -> bytes:

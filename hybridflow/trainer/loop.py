@@ -263,7 +263,7 @@ class Trainer:
         t = self.cfg.trainer
         if t.resume_mode != "auto" or "://" in t.default_local_dir:
             return
-        latest = atomic.find_latest(Path(t.default_local_dir))
+        latest = atomic.find_latest_of_run(Path(t.default_local_dir))
         if latest is None or not (latest / "extra.json").is_file():
             return
         theirs = atomic.read_json(latest / "extra.json").get("section") or "ppo"

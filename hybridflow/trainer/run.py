@@ -11,6 +11,7 @@ every rank's stacks to `<run_dir>/hang/` and fails the run with `HangError`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -112,12 +113,12 @@ def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker
             stack.enter_context(claimed_run_dirs(cfg))
             tracker = Tracker.from_config(cfg)
         assert tracker is not None
-        with sigterm_as_interrupt(), hang_watchdog(cfg, tracker if own else None):
+        with sigterm_as_interrupt(), hang_watchdog(cfg, tracker):
             try:
                 yield tracker
             except BaseException as err:
-                if own:
-                    tracker.close(error=err)
+                if own:  # a failing close is a note on the run's own error, never the error raised
+                    run_cleanups([functools.partial(tracker.close, error=err)], err)
                 raise
         if own:
             tracker.close()
@@ -126,7 +127,8 @@ def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker
 @contextlib.contextmanager
 def hang_watchdog(cfg: Config, tracker: Tracker | None = None) -> Iterator[None]:
     """Watch the block for hangs when `trainer.hang_timeout_s` > 0 (stacks go to `<run_dir>/hang/`). `tracker`
-    (one this run owns) records `run_end` if the watchdog has to end a process whose main thread is stuck."""
+    (the run's, built here or by the command) records `run_end` if the watchdog has to end a process whose main
+    thread is stuck."""
     from hybridflow.controller.hang import HangWatchdog, active_watchdog
 
     timeout_s = cfg.trainer.hang_timeout_s

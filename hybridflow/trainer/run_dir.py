@@ -43,11 +43,7 @@ def will_resume(cfg: Config) -> bool:
         return False
     if "://" in t.default_local_dir:
         return True
-    root = Path(t.default_local_dir)
-    if not root.is_dir():
-        return False
-    return atomic.find_latest(root) is not None or any(
-        atomic.find_latest(sub) is not None for sub in root.iterdir() if sub.is_dir())
+    return atomic.find_latest_of_run(Path(t.default_local_dir)) is not None
 
 
 def check_fresh_run_dir(cfg: Config) -> None:

@@ -3,7 +3,8 @@ loop saves a checkpoint and raises `Interrupted`, whose message says how to resu
 
 Why not raise from the handler as Python does by default: an exception thrown into the middle of a step lands in a
 worker call, an optimizer step or a checkpoint write, and the progress since the last save is lost; finishing the
-step costs one step's time and keeps everything.
+step costs one step's time and keeps everything (in `one_step_off` / `async` modes the save also waits for the
+rollouts in flight, which the checkpoint keeps: up to `max_staleness + 1` batches of generation).
 """
 
 from __future__ import annotations

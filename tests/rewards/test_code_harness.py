@@ -76,3 +76,25 @@ def test_ordinary_programs_still_pass() -> None:
     assert _score(program, {"test_code": "import sys\nassert add(1, 1) == 2\nsys.exit(0)"}) == 0.0  # SystemExit: no pass
     recursive = "import sys\nsys.setrecursionlimit(10000)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
     assert _score(recursive, {"test_code": "assert depth(3000) == 3000"}) == 1.0
+
+
+@pytest.mark.parametrize("path", ["/proc/self/mem", "//proc/self/mem", "/tmp/../proc/self/mem",
+                                  b"/proc/self/mem", "PATH_OBJECT"])
+def test_proc_is_denied_however_the_path_is_spelled(path) -> None:
+    from pathlib import Path
+
+    from hybridflow.rewards.code_harness import _audit
+
+    arg = Path("/proc/self/mem") if path == "PATH_OBJECT" else path
+    with pytest.raises(PermissionError, match="/proc"):
+        _audit("open", (arg, "r", 0))
+    _audit("open", ("/tmp/procfile", "r", 0))  # a name that only starts like it is allowed
+    _audit("open", (3, "r", 0))  # an fd
+
+
+def test_proc_is_denied_for_a_relative_path_after_chdir(monkeypatch) -> None:
+    from hybridflow.rewards.code_harness import _audit
+
+    monkeypatch.chdir("/proc")
+    with pytest.raises(PermissionError, match="/proc"):
+        _audit("open", ("self/mem", "r", 0))

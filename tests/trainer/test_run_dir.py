@@ -80,3 +80,22 @@ def test_an_attempt_that_logged_no_step_does_not_block_a_fresh_run(tmp_path: Pat
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ValueError, match="holds another run's metrics"):
         check_fresh_run_dir(_cfg(tmp_path, "trainer.checkpoint.save_freq=0"))
+
+
+def test_a_run_whose_roles_saved_apart_counts_as_resumable(tmp_path: Path) -> None:
+    """PPO with the critic in its own group saves under actor/ and critic/: a fresh-run check and the command's
+    summary must see those checkpoints (they looked at the root only)."""
+    import json as _json
+
+    from hybridflow.checkpoint import atomic
+    from hybridflow.trainer.run_dir import will_resume
+
+    cfg = _cfg(tmp_path)
+    assert not will_resume(cfg)
+    for role in ("actor", "critic"):
+        step = tmp_path / "ckpt" / role / "global_step_4"
+        step.mkdir(parents=True)
+        (step / atomic.MARKER).write_text(_json.dumps({"complete": True, "step": 4}))
+    assert atomic.find_latest_of_run(tmp_path / "ckpt") is not None
+    assert atomic.find_latest_of_run(tmp_path / "ckpt").name == "global_step_4"
+    assert will_resume(cfg)
