@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -113,7 +112,10 @@ def model_shape(merged: dict[str, Any]) -> dict[str, int]:
     model = merged.get("model", {})
     override = dict(model.get("override_config") or {})
     if model.get("path"):
-        cfg = json.loads((Path(str(model["path"])) / "config.json").read_text())
+        # a Hugging Face id in the local cache reads its snapshot's config
+        from hybridflow.models.loader import resolve_path
+
+        cfg = json.loads((resolve_path(str(model["path"])) / "config.json").read_text())
         cfg.update(override)
     else:
         from hybridflow.models.presets import preset_config
