@@ -136,6 +136,25 @@ def _pid(host: Any) -> int:
     return os.getpid()
 
 
+def _run_with_step(cfg: Any, step: Any, original_step: Any) -> BaseException | None:
+    """`run_ppo(cfg)` with `PPOTrainer.step` replaced by `step` (restored after, Ray shut down); the error it
+    raised (the trial's subject, recorded by the caller) or None."""
+    import ray
+
+    from hybridflow.trainer.ppo import PPOTrainer
+    from hybridflow.trainer.run import run_ppo
+
+    PPOTrainer.step = step  # type: ignore[method-assign]
+    try:
+        run_ppo(cfg)
+    except Exception as err:  # noqa: BLE001 - returned to the trial, which records it
+        return err
+    finally:
+        PPOTrainer.step = original_step  # type: ignore[method-assign]
+        ray.shutdown()
+    return None
+
+
 def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
     """One tiny GRPO run on 2 Ray CPU ranks with rank 1 SIGKILLed `kill_delay_s` into step 2 (200 steps are
     configured so the kill always lands mid-run: with 4, a fast machine finished before the timer fired)."""
@@ -144,7 +163,6 @@ def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
     from hybridflow.config import load_config
     from hybridflow.tracking.jsonl import read_events
     from hybridflow.trainer.ppo import PPOTrainer
-    from hybridflow.trainer.run import run_ppo
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = load_config(overrides=[
@@ -167,15 +185,7 @@ def ray_trial(workdir: Path, kill_delay_s: float) -> dict[str, Any]:
             state["timer"].start()
         return original_step(self, batch)
 
-    PPOTrainer.step = step  # type: ignore[method-assign]
-    error: BaseException | None = None
-    try:
-        run_ppo(cfg)
-    except Exception as err:  # the trial's subject: recorded below, not swallowed
-        error = err
-    finally:
-        PPOTrainer.step = original_step  # type: ignore[method-assign]
-        ray.shutdown()
+    error = _run_with_step(cfg, step, original_step)
     t_error = time.perf_counter()
     ends = [e for e in read_events(workdir / "run") if e["kind"] == "run_end"]
     method = str(getattr(error, "method", ""))
@@ -213,7 +223,6 @@ def hang_trial(workdir: Path, hang_timeout_s: float) -> dict[str, Any]:
     from hybridflow.controller.errors import HangError
     from hybridflow.tracking.jsonl import read_events
     from hybridflow.trainer.ppo import PPOTrainer
-    from hybridflow.trainer.run import run_ppo
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = load_config(overrides=[
@@ -233,15 +242,7 @@ def hang_trial(workdir: Path, hang_timeout_s: float) -> dict[str, Any]:
                                                                   str(workdir / "sleep_started")))
         return original_step(self, batch)
 
-    PPOTrainer.step = step  # type: ignore[method-assign]
-    error: BaseException | None = None
-    try:
-        run_ppo(cfg)
-    except Exception as err:  # the trial's subject: recorded below, not swallowed
-        error = err
-    finally:
-        PPOTrainer.step = original_step  # type: ignore[method-assign]
-        ray.shutdown()
+    error = _run_with_step(cfg, step, original_step)
     t_error = time.time()
     started = workdir / "sleep_started"
     ends = [e for e in read_events(workdir / "run") if e["kind"] == "run_end"]
@@ -310,6 +311,7 @@ def async_child(workdir: Path) -> None:
     step = PPOAlgorithm.step
 
     def recording(self: PPOAlgorithm, batch: Any, n: int) -> dict[str, float]:
+        time.sleep(0.25)  # 8 steps outlast the signal's random delay on a fast, idle box (it must land mid-run)
         with open(workdir / "steps.jsonl", "a") as f:
             f.write(json.dumps({"step": n, "uid": sorted(set(batch.non_tensor_batch["uid"])),
                                 "version": batch.batch["policy_version"].tolist()}) + "\n")

@@ -19,7 +19,7 @@ from hybridflow.config import Config, to_dict
 from hybridflow.config.plan import plan_line
 from hybridflow.data.contract import skipped_rows_event
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop
+from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, signals_deferred
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
@@ -305,4 +305,5 @@ class Trainer:
         when an earlier one fails (a dead worker group cannot close its checkpoints but must still be released)."""
         from hybridflow.trainer.run import run_cleanups
 
-        run_cleanups([self.ckpt.close, *self.algorithm.cleanups()])
+        with signals_deferred("closing the run (the last checkpoint write, the workers)"):
+            run_cleanups([self.ckpt.close, *self.algorithm.cleanups()])

@@ -81,3 +81,23 @@ def graceful_stop() -> Iterator[StopRequest]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred(what: str) -> Iterator[None]:
+    """Within the block (closing a run: waiting for the last checkpoint write, releasing workers) a SIGINT/SIGTERM is
+    logged, not raised: an exception thrown into that wait left a half-written checkpoint and, with the writer thread
+    still running, the interpreter aborted at exit. The process ends as soon as the block is done anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.warning("%s received while %s: finishing that first", signal.Signals(signum).name, what)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -124,3 +124,17 @@ def test_an_interrupt_outside_a_run_is_one_line(monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["report", "x"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "stopped (Ctrl-C)", err
+
+
+def test_a_signal_while_closing_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM while the run waits for its last checkpoint write: the wait completes (an exception thrown into it
+    left a half-written checkpoint and the interpreter aborted at exit with the writer thread alive)."""
+    from hybridflow.trainer.stop import signals_deferred
+
+    before = signal.getsignal(signal.SIGTERM)
+    finished = []
+    with signals_deferred("closing the run"):
+        signal.raise_signal(signal.SIGTERM)
+        finished.append(True)
+    assert finished == [True] and signal.getsignal(signal.SIGTERM) is before
+    assert any("SIGTERM received while closing the run" in r.getMessage() for r in caplog.records)
