@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.lora_gpu import SEVEN_B, TUNED
-from benchmarks.run import bench_overrides, summarize, synthetic_batch, track_generate_peak
+from benchmarks.run import bench_overrides, summarize, synthetic_batch, track_generate_peak, track_stage_peaks
 from hybridflow.engine import host_optim
 
 log = logging.getLogger("bench.cpu_step_7b")
@@ -82,12 +82,14 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     from hybridflow.trainer.ppo import PPOTrainer
     from hybridflow.utils.threads import apply_cpu_threads
 
-    ns = argparse.Namespace(device=args.device, tuned=False, override=[*SETTINGS, *args.override],
+    critic = critic_overrides(args)
+    ns = argparse.Namespace(device=args.device, tuned=False, override=[*SETTINGS, *critic, *args.override],
                             prompts=args.prompts, n=args.n, prompt_len=args.prompt_len, response_len=args.response_len)
     cfg = load_config(overrides=bench_overrides(ns, args.preset))
     threads = apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device)  # what `hybridflow train` does
     cuda = args.device != "cpu" and torch.cuda.is_available()
     host_steps = time_host_steps(cuda)
+    stage_peaks = track_stage_peaks(torch.device("cuda" if cuda else "cpu"))
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     res: dict[str, Any] = {"preset": args.preset, "workload": {k: getattr(args, k) for k in
@@ -110,8 +112,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
             row = {k: v for k, v in m.items() if k.startswith(("timing/", "perf/", "actor/"))}
             row |= host_memory() | {"timed": i >= args.warmup, "host_step_s": sum(host_steps["seconds"])}
             host_steps["seconds"].clear()
-            if cuda:
-                row |= {"gpu_peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+            if cuda:  # the stage trackers reset the peak at each stage: the step's is the largest of them
+                row |= dict(stage_peaks)
+                row |= {"gpu_peak_gb": max([torch.cuda.max_memory_allocated() / 2**30, *stage_peaks.values()]),
                         "gpu_peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
                         "gpu_after_step_gb": torch.cuda.memory_allocated() / 2**30}
             res["steps"].append(row)
@@ -129,6 +132,25 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     return res
 
 
+def critic_overrides(args: argparse.Namespace) -> list[str]:
+    """PPO with a critic of another size (`--critic-preset`): a random-init model directory of that shape with the
+    actor's vocabulary (the critic reads the actor's token ids), written once under `--out`, and GAE."""
+    if not args.critic_preset:
+        return []
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.presets import preset_config
+
+    path = Path(args.out) / f"critic_{args.critic_preset}"
+    if not (path / "config.json").exists():
+        hf_cfg = preset_config(args.critic_preset, vocab_size=preset_config(args.preset).vocab_size)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        del model
+    return ["algorithm.adv_estimator=gae", f"critic.model_path={path}"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -141,6 +163,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation, CUDA graphs)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--override", action="append", default=[], help="a.b=c, after this benchmark's; repeatable")
+    ap.add_argument("--critic-preset", default=None, help="PPO with a critic of this preset's shape (GAE)")
+    ap.add_argument("--name", default="cpu_step_7b", help="the JSON file's name, <out>/<name>.json")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks the code path)")
     args = ap.parse_args()
     if args.smoke:
@@ -151,9 +175,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     def save(res: dict[str, Any]) -> None:
-        tmp = out / "cpu_step_7b.json.tmp"
+        tmp = out / f"{args.name}.json.tmp"
         tmp.write_text(json.dumps(res, indent=1, default=str))
-        tmp.replace(out / "cpu_step_7b.json")
+        tmp.replace(out / f"{args.name}.json")
 
     res = run(args, save)
     save(res)

@@ -96,7 +96,13 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
     come (a later OOM or timeout keeps the steps before it)."""
     import torch
 
-    from benchmarks.run import bench_overrides, summarize, synthetic_batch, track_generate_peak
+    from benchmarks.run import (
+        bench_overrides,
+        summarize,
+        synthetic_batch,
+        track_generate_peak,
+        track_stage_peaks,
+    )
     from hybridflow.config import load_config
     from hybridflow.models.presets import preset_config
     from hybridflow.trainer.ppo import PPOTrainer
@@ -108,6 +114,7 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
     cfg = load_config(overrides=bench_overrides(ns, spec["preset"]))
     cuda = spec["device"] != "cpu" and torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
+    stage_peaks = track_stage_peaks(dev)
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     res: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "workload": w, "overrides": ns.override,
@@ -124,8 +131,10 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
             trainer.global_step += 1
             m = trainer.step(synthetic_batch(w["prompts"], w["prompt_len"], vocab, i))
-            if cuda:
-                m["perf/step_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            if cuda:  # each stage resets the peak (track_stage_peaks): the step's is the largest of them
+                m |= stage_peaks
+                m["perf/step_peak_memory_gb"] = max([torch.cuda.max_memory_allocated() / 2**30,
+                                                     *stage_peaks.values()])
                 m["perf/step_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
                 m["perf/after_step_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
             res["steps"].append({k: v for k, v in m.items() if k.startswith(("timing/", "perf/", "actor/mfu"))})

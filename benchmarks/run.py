@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as hybridflow/cli.py: before torch loads its OpenMP runtime
 
 import argparse
+import functools
 import json
 import logging
 import platform
@@ -240,16 +241,53 @@ def track_generate_peak(trainer: Any, dev: torch.device) -> None:
     trainer.algorithm._generate = generate_with_peak
 
 
+STAGE_METHODS = {"generate": ("ActorRolloutRefWorker", "generate_sequences"),
+                 "old_log_prob": ("ActorRolloutRefWorker", "compute_log_prob"),
+                 "ref": ("ActorRolloutRefWorker", "compute_ref_log_prob"),
+                 "update_actor": ("ActorRolloutRefWorker", "update_actor"),
+                 "values": ("CriticWorker", "compute_values"),
+                 "update_critic": ("CriticWorker", "update_critic")}
+
+
+def track_stage_peaks(dev: torch.device) -> dict[str, float]:
+    """Patch the workers' stage methods (in-process local backend) so that each call records the peak GPU memory
+    allocated during it; returns the dict they fill, `perf/peak_gb/<stage>` → GiB (the latest call's)."""
+    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+    from hybridflow.workers.critic import CriticWorker
+
+    peaks: dict[str, float] = {}
+    if dev.type != "cuda":
+        return peaks
+    classes = {"ActorRolloutRefWorker": ActorRolloutRefWorker, "CriticWorker": CriticWorker}
+    for stage, (cls_name, meth) in STAGE_METHODS.items():
+        cls = classes[cls_name]
+        orig = getattr(cls, meth)
+
+        @functools.wraps(orig)  # keeps the @register spec and the signature the group handles check
+        def wrapped(self: Any, *a: Any, _orig: Any = orig, _stage: str = stage, **kw: Any) -> Any:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return _orig(self, *a, **kw)
+            finally:
+                torch.cuda.synchronize()
+                peaks[f"perf/peak_gb/{_stage}"] = torch.cuda.max_memory_allocated() / 2**30
+
+        setattr(cls, meth, wrapped)
+    return peaks
+
+
 def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]) -> dict[str, Any]:
     from hybridflow.trainer.ppo import PPOTrainer
     from hybridflow.utils.threads import apply_cpu_threads
 
     cfg = bench_config(args, preset)
     threads = apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device)  # what `hybridflow train` does
+    dev = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    stage_peaks = track_stage_peaks(dev) if getattr(args, "stage_peaks", False) else {}
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     startup = time.perf_counter() - t0
-    dev = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     from hybridflow.models.presets import preset_config
 
     model_cfg = preset_config(preset)
@@ -262,8 +300,10 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
                 torch.cuda.reset_peak_memory_stats()
             trainer.global_step += 1
             m = trainer.step(synthetic_batch(args.prompts, args.prompt_len, vocab, i))
-            if dev.type == "cuda":
-                m["perf/step_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            if dev.type == "cuda":  # (with --stage-peaks each stage resets the peak: the step's is their largest)
+                m |= stage_peaks
+                m["perf/step_peak_memory_gb"] = max([torch.cuda.max_memory_allocated() / 2**30,
+                                                     *stage_peaks.values()])
             log.info("%s step %d: %.3fs (%s)", preset, i, m["timing/step"],
                      ", ".join(f"{k[7:]}={v:.3f}" for k, v in m.items() if k.startswith("timing/")))
             if i >= args.warmup:
@@ -372,6 +412,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--override", action="append", default=[], help="extra a.b=c config override; repeatable")
+    ap.add_argument("--stage-peaks", action="store_true",
+                    help="record each stage's peak GPU memory (perf/peak_gb/<stage>; syncs the GPU at stage edges)")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--tag", default="", help="variant name: in the file names and the table title")
     ap.add_argument("--tuned", action=argparse.BooleanOptionalAction, default=None,

@@ -405,8 +405,8 @@ class PPOAlgorithm(Algorithm):
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         alg, b, metrics = self.cfg.algorithm, batch.batch, {}
         mask = b["response_mask"]
-        if self.res.use_reference:
-            kl = kl_penalty(keys.sampling_log_probs(b), b["ref_log_prob"], alg.kl_penalty)
+        if self.res.use_reference and keys.OLD_LOG_PROBS.name in b:  # else the KL loss's actor/kl_loss measures it
+            kl = kl_penalty(b[keys.OLD_LOG_PROBS.name], b["ref_log_prob"], alg.kl_penalty)
             metrics["kl/actor_ref"] = float(masked_mean(kl, mask))
         if alg.use_kl_in_reward:
             rewards, kl_metrics = apply_kl_penalty(b["token_level_scores"], keys.sampling_log_probs(b),

@@ -123,6 +123,11 @@ def test_resolved_numbers_not_written_back() -> None:
     assert r.recompute_old_log_prob is True  # two mini-batches → off-policy after the first
     assert cfg.actor.ppo_mini_batch_size == 16  # config unchanged
     assert resolve(load_config(overrides=["actor.ppo_mini_batch_size=32"])).recompute_old_log_prob is False
+    # the KL loss compares the update's own log-probs with the reference's: no old-policy pass needed; the KL in
+    # the reward is measured on the driver from the recomputed log-probs
+    on_policy = ["actor.ppo_mini_batch_size=32"]
+    assert resolve(load_config(overrides=[*on_policy, "actor.use_kl_loss=true"])).recompute_old_log_prob is False
+    assert resolve(load_config(overrides=[*on_policy, "algorithm.use_kl_in_reward=true"])).recompute_old_log_prob
 
 
 def test_colocation_needs_count() -> None:

@@ -34,8 +34,10 @@ def _fit(cfg) -> list[dict[str, float]]:
 
 def test_first_step_kl_between_actor_and_ref_is_exactly_zero(tmp_path: Path) -> None:
     # Same micro-batching for the actor's and the reference's log-prob passes → the same arithmetic, bit for bit.
-    history = _fit(_cfg(tmp_path, "actor.use_kl_loss=true", "trainer.total_training_steps=1",
-                        "trainer.val_before_train=false", "data.val_size=8", "ref.log_prob_micro_batch_size_per_gpu=256"))
+    # (The KL in the reward makes the step recompute the old policy's log-probs, which kl/actor_ref is measured on.)
+    history = _fit(_cfg(tmp_path, "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true",
+                        "trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_size=8",
+                        "ref.log_prob_micro_batch_size_per_gpu=256"))
     step1 = next(m for m in history if m["training/global_step"] == 1)
     assert step1["kl/actor_ref"] == 0.0
     assert abs(step1["actor/kl_loss"]) < 1e-6  # the training forward (with grad) vs the no-grad reference pass
