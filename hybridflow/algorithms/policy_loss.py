@@ -146,3 +146,89 @@ def _warn_gspo_mode(mode: str) -> None:
         "gspo with actor.loss_agg_mode=%s: GSPO is defined with seq-mean-token-mean; other modes weight "
         "sequences by length", mode,
     )
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_normalizer: Tensor | float | None = None,
+    max_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the importance weight is clipped to [1 - low, 1 + high] and used as a
+    constant, token loss = -sg(clip(r)) · A · log π. Unlike PPO's clip, no token loses its gradient: a token whose
+    ratio left the band still contributes A · ∇log π, scaled by the bound. `clip_ratio_c` is unused.
+    `pg_clipfrac`: share of tokens whose weight was clipped (either side); `pg_clipfrac_lower`: at the lower bound.
+    """
+    del clip_ratio_c
+    _check_clip(clip_ratio_low, clip_ratio_high, None)
+    m = response_mask
+    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio).detach()
+    weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = -weight * advantages * log_prob
+    metrics = {
+        "pg_clipfrac": masked_mean((weight != ratio).float(), m).detach(),
+        "pg_clipfrac_lower": masked_mean((ratio < 1 - clip_ratio_low).float(), m).detach(),
+        "ppo_kl": masked_mean(-log_ratio, m).detach(),
+    }
+    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    loss_agg_mode: str = "token-mean",
+    global_normalizer: Tensor | float | None = None,
+    max_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): a smooth gate instead of a hard clip, token loss
+    = -f(r) · A with f(r) = (4 / τ) · σ(τ (r - 1)), τ = `tau_pos` where A > 0 and `tau_neg` (≥ tau_pos: negative
+    advantages are damped faster) elsewhere. At r = 1 the gradient is A · ∇log π, as PPO's; it fades smoothly as r
+    leaves 1 instead of dropping to 0 at a bound. No hard clip: `pg_clipfrac` / `pg_clipfrac_lower` report the
+    share of tokens with r above 1 + `clip_ratio_high` / below 1 - `clip_ratio_low` (diagnostics only);
+    `clip_ratio_c` is unused.
+    """
+    del clip_ratio_c
+    _check_clip(clip_ratio_low, clip_ratio_high, None)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"actor.tau_pos={tau_pos}, actor.tau_neg={tau_neg}: SAPO's temperatures must be > 0 "
+                         "(the paper uses 1.0 and 1.05)")
+    m = response_mask
+    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    pg_losses = -gate * advantages
+    metrics = {
+        "pg_clipfrac": masked_mean((ratio > 1 + clip_ratio_high).float(), m).detach(),
+        "pg_clipfrac_lower": masked_mean((ratio < 1 - clip_ratio_low).float(), m).detach(),
+        "ppo_kl": masked_mean(-log_ratio, m).detach(),
+    }
+    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
+    return loss, metrics

@@ -190,7 +190,7 @@ class ActorConfig:
     ppo_epochs: int
     shuffle: bool
     grad_clip: float
-    policy_loss: str  # name in POLICY_LOSSES (vanilla | gspo | ...)
+    policy_loss: str  # name in POLICY_LOSSES (vanilla | gspo | cispo | sapo | ...)
     clip_ratio: float
     clip_ratio_low: float | None  # null → clip_ratio
     clip_ratio_high: float | None  # null → clip_ratio (DAPO clip-higher: e.g. 0.28)
@@ -203,6 +203,8 @@ class ActorConfig:
     logprob_chunk_size: int  # tokens per chunk when computing log-probs / entropy (bounds the logits memory)
     optim: OptimConfig
     fsdp: FSDPConfig
+    tau_pos: float = 1.0  # SAPO's gate temperature where the advantage is positive
+    tau_neg: float = 1.05  # ... and where it is not (>= tau_pos)
 
     def __post_init__(self) -> None:
         _check(self.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", self.ppo_mini_batch_size, "must be >= 1")
@@ -213,6 +215,8 @@ class ActorConfig:
                 ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
         _check(self.grad_clip > 0, "actor.grad_clip", self.grad_clip, "must be > 0")
         _check(self.logprob_chunk_size >= 1, "actor.logprob_chunk_size", self.logprob_chunk_size, "must be >= 1")
+        _check(self.tau_pos > 0, "actor.tau_pos", self.tau_pos, "must be > 0 (SAPO's paper: 1.0)")
+        _check(self.tau_neg > 0, "actor.tau_neg", self.tau_neg, "must be > 0 (SAPO's paper: 1.05)")
 
 
 # --------------------------------------------------------------------------------------------------- rollout

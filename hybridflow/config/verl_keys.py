@@ -67,7 +67,7 @@ def _filter_overlong(key: str, value: Any) -> Any:
 _TP = _only(1, "the rollout engine runs on the actor's FSDP weights, one GPU per process (no tensor parallelism)")
 _ACTOR = ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
           "ppo_epochs", "shuffle", "grad_clip", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-          "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")
+          "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tau_pos", "tau_neg")
 _OPTIM = ("lr", "weight_decay", "betas", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio")
 _FSDP = ("param_offload", "optimizer_offload", "reshard_after_forward")
 _ROLLOUT = ("n", "temperature", "top_k", "top_p", "do_sample", "ignore_eos", "free_cache_engine", "enforce_eager",
