@@ -136,8 +136,8 @@ class RayBackend(Backend):
         nodes = cluster_nodes(ray.nodes(), kind, ray.get_runtime_context().get_node_id(), _HELD)
         chosen = assign_nodes(pool.name, pool.process_on_nodes, nodes, kind)
         bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        groups = [placement_group([dict(bundle)] * n, strategy="STRICT_PACK",
-                                  bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * n)
+        groups = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
+                                  bundle_label_selector=[{NODE_ID_LABEL: node.node_id} for _ in range(n)])
                   for n, node in zip(pool.process_on_nodes, chosen)]
         try:
             ray.get([pg.ready() for pg in groups], timeout=self.placement_timeout_s)
