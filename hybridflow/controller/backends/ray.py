@@ -136,7 +136,9 @@ class RayBackend(Backend):
         nodes = cluster_nodes(ray.nodes(), kind, ray.get_runtime_context().get_node_id(), _HELD)
         chosen = assign_nodes(pool.name, pool.process_on_nodes, nodes, kind)
         bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        groups = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
+        # Every bundle carries its node's id label, so a group is packed on that one node whatever the strategy;
+        # PACK, because Ray's STRICT_PACK dropped bundle label selectors until early 2026 (ray-project/ray#60170).
+        groups = [placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
                                   bundle_label_selector=[{NODE_ID_LABEL: node.node_id} for _ in range(n)])
                   for n, node in zip(pool.process_on_nodes, chosen)]
         try:
