@@ -611,6 +611,7 @@ class TrainerConfig:
     device: str  # auto | cpu | cuda
     cpu_threads: int  # intra-op threads, 0 = auto (hybridflow.utils.threads)
     backend: str  # auto | local | ray
+    ray_address: str | None  # a running Ray cluster to join (`ray start --head` printed it; "auto": this machine's)
     nnodes: int
     n_gpus_per_node: int  # processes per node (GPUs, or CPU ranks when device=cpu)
     use_hybrid_engine: bool

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from hybridflow.utils.progress import current_stage
+
 
 class WorkerError(RuntimeError):
-    """A worker raised, or its process died, during a group call. `remote_traceback` is the worker's text."""
+    """A worker raised, or its process died, during a group call. `remote_traceback` is the worker's text; `node`
+    the Ray node the rank ran on (when the backend knows it); `stage` the driver's stage when the call failed
+    (`gen`, `update_actor`, ...; empty outside the training step)."""
 
-    def __init__(self, group: str, method: str, rank: int, detail: str, remote_traceback: str = "") -> None:
+    def __init__(self, group: str, method: str, rank: int, detail: str, remote_traceback: str = "", node: str = "",
+                 stage: str | None = None) -> None:
         self.group, self.method, self.rank = group, method, rank
-        self.detail, self.remote_traceback = detail, remote_traceback
-        message = f"worker group {group!r}, method {method!r}, rank {rank}: {detail}"
+        self.detail, self.remote_traceback, self.node = detail, remote_traceback, node
+        self.stage = current_stage() if stage is None else stage
+        where = (f" on node {node}" if node else "") + (f" in stage {self.stage!r}" if self.stage else "")
+        message = f"worker group {group!r}, method {method!r}, rank {rank}{where}: {detail}"
         if remote_traceback:
             message += f"\n--- remote traceback (rank {rank}) ---\n{remote_traceback.rstrip()}"
         super().__init__(message)
 
     def __reduce__(self):  # keep all fields through pickling
-        return (type(self), (self.group, self.method, self.rank, self.detail, self.remote_traceback))
+        return (type(self), (self.group, self.method, self.rank, self.detail, self.remote_traceback, self.node,
+                             self.stage))
 
 
 class WorkerTimeoutError(TimeoutError):

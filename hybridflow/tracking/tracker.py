@@ -171,11 +171,12 @@ def run_status(error: BaseException | None) -> str:
 
 
 def error_fields(error: BaseException) -> dict[str, Any]:
-    """The `run_end` fields of an error: type and message, plus group/method/rank of a worker-group failure."""
+    """The `run_end` fields of an error: type and message, plus group/method/rank (and node, stage when known) of a
+    worker-group failure."""
     fields: dict[str, Any] = {"error_type": type(error).__name__, "error": str(error)[:2000]}
-    for key in ("group", "method", "rank"):  # WorkerError / WorkerTimeoutError (duck-typed: no controller import)
+    for key in ("group", "method", "rank", "node", "stage"):  # WorkerError & co. (duck-typed: no controller import)
         value = getattr(error, key, None)
-        if isinstance(value, str | int):
+        if isinstance(value, int) or (isinstance(value, str) and value):
             fields[key] = value
     return fields
 

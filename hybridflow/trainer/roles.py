@@ -12,10 +12,12 @@ from typing import NamedTuple
 
 from hybridflow.config import Config, Resolved
 from hybridflow.controller import (
+    Backend,
     ResourcePool,
     RoleGroup,
     Worker,
     WorkerGroup,
+    build_backend,
     create_colocated_worker_cls,
     spawn,
 )
@@ -66,9 +68,14 @@ def role_classes(res: Resolved) -> dict[str, type[Worker]]:
     return {name: ROLES[name].worker_cls for name in names}
 
 
+def pool_backend(cfg: Config, pool: ResourcePool) -> Backend:
+    """`trainer.backend` for the groups on `pool` (Ray joins the cluster at `trainer.ray_address` when set)."""
+    return build_backend(cfg.trainer.backend, pool.world_size, cfg.trainer.ray_address)
+
+
 def build_worker_groups(cfg: Config, res: Resolved, total_training_steps: int | None = None) -> WorkerGroups:
     pool = ResourcePool.from_config(cfg)
-    backend = cfg.trainer.backend
+    backend = pool_backend(cfg, pool)
     roles = role_classes(res)
     if cfg.trainer.use_colocated_worker:
         cls = create_colocated_worker_cls({name: (worker_cls, (cfg,), {}) for name, worker_cls in roles.items()})
@@ -103,6 +110,6 @@ def build_rollout_group(cfg: Config) -> tuple[RolloutGroup, ResourcePool]:
     are separate processes on the Ray backend (on the local backend, a second in-process worker)."""
     base = ResourcePool.from_config(cfg)
     pool = ResourcePool(list(cfg.resource_pool.rollout_process_on_nodes), 1, base.use_gpu, "rollout_pool")
-    rollout = RolloutGroup(WorkerGroup(pool, RolloutWorker, cfg, backend=cfg.trainer.backend, name="rollout"))
+    rollout = RolloutGroup(WorkerGroup(pool, RolloutWorker, cfg, backend=pool_backend(cfg, pool), name="rollout"))
     rollout.init_model()
     return rollout, pool

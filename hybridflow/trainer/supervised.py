@@ -120,14 +120,14 @@ class SupervisedAlgorithm(Algorithm):
                                   persistent_workers=d.persistent_workers, collate_fn=self.collate_fn())
 
     def _build_group(self) -> SupervisedGroup:
-        from hybridflow.controller import ResourcePool, WorkerGroup
+        from hybridflow.controller import ResourcePool, WorkerGroup, build_backend
         from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
         worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
                                    self.loss_kwargs(), self.ref_spec(), self.generates())
         self.pool: ResourcePool = ResourcePool.from_config(self.cfg)
-        group = SupervisedGroup(WorkerGroup(self.pool, worker, backend=self.cfg.trainer.backend,
-                                            name=f"{self.section}"))
+        backend = build_backend(self.cfg.trainer.backend, self.pool.world_size, self.cfg.trainer.ray_address)
+        group = SupervisedGroup(WorkerGroup(self.pool, worker, backend=backend, name=f"{self.section}"))
         group.init_model()
         return group
 

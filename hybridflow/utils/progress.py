@@ -80,6 +80,12 @@ def in_stage(name: str) -> contextlib.AbstractContextManager[None]:
     return _marked(PROGRESS.stages, name, new_call=False)
 
 
+def current_stage() -> str:
+    """The driver stage this thread is in (the main thread's when this one has none); "" outside any stage."""
+    stages = PROGRESS.stages
+    return stages.get(threading.get_ident()) or stages.get(_MAIN) or ""
+
+
 def in_method(name: str) -> contextlib.AbstractContextManager[None]:
     """A worker runs its method `name` on this thread (the worker host marks every driver call)."""
     return _marked(PROGRESS.methods, name, new_call=True)

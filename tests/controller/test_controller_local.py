@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -186,6 +187,20 @@ def test_local_errors_name_group_method_rank():
         fut.get()
     assert (info.value.group, info.value.method, info.value.rank) == ("counter", "explode", 0)
     assert "kaboom" in str(info.value) and "raise RuntimeError" in info.value.remote_traceback
+
+
+def test_worker_error_names_the_driver_stage_and_reaches_run_end():
+    from hybridflow.tracking.tracker import error_fields
+    from hybridflow.utils.progress import in_stage
+
+    wg = WorkerGroup(None, Counter, backend="local", name="counter")
+    with in_stage("update_actor"), pytest.raises(WorkerError) as info:
+        wg.explode().get()
+    err = pickle.loads(pickle.dumps(info.value))  # Ray ships errors pickled
+    assert err.stage == "update_actor" and "rank 0 in stage 'update_actor'" in str(err), str(err)
+    fields = error_fields(WorkerError("g", "m", 1, "died", node="10.0.0.2 (node id ab12cd34)", stage="gen"))
+    assert (fields["rank"], fields["node"], fields["stage"]) == (1, "10.0.0.2 (node id ab12cd34)", "gen")
+    assert "node" not in error_fields(WorkerError("g", "m", 0, "raised"))  # outside a stage, off Ray: left out
 
 
 def test_local_constructor_error_and_world_size_limit():

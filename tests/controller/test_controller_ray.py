@@ -318,7 +318,7 @@ def test_non_colocated_roles_get_own_processes(ray_cluster, echo):
 
 def test_resource_over_request_fails_early(ray_cluster):
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"asks for 8 CPU\(s\).*cluster has 4"):
+    with pytest.raises(ValueError, match=r"process_on_nodes\[0\]=8 .* no node left has 8 free CPU.* of 4 free"):
         WorkerGroup(ResourcePool([8], use_gpu=False, name="huge"), EchoWorker, backend="ray")
     with pytest.raises(ValueError, match="GPU"):
         WorkerGroup(ResourcePool([1], use_gpu=True, name="gpu"), EchoWorker, backend="ray")

@@ -11,8 +11,9 @@ from hybridflow.controller.backends.local import LocalBackend
 BACKEND_NAMES = ("auto", "local", "ray")
 
 
-def build_backend(name: str = "auto", world_size: int = 1) -> Backend:
-    """`auto` picks `local` when one process is enough (world_size == 1) and `ray` otherwise."""
+def build_backend(name: str = "auto", world_size: int = 1, ray_address: str | None = None) -> Backend:
+    """`auto` picks `local` when one process is enough (world_size == 1) and `ray` otherwise; `ray_address`: the
+    running Ray cluster to join (`trainer.ray_address`)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"trainer.backend={name!r} is not a backend; choose one of {', '.join(BACKEND_NAMES)}")
     if name == "auto":
@@ -24,7 +25,7 @@ def build_backend(name: str = "auto", world_size: int = 1) -> Backend:
     except ImportError as err:
         raise ImportError(f"trainer.backend=ray (world size {world_size}) needs Ray: pip install 'hybridflow[ray]' "
                           f"({err})") from err
-    return RayBackend()
+    return RayBackend(ray_address)
 
 
 __all__ = ["Backend", "LocalBackend", "build_backend", "BACKEND_NAMES"]

@@ -1,8 +1,10 @@
 """Ray backend: one actor per rank, placed with one placement group per node (one bundle per GPU, or per CPU slot
-on CPU-only clusters); each actor asks for 1/max_colocate_count of its bundle so colocated groups share a GPU.
+on CPU-only clusters), each pinned to its node (`ray_nodes`: which node, checked against what it has); each actor
+asks for 1/max_colocate_count of its bundle so colocated groups share a GPU.
 
-Ranks follow the nodes sorted by IP (stable across restarts); rank 0's node and a free port there are the
-torch.distributed rendezvous. `ray.init` is called when Ray is not running yet (RAY_ADDRESS joins a cluster).
+Ranks are numbered node by node (`ray_nodes`); rank 0's node and a free port there are the torch.distributed
+rendezvous. `ray.init` is called when Ray is not running yet (`trainer.ray_address`, else RAY_ADDRESS, joins a
+running cluster).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.backends.base import Backend
 from hybridflow.controller.backends.host import WorkerHost
+from hybridflow.controller.backends.ray_nodes import (
+    NODE_ID_LABEL,
+    NodeSlots,
+    assign_nodes,
+    cluster_nodes,
+    topology_line,
+)
 from hybridflow.controller.backends.ray_tensors import register_tensor_serializer
 from hybridflow.controller.errors import RemoteCallError, WorkerError, WorkerTimeoutError
 from hybridflow.controller.hang import active_timeout_s, active_watchdog
@@ -43,18 +52,19 @@ logger = logging.getLogger(__name__)
 DRIVER_THREADS = 2
 
 
-def init_ray(**kwargs: Any) -> None:
-    """Start (or join, when RAY_ADDRESS is set) Ray unless it is running; workers inherit WORKER_BASE_ENV."""
+def init_ray(address: str | None = None, **kwargs: Any) -> None:
+    """Start Ray unless it is running, or join the cluster at `address` (`trainer.ray_address`; else RAY_ADDRESS;
+    "auto": the cluster `ray start` began on this machine); workers inherit WORKER_BASE_ENV."""
     if ray.is_initialized():
         return
     runtime_env = dict(kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**WORKER_BASE_ENV, **runtime_env.get("env_vars", {})}
     kwargs.setdefault("include_dashboard", False)
-    address = os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         for key in ("num_cpus", "num_gpus"):
             if kwargs.pop(key, None) is not None:
-                logger.warning("ignoring %s: joining the existing Ray cluster at RAY_ADDRESS=%s", key, address)
+                logger.warning("ignoring %s: joining the existing Ray cluster at %s", key, address)
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
     else:
         ray.init(runtime_env=runtime_env, **kwargs)
@@ -90,13 +100,19 @@ def _remote_host(concurrency_groups: dict[str, int] | None = None) -> Any:
     return _REMOTE_HOSTS[key]
 
 
+# Slots this driver's live pools hold per node id: a second pool (separate rollout workers, another role's own
+# pool) is placed on what the first left free.
+_HELD: dict[str, int] = {}
+
+
 @dataclass
 class _Placement:
-    groups: list[PlacementGroup]  # one per node, sorted by node IP
+    groups: list[PlacementGroup]  # one per node, in rank order
+    nodes: list[NodeSlots]  # the node of each group
     use_gpu: bool
 
-    def slots(self) -> list[tuple[PlacementGroup, int]]:
-        return [(pg, b) for pg in self.groups for b in range(pg.bundle_count)]
+    def slots(self) -> list[tuple[PlacementGroup, int, NodeSlots]]:
+        return [(pg, b, node) for pg, node in zip(self.groups, self.nodes) for b in range(pg.bundle_count)]
 
 
 class RayBackend(Backend):
@@ -105,6 +121,10 @@ class RayBackend(Backend):
     start_timeout_s = 600.0  # includes the workers' __init__ (model loading)
     death_grace_s = 2.0  # how long a worker's exception waits for news of another rank's death (see _worker_error)
 
+    def __init__(self, address: str | None = None) -> None:
+        self.address = address  # the cluster to join when Ray is not running yet (None: RAY_ADDRESS or a new one)
+        self._actor_nodes: dict[str, str] = {}  # actor id (hex) -> node label, to name the node of a dead rank
+
     # ---------------------------------------------------------------------------------------- placement
     def _placement(self, pool: ResourcePool) -> _Placement:
         state = pool._backend_state.get("ray")
@@ -112,31 +132,38 @@ class RayBackend(Backend):
             return state
         total = ray.cluster_resources()
         use_gpu = pool.use_gpu if pool.use_gpu is not None else total.get("GPU", 0) > 0
-        _check_resources(pool, use_gpu, total)
+        kind = "GPU" if use_gpu else "CPU"
+        nodes = cluster_nodes(ray.nodes(), kind, ray.get_runtime_context().get_node_id(), _HELD)
+        chosen = assign_nodes(pool.name, pool.process_on_nodes, nodes, kind)
         bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        groups = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK")
-                  for n in pool.process_on_nodes]
+        # Every bundle carries its node's id label, so a group is packed on that one node whatever the strategy;
+        # PACK, because Ray's STRICT_PACK dropped bundle label selectors until early 2026 (ray-project/ray#60170).
+        groups = [placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
+                                  bundle_label_selector=[{NODE_ID_LABEL: node.node_id} for _ in range(n)])
+                  for n, node in zip(pool.process_on_nodes, chosen)]
         try:
             ray.get([pg.ready() for pg in groups], timeout=self.placement_timeout_s)
-        except GetTimeoutError:
-            for pg in groups:
-                remove_placement_group(pg)
+            _check_pinned(pool, groups, chosen)
+        except BaseException as err:
+            _remove_placement_groups(groups)
+            if not isinstance(err, GetTimeoutError):
+                raise
             raise RuntimeError(
                 f"resource pool {pool.name!r}: placement groups for process_on_nodes={pool.process_on_nodes} "
-                f"({'GPU' if use_gpu else 'CPU'} bundles) were not scheduled within {self.placement_timeout_s:g} s; "
-                f"available now: {ray.available_resources()} (other pools may hold them: release them first)"
-            ) from None
-        node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        groups.sort(key=lambda pg: node_ip.get(placement_group_table(pg)["bundles_to_node_id"][0], ""))
-        placement = _Placement(groups, use_gpu)
+                f"({kind} bundles) on nodes {[n.label for n in chosen]} were not scheduled within "
+                f"{self.placement_timeout_s:g} s; available now: {ray.available_resources()} (another job or "
+                f"driver may hold them: release them first)") from None
+        placement = _Placement(groups, chosen, use_gpu)
+        for node, n in zip(chosen, pool.process_on_nodes):
+            _HELD[node.node_id] = _HELD.get(node.node_id, 0) + n
         pool._backend_state["ray"] = placement
-        pool.on_release(functools.partial(_remove_placement_groups, groups))
+        pool.on_release(functools.partial(_release, placement, list(pool.process_on_nodes)))
         return placement
 
     # -------------------------------------------------------------------------------------------- start
     def start(self, pool: ResourcePool, worker_cls: type[Worker], args: tuple[Any, ...], kwargs: dict[str, Any],
               group: str) -> list[Any]:
-        init_ray()
+        init_ray(self.address)
         _limit_driver_threads()
         register_tensor_serializer()
         placement = self._placement(pool)
@@ -156,7 +183,7 @@ class RayBackend(Backend):
         host_cls = _remote_host(groups)
         slots = placement.slots()
         hosts = [host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle), **options).remote()
-                 for pg, bundle in slots]
+                 for pg, bundle, _ in slots]
         ranks = list(range(len(hosts)))
         start = time.perf_counter()
         try:
@@ -164,7 +191,7 @@ class RayBackend(Backend):
             process_s = time.perf_counter() - start
             payload = ray.put((worker_cls, args, kwargs))  # serialised once; Ray resolves it in each actor
             envs = [WorkerEnv(rank, len(hosts), bundle, pg.bundle_count, addr, port, active_timeout_s())
-                    for rank, (pg, bundle) in enumerate(slots)]
+                    for rank, (pg, bundle, _) in enumerate(slots)]
             refs = [host.construct.remote(env, payload, True) for host, env in zip(hosts, envs)]
             self.wait(refs, ranks, group, "__init__", self.start_timeout_s)
         except BaseException:
@@ -172,8 +199,10 @@ class RayBackend(Backend):
                 ray.kill(host, no_restart=True)
             raise
         pool.groups_placed += 1
+        self._actor_nodes.update((h._actor_id.hex(), node.label) for h, (_, _, node) in zip(hosts, slots))
         logger.info("worker group %r: %d actors up in %.2f s, workers constructed after %.2f s", group, len(hosts),
                     process_s, time.perf_counter() - start)
+        logger.info("%s", topology_line(group, pool.name, placement.nodes, pool.process_on_nodes))
         return hosts
 
     # -------------------------------------------------------------------------------------------- calls
@@ -237,7 +266,7 @@ class RayBackend(Backend):
             detail = f"worker process failed ({type(e).__name__}): {e}"
             if echoes:
                 detail += "\nafterwards (likely a consequence): " + "; ".join(echoes)
-            return WorkerError(group, method, rank, detail)
+            return WorkerError(group, method, rank, detail, node=self._actor_nodes.get(str(e.actor_id), ""))
         if isinstance(cause, RemoteCallError):
             return WorkerError(group, method, cause.rank, cause.summary, cause.traceback_text)
         rank = failures[0][0] if failures else -1
@@ -287,6 +316,23 @@ def _remove_placement_groups(groups: list[PlacementGroup]) -> None:
         remove_placement_group(pg)
 
 
+def _release(placement: _Placement, process_on_nodes: list[int]) -> None:
+    for node, n in zip(placement.nodes, process_on_nodes):
+        _HELD[node.node_id] = max(0, _HELD.get(node.node_id, 0) - n)
+    _remove_placement_groups(placement.groups)
+
+
+def _check_pinned(pool: ResourcePool, groups: list[PlacementGroup], nodes: list[NodeSlots]) -> None:
+    """Every bundle landed on its group's node (a Ray that ignores bundle label selectors would break the ranks'
+    node order silently)."""
+    for i, (pg, node) in enumerate(zip(groups, nodes)):
+        landed = set(placement_group_table(pg)["bundles_to_node_id"].values())
+        if landed != {node.node_id}:
+            raise RuntimeError(f"resource pool {pool.name!r}: node {i}'s placement group was asked for node "
+                               f"{node.label} but landed on {sorted(landed)}; this Ray ignores bundle label "
+                               f"selectors: upgrade it (pip install -U 'ray[default]')")
+
+
 def _actor_runtime_env() -> dict[str, Any] | None:
     """Per-actor env vars only when the job's runtime_env lacks them (per-actor runtime envs start slower)."""
     job_env = ray.get_runtime_context().runtime_env.get("env_vars") or {}
@@ -316,22 +362,3 @@ def _first_line(e: BaseException) -> str:
         return cause.summary.splitlines()[0][:200] if cause.summary else type(cause).__name__
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
-
-
-def _check_resources(pool: ResourcePool, use_gpu: bool, total: dict[str, float]) -> None:
-    """Fail before asking Ray when the cluster cannot hold the pool at all (Ray would wait forever)."""
-    kinds = ["GPU", "CPU"] if use_gpu else ["CPU"]
-    for kind in kinds:
-        have = total.get(kind, 0.0)
-        if pool.world_size > have:
-            raise ValueError(
-                f"resource pool {pool.name!r} asks for {pool.world_size} {kind}(s) "
-                f"(process_on_nodes={pool.process_on_nodes}, one {kind} per process) but the Ray cluster has "
-                f"{have:g}; lower trainer.n_gpus_per_node / trainer.nnodes / resource_pool.process_on_nodes "
-                f"or add nodes (cluster resources: {total})")
-    per_node = [n.get("Resources", {}).get(kinds[0], 0.0) for n in ray.nodes() if n.get("Alive")]
-    biggest = max(per_node, default=0.0)
-    if max(pool.process_on_nodes) > biggest:
-        raise ValueError(
-            f"resource pool {pool.name!r}: process_on_nodes={pool.process_on_nodes} puts "
-            f"{max(pool.process_on_nodes)} processes on one node but the largest node has {biggest:g} {kinds[0]}(s)")
