@@ -37,7 +37,7 @@ def _fit(cfg, scored: list[dict[str, Any]], trained: list[dict[str, Any]],
     step's batch as trained (after filtering)."""
     trainer = trainer_cls(cfg)
     alg = trainer.algorithm
-    reward, update = alg._reward, alg.actor.update_actor
+    reward, update = alg.reward, alg.actor.update_actor
 
     def recording_reward(batch, metrics):
         out = reward(batch, metrics)
@@ -52,7 +52,7 @@ def _fit(cfg, scored: list[dict[str, Any]], trained: list[dict[str, Any]],
                         "version": batch.batch.get("policy_version")})
         return update(batch)
 
-    alg._reward = recording_reward
+    alg.reward = recording_reward
     alg.actor.update_actor = recording_update
     try:
         return [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
