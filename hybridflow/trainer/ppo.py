@@ -1,4 +1,5 @@
-"""PPO/GRPO: `PPOAlgorithm.step()` is the numbered list of stage calls; `PPOTrainer` runs it in the one loop.
+"""PPO/GRPO: `PPOAlgorithm.stages()` is the step's numbered list of stages, `run_stages` (`stage_schedule.py`) runs
+them, overlapping what may overlap; `PPOTrainer` runs the step in the one loop.
 
 Everything heavy runs inside worker groups (`groups.actor`, `groups.critic`, `groups.reward_model`); the driver only
 moves DataProtos between them and does the cheap tensor math (rewards, advantages, metrics).
@@ -36,7 +37,7 @@ from hybridflow.trainer.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
-from hybridflow.trainer.stage_schedule import Beside, Stage, WorkerCall, run_stages
+from hybridflow.trainer.stage_schedule import Beside, Stage, Step, WorkerCall, run_stages
 from hybridflow.trainer.timing import StageTimer
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
@@ -135,13 +136,18 @@ class PPOAlgorithm(Algorithm):
 
     # ----------------------------------------------------------------------------------------------- step
     def step(self, batch: DataProto, step: int) -> dict[str, float]:
-        """RL step `step`: its stages in data order, each timed as `timing/<name>`. What runs beside what
-        (`reward.overlap`) is `run_stages`' decision, from the stages' contracts (`stage_schedule.py`)."""
+        """RL step `step`: its stages (`stages`) on the batch, each timed as `timing/<name>`."""
         self.global_step = step
         timer, metrics, start = StageTimer(), {}, time.perf_counter()
+        batch = run_stages(self.stages(step, timer), batch, timer, metrics, self.in_process)
+        return self._finish(batch, step, metrics, timer, start)
+
+    def stages(self, step: int, timer: StageTimer) -> list[Step]:
+        """The stages of step `step` in data order (numbered in each method's docstring), the optional ones left out.
+        What runs beside what (`reward.overlap`) is `run_stages`' decision, from their contracts."""
         res, critic = self.res, self.res.use_critic
         actor = step > self.cfg.critic.warmup_steps or not critic  # the critic warms up first
-        stages = [  # the numbered stages (each method's docstring); optional ones are None
+        stages = [
             Stage("gen", self._gen),
             self._reward_stage(timer),
             Stage("balance", self._balance, timed=False),  # rows spread evenly over the data-parallel ranks
@@ -153,9 +159,12 @@ class PPOAlgorithm(Algorithm):
             WorkerCall("update_actor", self.update_actor, keys.UPDATE_ACTOR, late=self._update_takes_late())
             if actor else None,
         ]
-        in_process = self.actor.worker_group.backend_kind == "local"  # workers that can call the driver back
-        batch = run_stages([s for s in stages if s is not None], batch, timer, metrics, in_process)
-        return self._finish(batch, step, metrics, timer, start)
+        return [s for s in stages if s is not None]
+
+    @property
+    def in_process(self) -> bool:
+        """The workers run in this process (local backend): a worker call can call the driver back."""
+        return self.actor.worker_group.backend_kind == "local"
 
     def _finish(self, batch: DataProto, step: int, metrics: dict[str, float], timer: StageTimer,
                 start: float) -> dict[str, float]:
