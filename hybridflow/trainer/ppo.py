@@ -37,7 +37,7 @@ from hybridflow.trainer.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
-from hybridflow.trainer.stage_schedule import Beside, Stage, Step, WorkerCall, run_stages
+from hybridflow.trainer.stage_schedule import AnyStage, Beside, Stage, WorkerCall, run_stages
 from hybridflow.trainer.timing import StageTimer
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
@@ -142,7 +142,7 @@ class PPOAlgorithm(Algorithm):
         batch = run_stages(self.stages(step, timer), batch, timer, metrics, self.in_process)
         return self._finish(batch, step, metrics, timer, start)
 
-    def stages(self, step: int, timer: StageTimer) -> list[Step]:
+    def stages(self, step: int, timer: StageTimer) -> list[AnyStage]:
         """The stages of step `step` in data order (numbered in each method's docstring), the optional ones left out.
         What runs beside what (`reward.overlap`) is `run_stages`' decision, from their contracts."""
         res, critic = self.res, self.res.use_critic

@@ -1,6 +1,6 @@
 """Where a step's stages run: in the order the algorithm lists them, or its host scoring beside the worker calls.
 
-Decision: the algorithm lists its stages in data order (`PPOAlgorithm.step`) and only this module overlaps them. A
+Decision: the algorithm lists its stages in data order (`PPOAlgorithm.stages`) and only this module overlaps them. A
 driver stage marked `overlaps` (the reward, when it needs no worker and decides nothing) is held back and runs on the
 host while the next worker calls compute on the device; which calls qualify follows from the stage contracts
 (`protocol.keys`): calls that do not read what the held stages write run beside them, and a call that reads it (the
@@ -48,7 +48,7 @@ class WorkerCall:
     late: bool = False
 
 
-Step = Stage | WorkerCall
+AnyStage = Stage | WorkerCall
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Overlap:
     late: bool
 
 
-def plan_overlap(stages: Sequence[Step], in_process: bool) -> Overlap | None:
+def plan_overlap(stages: Sequence[AnyStage], in_process: bool) -> Overlap | None:
     """What overlaps in `stages` (None: they run in order). The first `overlaps` stage is held, with the driver stages
     after it that read its output; the next worker calls that read none of it run beside them, or the first call
     alone takes them as late columns when it reads them (only in process: the columns arrive by callback)."""
@@ -69,31 +69,31 @@ def plan_overlap(stages: Sequence[Step], in_process: bool) -> Overlap | None:
         return None
     held = [stages[start]]
     for i in range(start + 1, len(stages)):
-        step = stages[i]
-        if isinstance(step, Stage):
-            if _reads(step, held):
-                held.append(step)
+        stage = stages[i]
+        if isinstance(stage, Stage):
+            if _reads(stage, held):
+                held.append(stage)
             continue
-        if _reads(step, held):
-            return Overlap(tuple(held), (step,), True) if step.late and in_process else None
+        if _reads(stage, held):
+            return Overlap(tuple(held), (stage,), True) if stage.late and in_process else None
         return Overlap(tuple(held), tuple(_segment(stages[i:], held)), False)
     return None
 
 
-def run_stages(stages: Sequence[Step], batch: DataProto, timer: StageTimer, metrics: Metrics,
+def run_stages(stages: Sequence[AnyStage], batch: DataProto, timer: StageTimer, metrics: Metrics,
                in_process: bool) -> DataProto:
     """Run `stages` on `batch` (as `plan_overlap` plans) and return it with every stage's columns."""
     plan = plan_overlap(stages, in_process)
     i = 0
     while i < len(stages):
-        step = stages[i]
-        if plan is not None and step is plan.calls[0]:
+        stage = stages[i]
+        if plan is not None and stage is plan.calls[0]:
             batch = _overlapped(plan, batch, timer, metrics, in_process)
             i += len(plan.calls)
-        elif plan is not None and any(step is s for s in plan.held):
+        elif plan is not None and any(stage is s for s in plan.held):
             i += 1  # runs beside the calls
-        elif isinstance(step, Stage):
-            batch = _run(step, batch, timer, metrics)
+        elif isinstance(stage, Stage):
+            batch = _run(stage, batch, timer, metrics)
             i += 1
         else:
             calls = _segment(stages[i:], [])
@@ -102,22 +102,22 @@ def run_stages(stages: Sequence[Step], batch: DataProto, timer: StageTimer, metr
     return batch
 
 
-def _segment(stages: Sequence[Step], held: Sequence[Step]) -> list[WorkerCall]:
+def _segment(stages: Sequence[AnyStage], held: Sequence[AnyStage]) -> list[WorkerCall]:
     """The worker calls at the head of `stages` that read nothing `held` or an earlier one of them writes: they all
     take the same batch, and their columns join it afterwards."""
     out: list[WorkerCall] = []
-    for step in stages:
-        if not isinstance(step, WorkerCall) or _reads(step, [*held, *out]):
+    for stage in stages:
+        if not isinstance(stage, WorkerCall) or _reads(stage, [*held, *out]):
             break
-        out.append(step)
+        out.append(stage)
     return out
 
 
-def _reads(step: Step, before: Sequence[Step]) -> bool:
-    if step.contract is None:
+def _reads(stage: AnyStage, before: Sequence[AnyStage]) -> bool:
+    if stage.contract is None:
         return False
     written = {k.name for s in before if s.contract is not None for k in s.contract.writes}
-    return any(k.name in written for k in (*step.contract.reads, *step.contract.optional))
+    return any(k.name in written for k in (*stage.contract.reads, *stage.contract.optional))
 
 
 def _run(stage: Stage, batch: DataProto, timer: StageTimer, metrics: Metrics, sync: bool = True) -> DataProto:

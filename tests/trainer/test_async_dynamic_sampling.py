@@ -46,11 +46,11 @@ def _fit(cfg, scored: list[dict[str, Any]], trained: list[dict[str, Any]],
                        "version": out.batch.get("policy_version")})  # set by the rollout workers only
         return out
 
-    def recording_update(batch):
+    def recording_update(batch, **kwargs):
         trained.append({"uid": list(batch.non_tensor_batch["uid"]),
                         "scores": batch.batch["token_level_scores"].sum(-1).clone(),
                         "version": batch.batch.get("policy_version")})
-        return update(batch)
+        return update(batch, **kwargs)
 
     alg.reward = recording_reward
     alg.actor.update_actor = recording_update
