@@ -228,17 +228,17 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
 
 def track_generate_peak(trainer: Any, dev: torch.device) -> None:
     """Make each step's metrics carry `perf/gen_peak_memory_gb`, the peak allocated during generation (CUDA)."""
-    orig_generate = trainer.algorithm._generate
+    orig_generate = trainer.algorithm.generate
 
-    def generate_with_peak(batch: DataProto, metrics: dict[str, float], timer: Any) -> DataProto:
+    def generate_with_peak(batch: DataProto, metrics: dict[str, float]) -> DataProto:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        out = orig_generate(batch, metrics, timer)
+        out = orig_generate(batch, metrics)
         if dev.type == "cuda":
             metrics["perf/gen_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out
 
-    trainer.algorithm._generate = generate_with_peak
+    trainer.algorithm.generate = generate_with_peak
 
 
 STAGE_METHODS = {"generate": ("ActorRolloutRefWorker", "generate_sequences"),

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from hybridflow.protocol.data_proto import DataProto
-from hybridflow.protocol.late import META_KEY as LATE_META_KEY
 
 CHECK_ENV = "HYBRIDFLOW_CHECK_BATCH"
 
@@ -81,10 +80,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, VALUES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
-# meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings, the token of
-# a late-columns function an in-process worker calls back: `protocol.late`).
+# meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
 META_KEYS = frozenset({"n", "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "validate", "epoch",
-                       "batch_in_epoch", "metrics", LATE_META_KEY})
+                       "batch_in_epoch", "metrics"})
 
 MODEL_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, RESPONSES)
 

@@ -203,13 +203,12 @@ class RolloutDriver:
     def _submit(self, prompts: DataProto, planned_step: int, source: int | None) -> Request:
         alg = self.alg
         alg.global_step = planned_step  # the sampling seeds of (rollout.seed, step, call): the same as sync mode's
-        seeded = alg._with_seeds(prompts)
+        seeded = alg.with_seeds(prompts)
         try:
             fut = self.rollout.generate_sequences(seeded)
             # ReMax: the greedy baseline response per prompt, queued right behind the samples (same weights under
             # abort; under continue it may see newer ones — still independent of the samples, so still a baseline)
-            baseline = self.rollout.generate_sequences(alg._with_meta(seeded, do_sample=False, n=1)) \
-                if self._remax else None
+            baseline = self.rollout.generate_sequences(alg.greedy_prompts(seeded)) if self._remax else None
         except (WorkerError, WorkerTimeoutError) as err:
             raise self._failed(f"generating for step {planned_step}", err) from err
         return Request(fut, prompts, self.version, planned_step, source, self._n_syncs, baseline)
@@ -228,10 +227,8 @@ class RolloutDriver:
             raise (self._failed_sync(before=req.syncs_before) or
                    self._failed(f"generating for step {req.planned_step}", err)) from err
         waited = time.perf_counter() - t0
-        if greedy is not None:  # as the sync step does: the greedy response's reward, repeated over the n samples
-            greedy.meta_info.pop("metrics", None)
-            scores, _ = self.alg.reward_fn(greedy)
-            out.batch[keys.BASELINE_REWARDS.name] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
+        if greedy is not None:  # as the sync step does
+            out.batch[keys.BASELINE_REWARDS.name] = self.alg.baseline_rewards(greedy)
         req.result = (out, reduce_metrics(out.meta_info.pop("metrics", [])), waited)
         return out, dict(req.result[1]), waited
 
@@ -278,7 +275,7 @@ class RolloutDriver:
         """The reward stage on a finished request (as the sync step runs it); its metrics go to `scored`."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
-        out = self.alg._reward(out, metrics)
+        out = self.alg.reward(out, metrics)
         scored.append((len(out), metrics))
         return out, time.perf_counter() - t0
 
@@ -426,7 +423,7 @@ class OneStepOffDriver(RolloutDriver):
         groups.add(out)
         rounds, waited = 1, 0.0
         while not groups.full and rounds < self._max_gen_batches:
-            more, gen_metrics, w = self._collect(self._submit(next(self.alg._extra_batches()), step, None))
+            more, gen_metrics, w = self._collect(self._submit(self.alg.extra_batch(), step, None))
             waited += w
             self._add_gen_metrics(metrics, gen_metrics)
             more, seconds = self._score(more, scored)
@@ -488,7 +485,7 @@ class AsyncDriver(RolloutDriver):
                 self._exhausted = True
                 if not self.scores:
                     return False
-                pulled = (None, next(self.alg._extra_batches()))
+                pulled = (None, self.alg.extra_batch())
             self._planned += 1
             index, batch = pulled
             for lo in range(0, len(batch), self.chunk):

@@ -71,10 +71,9 @@ class OnlineDPOAlgorithm(PPOAlgorithm):
         timer, metrics = StageTimer(), {}
         start = time.perf_counter()
         with timer("gen"):  # 1. rollout.n responses per prompt (non-sync modes: generated ahead, older weights)
-            batch = (self._generate(batch, metrics, timer) if self.driver is None
-                     else self.driver.take(batch, step, metrics))
+            batch = self._gen(batch, metrics)
         with timer("reward"):  # 2. rule functions / reward model
-            batch = self._reward(batch, metrics)
+            batch = self.reward(batch, metrics)
         with timer("pair"):  # 3. best/worst response of each prompt; all-equal groups skipped
             scores_B = batch.batch["token_level_scores"].sum(-1)
             pairs = best_worst_pairs(scores_B, batch.non_tensor_batch["uid"])

@@ -1,4 +1,5 @@
-"""PPO/GRPO: `PPOAlgorithm.step()` is the numbered list of stage calls; `PPOTrainer` runs it in the one loop.
+"""PPO/GRPO: `PPOAlgorithm.stages()` is the step's numbered list of stages, `run_stages` (`stage_schedule.py`) runs
+them, overlapping what may overlap; `PPOTrainer` runs the step in the one loop.
 
 Everything heavy runs inside worker groups (`groups.actor`, `groups.critic`, `groups.reward_model`); the driver only
 moves DataProtos between them and does the cheap tensor math (rewards, advantages, metrics).
@@ -9,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,7 @@ from hybridflow.algorithms import (
 from hybridflow.config import Config, resolve, to_dict
 from hybridflow.config.lr_rule import lr_warning
 from hybridflow.config.plan import planned_steps
-from hybridflow.protocol import DataProto, keys, late
+from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
@@ -37,6 +37,7 @@ from hybridflow.trainer.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.roles import WorkerGroups, build_worker_groups
+from hybridflow.trainer.stage_schedule import AnyStage, Beside, Stage, WorkerCall, run_stages
 from hybridflow.trainer.timing import StageTimer
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefGroup
@@ -81,6 +82,7 @@ class PPOAlgorithm(Algorithm):
                                    tracker=tracker) if self.val_ds else None
         self.global_step = 0  # the step being trained (set by `step`)
         self._gen_calls = 0
+        self._extra: Iterator[DataProto] | None = None  # DAPO's extra prompts (`extra_batch`), from the first draw
         self.driver = build_driver(self)  # trainer.mode=one_step_off|async: generation on the rollout workers
 
     @property
@@ -134,38 +136,35 @@ class PPOAlgorithm(Algorithm):
 
     # ----------------------------------------------------------------------------------------------- step
     def step(self, batch: DataProto, step: int) -> dict[str, float]:
-        """RL step `step`; each numbered stage is timed as `timing/<name>`."""
+        """RL step `step`: its stages (`stages`) on the batch, each timed as `timing/<name>`."""
         self.global_step = step
-        timer, metrics = StageTimer(), {}
-        start = time.perf_counter()
-        with timer("gen"):  # 1. generate rollout.n responses per prompt (train→generate→train inside)
-            batch = (self._generate(batch, metrics, timer) if self.driver is None  # non-sync: generated ahead
-                     else self.driver.take(batch, step, metrics))
-        if self._reward_during_update():  # 2, 6 and 8 at once: the host scores while the update's forward runs
-            batch = self._reward_beside_update(self._balance(batch), metrics, timer)
-            return self._finish(batch, step, metrics, timer, start)
-        if self._overlap_reward():  # 2-5 at once: the host scores while the workers compute log-probs / values
-            batch, outs = self._reward_beside_worker_stages(self._balance(batch), metrics, timer)
-        else:
-            scored = self.driver is not None and self.driver.scores  # non-sync dynamic sampling: scored on arrival
-            if self.cfg.algorithm.filter_groups.enable and not scored:  # 2. reward, DAPO dynamic sampling
-                batch = self._keep_informative_groups(batch, metrics, timer)
-            elif not scored:
-                with timer("reward"):  # 2. rule functions / reward model, mixing, penalties
-                    batch = self._reward(batch, metrics)
-            batch = self._balance(batch)
-            outs = self._worker_stages(batch, timer, metrics)  # 3-5
-        for out in outs:
-            batch = batch.union(out)
-        with timer("adv"):  # 6. advantages on the driver (KL-in-reward here)
-            metrics |= self._advantages(batch)
-        if self.res.use_critic:
-            with timer("update_critic"):  # 7. critic PPO epochs
-                metrics |= reduce_metrics(self.groups.critic.update_critic(batch))
-        if self.global_step > self.cfg.critic.warmup_steps or not self.res.use_critic:
-            with timer("update_actor"):  # 8. actor PPO epochs
-                metrics |= reduce_metrics(self.actor.update_actor(batch))
+        timer, metrics, start = StageTimer(), {}, time.perf_counter()
+        batch = run_stages(self.stages(step, timer), batch, timer, metrics, self.in_process)
         return self._finish(batch, step, metrics, timer, start)
+
+    def stages(self, step: int, timer: StageTimer) -> list[AnyStage]:
+        """The stages of step `step` in data order (numbered in each method's docstring), the optional ones left out.
+        What runs beside what (`reward.overlap`) is `run_stages`' decision, from their contracts."""
+        res, critic = self.res, self.res.use_critic
+        actor = step > self.cfg.critic.warmup_steps or not critic  # the critic warms up first
+        stages = [
+            Stage("gen", self._gen),
+            self._reward_stage(timer),
+            Stage("balance", self._balance, timed=False),  # rows spread evenly over the data-parallel ranks
+            WorkerCall("old_log_prob", self.old_log_prob, keys.OLD_LOG_PROB) if res.recompute_old_log_prob else None,
+            WorkerCall("ref", self.ref_log_prob, keys.REF) if res.use_reference else None,
+            WorkerCall("values", self.values, keys.VALUES_STAGE) if critic else None,
+            Stage("adv", self.advantages, keys.ADV),
+            WorkerCall("update_critic", self.update_critic, keys.UPDATE_CRITIC) if critic else None,
+            WorkerCall("update_actor", self.update_actor, keys.UPDATE_ACTOR, late=self._update_takes_late())
+            if actor else None,
+        ]
+        return [s for s in stages if s is not None]
+
+    @property
+    def in_process(self) -> bool:
+        """The workers run in this process (local backend): a worker call can call the driver back."""
+        return self.actor.worker_group.backend_kind == "local"
 
     def _finish(self, batch: DataProto, step: int, metrics: dict[str, float], timer: StageTimer,
                 start: float) -> dict[str, float]:
@@ -181,157 +180,42 @@ class PPOAlgorithm(Algorithm):
             metrics.setdefault(key, value)
         return metrics  # 9. the caller logs, validates and checkpoints
 
-    def _reward_beside_worker_stages(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer
-                                     ) -> tuple[DataProto, list[DataProto]]:
-        """Stage 2 while stages 3-5 run (they never read rewards; they get `batch[:]`, their own dicts, as the
-        scoring writes into `batch`). In-process workers (local backend): on this thread, inside the first stage,
-        which queues its forwards and then calls back to score (`protocol.late`) while the device computes — a
-        second thread would hold the GIL while the stage launches kernels; that stage's timing then includes the
-        scoring's host time). Otherwise the stages run on a thread while this one scores. An error in either waits
-        for both and is the one raised."""
-        if self.actor.worker_group.backend_kind == "local":
-            return self._reward_inside_worker_stages(batch, metrics, timer)
-        stage_metrics: dict[str, float] = {}
-        with ThreadPoolExecutor(1, thread_name_prefix="worker-stages") as pool:
-            stages = pool.submit(self._worker_stages, batch[:], timer, stage_metrics, _cuda_device())
-            try:
-                with timer("reward", sync=False):  # the GPU work in flight is the other thread's
-                    batch = self._reward(batch, metrics)
-            finally:  # never leave the workers busy behind an error
-                outs = stages.result()
-        metrics |= stage_metrics
-        return batch, outs
+    def _reward_stage(self, timer: StageTimer) -> Stage | None:
+        """2. The reward; DAPO's dynamic sampling instead (it times its scoring and generating rounds itself); None
+        when a non-sync driver scored each request on arrival. It may run beside the worker stages after it
+        (`reward.overlap`) when it needs no worker (a reward model) and no decision waits on it (DAPO)."""
+        if self.driver is not None and self.driver.scores:
+            return None
+        if self.cfg.algorithm.filter_groups.enable:
+            return Stage("reward", lambda b, m: self._keep_informative_groups(b, m, timer), keys.REWARD, timed=False)
+        overlaps = self.cfg.reward.overlap and not self.res.use_reward_model
+        return Stage("reward", self.reward, keys.REWARD, overlaps=overlaps)
 
-    def _reward_inside_worker_stages(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer
-                                     ) -> tuple[DataProto, list[DataProto]]:
-        def score() -> DataProto:
-            with timer("reward", sync=False):  # the forwards in flight are the stage's
-                return self._reward(batch, metrics)
+    def _update_takes_late(self) -> bool:
+        """The actor update may start before its advantages exist (late columns, `engine/update.py`): one mini-batch
+        and one epoch (its first forward reads none), a batch generated by this step (not ahead by a driver), and
+        the stage checks off (they want the advantages at the call)."""
+        return (self.driver is None and not keys.checks_enabled() and self.res.actor.num_mini_batches == 1
+                and self.cfg.actor.ppo_epochs == 1)
 
-        outs, scored = self._scoring_inside(
-            score, lambda token: self._worker_stages(batch[:], timer, metrics, late_token=token),
-            "the first worker stage returned without scoring the rewards beside it")
-        return scored, outs
+    # --------------------------------------------------------------------------------------------- stages
+    def _gen(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """1. The step's responses: generated here, or (non-sync modes) taken from the driver."""
+        if self.driver is not None:  # non-sync modes: generated ahead on the rollout workers
+            return self.driver.take(batch, self.global_step, metrics)
+        return self.generate(batch, metrics)
 
-    def _reward_beside_update(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
-        """Stages 2 and 6 inside stage 8: the actor's update gets the batch without advantages and a late-columns
-        token (`protocol.late`); it queues its first micro-batch's forward, then calls back here, on this thread,
-        to score and compute the advantages while the device runs that forward. (On this thread, not a second one:
-        a scoring thread would hold the GIL while the update's host code launches kernels.) Only where nothing
-        else could overlap the host's scoring (`_reward_during_update`)."""
-        def score() -> DataProto:
-            view = batch[:]  # its own dicts: the update's batch stays as sent
-            with timer("reward", sync=False):  # the forward in flight is the update's
-                view = self._reward(view, metrics)
-            with timer("adv", sync=False):
-                metrics.update(self._advantages(view))
-            return view
-
-        def update(token: str) -> list[dict[str, float]]:
-            with timer("update_actor"):
-                return self.actor.update_actor(self._with_meta(batch, **{late.META_KEY: token}))
-
-        result, scored = self._scoring_inside(score, update, "the actor update returned without taking its late "
-                                                             "columns (advantages)")
-        metrics |= reduce_metrics(result)
-        return scored
-
-    @staticmethod
-    def _scoring_inside(score: Callable[[], DataProto], call: Callable[[str], Any], missed: str
-                        ) -> tuple[Any, DataProto]:
-        """`call(token)` with `score` offered under `token` (`protocol.late`): an in-process worker call that runs
-        the driver's scoring on this thread while its device work is queued. (call's result, the scored batch).
-        A scoring error is the error raised (not the worker's wrapper of it); a call that never scored is refused."""
-        done: dict[str, Any] = {}
-
-        def run() -> DataProto:
-            try:
-                done["batch"] = score()
-            except BaseException as exc:
-                done["error"] = exc
-                raise
-            return done["batch"]
-
-        token = late.offer(run)
-        try:
-            result = call(token)
-        except Exception:
-            if "error" in done:
-                raise done["error"] from None
-            raise
-        finally:
-            late.discard(token)
-        if "batch" not in done:
-            raise RuntimeError(f"{missed}; set reward.overlap=false and report this")
-        return result, done["batch"]
-
-    def _reward_during_update(self) -> bool:
-        """Score during the actor update when `reward.overlap` is on and there is no stage 3-5 or critic to overlap
-        with (on-policy GRPO-style runs), the reward needs no worker and no decision waits on it, the actor is an
-        in-process worker (local backend), its update is one mini-batch and one epoch, and the stage checks are off
-        (they want the advantages at the call)."""
-        res, cfg = self.res, self.cfg
-        return (self._reward_may_overlap() and not self._has_worker_stages() and self.driver is None
-                and self.actor.worker_group.backend_kind == "local" and not keys.checks_enabled()
-                and res.actor.num_mini_batches == 1 and cfg.actor.ppo_epochs == 1)
-
-    def _reward_may_overlap(self) -> bool:
-        """`reward.overlap` is on, the reward needs no worker (a reward model) and no decision waits on it (DAPO's
-        group filter)."""
-        return (self.cfg.reward.overlap and not self.res.use_reward_model
-                and not self.cfg.algorithm.filter_groups.enable)
-
-    def _has_worker_stages(self) -> bool:
-        """Stages 3-5 exist: old-policy log-probs, reference log-probs or critic values."""
-        res = self.res
-        return res.recompute_old_log_prob or res.use_reference or res.use_critic
-
-    def _worker_stages(self, batch: DataProto, timer: StageTimer, metrics: dict[str, float],
-                       device: int | None = None, late_token: str | None = None) -> list[DataProto]:
-        """3. log-probs of the sampling policy, 4. reference log-probs (only when KL is used), 5. critic values:
-        the outputs to union into the batch (their metrics go to `metrics`). None of them reads the rewards, so
-        with `reward.overlap` the driver scores beside them: `late_token` goes to the first stage, which calls the
-        scoring once its forwards are queued; or they run on a thread (`device`: the CUDA device there)."""
-        if device is not None:
-            torch.cuda.set_device(device)
-        sent = {"token": late_token}
-
-        def arg() -> DataProto:  # the batch, carrying the token to the first stage only
-            token, sent["token"] = sent["token"], None
-            return batch if token is None else self._with_meta(batch, **{late.META_KEY: token})
-
-        outs = []
-        if self.res.recompute_old_log_prob:
-            with timer("old_log_prob"):
-                outs.append(self.actor.compute_log_prob(arg()))
-            if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:  # the actor loss applies the weights
-                metrics |= rollout_is_metrics(outs[-1].batch["old_log_probs"], batch.batch["rollout_log_probs"],
-                                              batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
-        if self.res.use_reference:
-            with timer("ref"):
-                outs.append(self.actor.compute_ref_log_prob(arg()))
-        if self.res.use_critic:
-            with timer("values"):
-                outs.append(self.groups.critic.compute_values(arg()))
-        return outs
-
-    def _overlap_reward(self) -> bool:
-        """Score on the host while the workers run stages 3-5: when asked, when there is such a stage, and when the
-        reward needs no worker (a reward model) and no decision waits on it (DAPO's group filter)."""
-        return self._reward_may_overlap() and self._has_worker_stages()
-
-    def _generate(self, batch: DataProto, metrics: dict[str, float], timer: StageTimer) -> DataProto:
-        batch = self._with_seeds(batch)
+    def generate(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """1. `rollout.n` responses per prompt on the hybrid actor (train → generate → train inside)."""
+        batch = self.with_seeds(batch)
         out = self.actor.generate_sequences(batch)
         metrics |= reduce_metrics(out.meta_info.pop("metrics", []))  # timing/switch, timing/generate per rank
         if self.cfg.algorithm.adv_estimator == "remax":  # greedy baseline response per prompt
-            greedy = self.actor.generate_sequences(self._with_meta(batch, do_sample=False, n=1))
-            greedy.meta_info.pop("metrics", None)
-            scores, _ = self.reward_fn(greedy)
-            out.batch["baseline_rewards"] = scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
+            greedy = self.actor.generate_sequences(self.greedy_prompts(batch))
+            out.batch[keys.BASELINE_REWARDS.name] = self.baseline_rewards(greedy)
         return out
 
-    def _with_seeds(self, batch: DataProto) -> DataProto:
+    def with_seeds(self, batch: DataProto) -> DataProto:
         """One sampling seed per prompt, from (rollout.seed, step, row): the same responses whatever the split
         across data-parallel ranks, so 1 and N ranks (or a resumed run) generate identically."""
         base = (self.cfg.rollout.seed * 1_000_003 + self.global_step * 7_919 + self._gen_calls) * 1_000_033
@@ -341,13 +225,21 @@ class PPOAlgorithm(Algorithm):
         return view
 
     @staticmethod
-    def _with_meta(batch: DataProto, **meta: Any) -> DataProto:
+    def greedy_prompts(batch: DataProto) -> DataProto:
+        """ReMax's baseline request: the same prompts, one greedy response each."""
         view = batch[:]
-        view.meta_info = {**batch.meta_info, **meta}
+        view.meta_info = {**batch.meta_info, "do_sample": False, "n": 1}
         return view
 
+    def baseline_rewards(self, greedy: DataProto) -> torch.Tensor:
+        """ReMax: each greedy response's reward, repeated over its prompt's `rollout.n` samples."""
+        greedy.meta_info.pop("metrics", None)
+        scores, _ = self.reward_fn(greedy)
+        return scores.sum(-1).repeat_interleave(self.cfg.rollout.n)
+
     @keys.checked_stage(keys.REWARD)
-    def _reward(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+    def reward(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """2. Rule functions / reward model, mixing, penalties: `token_level_scores`."""
         if self.res.use_reward_model:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
         scores, reward_metrics = self.reward_fn(batch)
@@ -367,21 +259,22 @@ class PPOAlgorithm(Algorithm):
         tries = 0
         while True:
             with timer("reward"):
-                batch = self._reward(batch, round_metrics := {})
+                batch = self.reward(batch, round_metrics := {})
             scored.append((len(batch), round_metrics))
             groups.add(batch)
             tries += 1
             if groups.full or tries >= self.cfg.algorithm.filter_groups.max_num_gen_batches:
                 break
             with timer("gen"):
-                batch = self._generate(next(self._extra_batches()), metrics, timer)
+                batch = self.generate(self.extra_batch(), metrics)
         metrics |= combine_reward_metrics(scored)
         return groups.batch(metrics, tries)
 
-    def _extra_batches(self) -> Iterator[DataProto]:
-        if not hasattr(self, "_extra_iter"):
-            self._extra_iter = iter(self._batches_forever())
-        return self._extra_iter
+    def extra_batch(self) -> DataProto:
+        """DAPO's next batch of extra prompts (`_batches_forever`)."""
+        if self._extra is None:
+            self._extra = self._batches_forever()
+        return next(self._extra)
 
     def _batches_forever(self) -> Iterator[DataProto]:
         """DAPO's extra prompts: a loader of their own (shuffled with data.seed + 1, uids `<name>-extra-e<epoch>-i`),
@@ -395,15 +288,32 @@ class PPOAlgorithm(Algorithm):
         while True:
             yield from loader
 
-    def _balance(self, batch: DataProto) -> DataProto:
+    def _balance(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         if self.res.world_size <= 1:
             return batch
         batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1), self.res.world_size))
         return batch
 
+    def old_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
+        """3. Log-probs of the sampling policy, recomputed (and the rollout-IS metrics when the loss applies them)."""
+        out = self.actor.compute_log_prob(batch, beside=beside)
+        if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:
+            metrics |= rollout_is_metrics(out.batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                          batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
+        return out
+
+    def ref_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
+        """4. Log-probs of the reference policy (only when KL is used)."""
+        return self.actor.compute_ref_log_prob(batch, beside=beside)
+
+    def values(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
+        """5. Critic values before the update."""
+        return self.groups.critic.compute_values(batch, beside=beside)
+
     @keys.checked_stage(keys.ADV)
-    def _advantages(self, batch: DataProto) -> dict[str, float]:
-        alg, b, metrics = self.cfg.algorithm, batch.batch, {}
+    def advantages(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """6. KL measured (and, with `use_kl_in_reward`, taken from the rewards), advantages and returns."""
+        alg, b = self.cfg.algorithm, batch.batch
         mask = b["response_mask"]
         if self.res.use_reference and keys.OLD_LOG_PROBS.name in b:  # else the KL loss's actor/kl_loss measures it
             kl = kl_penalty(b[keys.OLD_LOG_PROBS.name], b["ref_log_prob"], alg.kl_penalty)
@@ -422,7 +332,16 @@ class PPOAlgorithm(Algorithm):
             norm_adv_by_std=alg.norm_adv_by_std, baseline_rewards=b.get("baseline_rewards"),
         )
         b["advantages"], b["returns"] = adv, ret
-        return metrics
+        return batch
+
+    def update_critic(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> None:
+        """7. Critic PPO epochs."""
+        assert beside is None, "the critic update takes no late columns (WorkerCall.late is False)"
+        metrics |= reduce_metrics(self.groups.critic.update_critic(batch))
+
+    def update_actor(self, batch: DataProto, metrics: dict[str, float], late: Beside | None = None) -> None:
+        """8. Actor PPO epochs; `late` returns the batch with the advantages when the update started without them."""
+        metrics |= reduce_metrics(self.actor.update_actor(batch, late=late))
 
 
 class PPOTrainer(Trainer):
@@ -448,6 +367,3 @@ class PPOTrainer(Trainer):
         return self.algorithm.actor
 
 
-def _cuda_device() -> int | None:
-    """The driver thread's CUDA device (a new thread starts on device 0), or None without CUDA."""
-    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None

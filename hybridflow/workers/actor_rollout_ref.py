@@ -7,6 +7,7 @@ an `ActorRolloutRefGroup`, whose attributes are these methods.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,7 @@ from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.engine.lora import merged_state_dict
-from hybridflow.protocol import DataProto, keys, late
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 from hybridflow.workers.losses import make_actor_loss
@@ -63,14 +64,14 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     # ------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.OLD_LOG_PROB)
-    def compute_log_prob(self, data: DataProto) -> DataProto:
-        out = self.actor.infer(data, actor_head(self.cfg, entropy=True), beside=late.take(data))
+    def compute_log_prob(self, data: DataProto, beside: Callable[[], object] | None = None) -> DataProto:
+        """`beside`: host work of the driver, run once the forwards are queued (in-process workers only)."""
+        out = self.actor.infer(data, actor_head(self.cfg, entropy=True), beside=beside)
         return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.REF)
-    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        beside = late.take(data)
+    def compute_ref_log_prob(self, data: DataProto, beside: Callable[[], object] | None = None) -> DataProto:
         if self.cfg.model.lora.enabled:
             out = self.actor.infer(data, ref_head(self.cfg), disable_adapters=True, beside=beside)
         else:
@@ -81,11 +82,13 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     # ------------------------------------------------------------------------------------------- update
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     @keys.checked_stage(keys.UPDATE_ACTOR)
-    def update_actor(self, data: DataProto) -> dict[str, float]:
+    def update_actor(self, data: DataProto, late: Callable[[], DataProto] | None = None) -> dict[str, float]:
+        """`late` (in-process workers only): returns `data` with the loss columns it lacks (the advantages), called
+        once the first forward is queued (`engine/update.py`)."""
         from hybridflow.engine import train_update
 
         metrics = train_update(self.actor, data, self.loss_fn, actor_head(self.cfg, entropy=True),
-                               actor_plan(self.cfg, self.res.actor), late=late.take(data))
+                               actor_plan(self.cfg, self.res.actor), late=late)
         metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

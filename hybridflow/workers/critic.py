@@ -3,6 +3,7 @@ holds a `CriticGroup`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.protocol import DataProto, keys, late
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import VALUES, critic_plan, critic_spec
 from hybridflow.workers.losses import make_critic_loss
 
@@ -36,8 +37,9 @@ class CriticWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.VALUES_STAGE)
-    def compute_values(self, data: DataProto) -> DataProto:
-        values = self.critic.infer(data, VALUES, beside=late.take(data))["values"]
+    def compute_values(self, data: DataProto, beside: Callable[[], object] | None = None) -> DataProto:
+        """`beside`: host work of the driver, run once the forwards are queued (in-process workers only)."""
+        values = self.critic.infer(data, VALUES, beside=beside)["values"]
         return DataProto.from_dict({keys.VALUES.name: values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)

@@ -47,8 +47,8 @@ def test_multi_turn_trains_through_the_stages(estimator: str, tmp_path: Path, al
     actor = trainer.algorithm.actor
     recompute = actor.compute_log_prob
 
-    def spy(batch):
-        out = recompute(batch)
+    def spy(batch, **kwargs):
+        out = recompute(batch, **kwargs)
         seen.append((batch, out))
         return out
 

@@ -41,13 +41,13 @@ def test_interaction_turn_rewards_reach_the_scores(tmp_path: Path) -> None:
     ])
     trainer = PPOTrainer(cfg)
     seen = []
-    advantages = trainer.algorithm._advantages  # the scored batch (rewards in), whichever order the step scores in
+    advantages = trainer.algorithm.advantages  # the scored batch (rewards in), whichever order the step scores in
 
-    def spy(batch):
+    def spy(batch, metrics):
         seen.append(batch)
-        return advantages(batch)
+        return advantages(batch, metrics)
 
-    trainer.algorithm._advantages = spy
+    trainer.algorithm.advantages = spy
     try:
         history = trainer.fit()
     finally:

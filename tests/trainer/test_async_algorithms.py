@@ -22,7 +22,7 @@ def _cfg(tmp: Path, mode: str, *extra: str):
 
 def _fit(cfg, rows: list[dict[str, Any]], after=None) -> list[dict[str, float]]:
     trainer = PPOTrainer(cfg)
-    reward = trainer.algorithm._reward
+    reward = trainer.algorithm.reward
 
     def recording(batch, metrics):
         rows.append({"responses": batch.batch["responses"].clone(), "uid": list(batch.non_tensor_batch["uid"]),
@@ -31,7 +31,7 @@ def _fit(cfg, rows: list[dict[str, Any]], after=None) -> list[dict[str, float]]:
         rows[-1]["scores"] = out.batch["token_level_scores"].sum(-1).clone()
         return out
 
-    trainer.algorithm._reward = recording
+    trainer.algorithm.reward = recording
     try:
         history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
         if after is not None:

@@ -37,7 +37,7 @@ def _fit(cfg, scored: list[dict[str, Any]], trained: list[dict[str, Any]],
     step's batch as trained (after filtering)."""
     trainer = trainer_cls(cfg)
     alg = trainer.algorithm
-    reward, update = alg._reward, alg.actor.update_actor
+    reward, update = alg.reward, alg.actor.update_actor
 
     def recording_reward(batch, metrics):
         out = reward(batch, metrics)
@@ -46,13 +46,13 @@ def _fit(cfg, scored: list[dict[str, Any]], trained: list[dict[str, Any]],
                        "version": out.batch.get("policy_version")})  # set by the rollout workers only
         return out
 
-    def recording_update(batch):
+    def recording_update(batch, **kwargs):
         trained.append({"uid": list(batch.non_tensor_batch["uid"]),
                         "scores": batch.batch["token_level_scores"].sum(-1).clone(),
                         "version": batch.batch.get("policy_version")})
-        return update(batch)
+        return update(batch, **kwargs)
 
-    alg._reward = recording_reward
+    alg.reward = recording_reward
     alg.actor.update_actor = recording_update
     try:
         return [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]

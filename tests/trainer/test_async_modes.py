@@ -39,7 +39,7 @@ def _fit(cfg, record: list[dict[str, Any]] | None = None, after: Any = None,
 
         alg.step = crashing
     if record is not None:
-        reward = alg._reward
+        reward = alg.reward
 
         def recording(batch, metrics):
             b = batch.batch
@@ -47,7 +47,7 @@ def _fit(cfg, record: list[dict[str, Any]] | None = None, after: Any = None,
                            "version": b.get("policy_version"), "uid": list(batch.non_tensor_batch["uid"])})
             return reward(batch, metrics)
 
-        alg._reward = recording
+        alg.reward = recording
     try:
         history = trainer.fit()
         if after is not None:
@@ -171,8 +171,8 @@ def test_async_aborts_and_resubmits_requests_that_would_break_the_bound(tmp_path
                "actor.ppo_mini_batch_size=4", "trainer.async.max_staleness=0", "trainer.async.chunk_prompts=1")
     trainer = PPOTrainer(cfg)
     trainer.algorithm.driver.capacity = 2 * 4
-    reward = trainer.algorithm._reward
-    trainer.algorithm._reward = lambda b, m: (rows.append({"version": b.batch["policy_version"].clone(),
+    reward = trainer.algorithm.reward
+    trainer.algorithm.reward = lambda b, m: (rows.append({"version": b.batch["policy_version"].clone(),
                                                            "uid": list(b.non_tensor_batch["uid"])}), reward(b, m))[1]
     try:
         history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]

@@ -138,7 +138,7 @@ def test_a_failed_install_mid_generation_wakes_and_fails_the_sender(tmp_path: Pa
 
 def _fit(cfg, rows: list[dict[str, Any]]) -> list[dict[str, float]]:
     trainer = PPOTrainer(cfg)
-    reward = trainer.algorithm._reward
+    reward = trainer.algorithm.reward
 
     def recording(batch, metrics):
         b = batch.batch
@@ -147,7 +147,7 @@ def _fit(cfg, rows: list[dict[str, Any]]) -> list[dict[str, float]]:
                     | {"uid": list(batch.non_tensor_batch["uid"])})
         return reward(batch, metrics)
 
-    trainer.algorithm._reward = recording
+    trainer.algorithm.reward = recording
     try:
         return [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
     finally:
@@ -182,8 +182,8 @@ def test_staleness_counts_the_oldest_token_and_drops_requests_past_the_bound(tmp
     cfg = _cfg(tmp_path, CONTINUE, "trainer.async.max_staleness=0")
     trainer = PPOTrainer(cfg)
     trainer.algorithm.driver.capacity = 2 * 4  # one batch deeper than max_staleness=0 allows
-    reward = trainer.algorithm._reward
-    trainer.algorithm._reward = lambda b, m: (rows.append({"v": b.batch["rollout_policy_version"].clone(),
+    reward = trainer.algorithm.reward
+    trainer.algorithm.reward = lambda b, m: (rows.append({"v": b.batch["rollout_policy_version"].clone(),
                                                            "uid": list(b.non_tensor_batch["uid"])}), reward(b, m))[1]
     try:
         history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]

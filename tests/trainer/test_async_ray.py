@@ -140,13 +140,13 @@ def test_async_continue_trains_on_ray_with_consistent_versions(tmp_path: Path) -
                           "trainer.resume_mode=disable", "trainer.checkpoint.save_freq=0")
     trainer = PPOTrainer(cfg)
     rows: list[dict[str, Any]] = []
-    reward = trainer.algorithm._reward
+    reward = trainer.algorithm.reward
 
     def recording(batch: Any, metrics: dict[str, float]) -> Any:
         rows.append({k: batch.batch[k].clone() for k in ("policy_version", "rollout_policy_version")})
         return reward(batch, metrics)
 
-    trainer.algorithm._reward = recording
+    trainer.algorithm.reward = recording
     try:
         history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
     finally:

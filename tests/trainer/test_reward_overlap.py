@@ -1,4 +1,4 @@
-"""`reward.overlap` (issue 25 item 4): the driver scores on the host while the workers compute old / reference
+"""`reward.overlap`: the driver scores on the host while the workers compute old / reference
 log-probs and values on a thread. The run is the same as scoring first (every metric but timings bit-equal, same
 weights), the worker stages really run beside the reward, and configs whose reward needs a worker (a reward model)
 or drives a decision (DAPO's group filter) stay in order."""
@@ -6,34 +6,36 @@ or drives a decision (DAPO's group filter) stay in order."""
 from __future__ import annotations
 
 import threading
+import types
 from pathlib import Path
 
 import pytest
 from ppo_testlib import tiny_ppo_config
 
 from hybridflow.engine.train_engine import TrainEngine
-from hybridflow.protocol import late
+from hybridflow.protocol import keys
 from hybridflow.trainer.ppo import PPOAlgorithm, PPOTrainer
+from hybridflow.trainer.stage_schedule import Overlap, plan_overlap
+from hybridflow.trainer.timing import StageTimer
 
 GAE_KL = ("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.total_training_steps=3",
           "trainer.checkpoint.save_freq=0")
-_WORKER_STAGES = PPOAlgorithm._worker_stages
-_ORIGINAL = (TrainEngine._forward_micro, late.take, PPOAlgorithm._reward)
+_ORIGINAL = (TrainEngine._forward_micro, PPOAlgorithm.update_actor, PPOAlgorithm.reward)
 
 
 def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *extra: str
          ) -> tuple[list[dict], set[str], list[str]]:
-    """Three PPO-GAE steps with KL: (metrics, threads the worker stages ran on, events in order: each forward and
-    each scoring with its thread)."""
+    """Three PPO-GAE steps with KL: (metrics, threads the worker stages 3-5 ran on, events in order: each forward
+    and each scoring with its thread)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     threads: set[str] = set()
     events: list[str] = []
+    for name in ("old_log_prob", "ref_log_prob", "values"):
+        def spy(self, *args, _stage=getattr(PPOAlgorithm, name), **kwargs):
+            threads.add(threading.current_thread().name)
+            return _stage(self, *args, **kwargs)
 
-    def spy(self, *args, **kwargs):
-        threads.add(threading.current_thread().name)
-        return _WORKER_STAGES(self, *args, **kwargs)
-
-    monkeypatch.setattr(PPOAlgorithm, "_worker_stages", spy)
+        monkeypatch.setattr(PPOAlgorithm, name, spy)
     _spy_forwards_and_scoring(monkeypatch, events)
     cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, f"reward.overlap={str(overlap).lower()}", *GAE_KL, *extra)
     trainer = PPOTrainer(cfg)
@@ -57,7 +59,7 @@ def _spy_forwards_and_scoring(monkeypatch: pytest.MonkeyPatch, events: list[str]
         return reward(self, *args, **kwargs)
 
     monkeypatch.setattr(TrainEngine, "_forward_micro", forward_spy)
-    monkeypatch.setattr(PPOAlgorithm, "_reward", reward_spy)
+    monkeypatch.setattr(PPOAlgorithm, "reward", reward_spy)
 
 
 def _untimed(history: list[dict]) -> list[dict]:
@@ -104,20 +106,20 @@ def test_overlap_runs_the_worker_stages_on_a_thread_for_out_of_process_workers(t
 
 
 def test_a_failing_reward_inside_a_worker_stage_is_the_error_raised(tmp_path, monkeypatch):
-    """The scoring fails inside the old-log-prob stage's call (it took the token): its own error comes out."""
+    """The scoring fails inside the old-log-prob stage's call (it was handed the scoring): its own error comes out."""
     inside: list[bool] = []
-    take = late.take
+    old_log_prob = PPOAlgorithm.old_log_prob
 
     def broken(self, batch, metrics):
         inside.append(True)
         raise ValueError("reward function broke on row 5")
 
-    def take_spy(data):
-        fn = take(data)
-        return None if fn is None else (lambda: (inside.append(False), fn())[1])
+    def stage_spy(self, batch, metrics, beside=None):
+        spied = None if beside is None else (lambda: (inside.append(False), beside())[1])
+        return old_log_prob(self, batch, metrics, spied)
 
-    monkeypatch.setattr(PPOAlgorithm, "_reward", broken)
-    monkeypatch.setattr(late, "take", take_spy)
+    monkeypatch.setattr(PPOAlgorithm, "reward", broken)
+    monkeypatch.setattr(PPOAlgorithm, "old_log_prob", stage_spy)
     cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, *GAE_KL)
     trainer = PPOTrainer(cfg)
     try:
@@ -125,20 +127,34 @@ def test_a_failing_reward_inside_a_worker_stage_is_the_error_raised(tmp_path, mo
             trainer.fit()
     finally:
         trainer.close()
-    assert inside == [False, True]  # the stage called the late function, which ran the scoring
+    assert inside == [False, True]  # the stage called what it was handed beside it, which ran the scoring
+
+
+def _plan(cfg, backend: str = "local", driver: object = None) -> Overlap | None:
+    """What `run_stages` overlaps in a step of `cfg` (the stage list of an algorithm built without workers)."""
+    from types import SimpleNamespace
+
+    from hybridflow.config import resolve
+
+    alg = PPOAlgorithm.__new__(PPOAlgorithm)
+    alg.cfg, alg.res, alg.driver = cfg, resolve(cfg), driver
+    alg.groups = SimpleNamespace(actor=SimpleNamespace(worker_group=SimpleNamespace(backend_kind=backend)))
+    return plan_overlap(alg.stages(1, StageTimer()), alg.in_process)
+
+
+def _names(plan: Overlap | None) -> tuple[tuple[str, ...], tuple[str, ...], bool] | None:
+    return None if plan is None else (tuple(s.name for s in plan.held), tuple(c.name for c in plan.calls), plan.late)
 
 
 def test_overlap_is_skipped_where_the_reward_must_come_first(tmp_path):
     base = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, *GAE_KL)
-    decide = lambda *o: PPOAlgorithm._overlap_reward(_Stub(tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, *GAE_KL, *o)))  # noqa: E731
-    assert decide() is True
-    assert decide("reward.overlap=false") is False
-    assert decide("algorithm.filter_groups.enable=true") is False
-    assert decide("reward.sources=[{name: model, weight: 1.0}]", "reward.reward_model.enable=true") is False
-    grpo_no_stage = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, "algorithm.adv_estimator=grpo",
-                                    "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
-                                    "actor.ppo_mini_batch_size=2")
-    assert PPOAlgorithm._overlap_reward(_Stub(grpo_no_stage)) is False  # no worker stage: see the next tests
+    decide = lambda *o, **kw: _names(_plan(tiny_ppo_config(tmp_path, tmp_path / "ckpt", 1, *GAE_KL, *o), **kw))  # noqa: E731
+    assert decide() == (("reward",), ("old_log_prob", "ref", "values"), False)
+    assert decide(backend="ray") == decide()  # on a thread there (see above)
+    assert decide("reward.overlap=false") is None
+    assert decide("algorithm.filter_groups.enable=true") is None
+    assert decide("reward.sources=[{name: model, weight: 1.0}]", "reward.reward_model.enable=true") is None
+    assert decide("critic.warmup_steps=1") == (("reward",), ("old_log_prob", "ref", "values"), False)
     assert base.reward.overlap is True  # on by default
 
 
@@ -152,21 +168,18 @@ def _run_grpo(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *e
     each time the update asked for its late columns, and each scoring with its thread."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     events: list[str] = []
-    take = _ORIGINAL[1]
+    update = _ORIGINAL[1]
 
-    def take_spy(data):
-        fn = take(data)
-        if fn is None:
-            return None
-
+    def update_spy(self, batch, metrics, late=None):
         def wait():
             events.append("late")
-            return fn()
+            return late()
 
-        return wait
+        return update(self, batch, metrics, None if late is None else wait)
 
     _spy_forwards_and_scoring(monkeypatch, events)
-    monkeypatch.setattr(late, "take", take_spy)
+    monkeypatch.setattr(PPOAlgorithm, "update_actor", update_spy)
+    monkeypatch.delenv(keys.CHECK_ENV, raising=False)  # the stage checks want the advantages at the update's call
     cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, f"reward.overlap={str(overlap).lower()}",
                           *GRPO_NO_STAGE, *extra)
     trainer = PPOTrainer(cfg)
@@ -178,8 +191,8 @@ def _run_grpo(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch, *e
 
 
 def test_grpo_without_worker_stages_scores_during_the_update_and_changes_nothing(tmp_path, monkeypatch):
-    """With nothing else to overlap with, the host scores while the actor update's first forward runs
-    (`protocol.late`): the update asks for the advantages only after queuing that forward. Same run as in order."""
+    """With nothing else to overlap with, the host scores while the actor update's first forward runs (late
+    columns): the update asks for the advantages only after queuing that forward. Same run as in order."""
     seq, seq_events = _run_grpo(tmp_path / "seq", False, monkeypatch, "actor.ppo_micro_batch_size_per_gpu=4")
     ovl, ovl_events = _run_grpo(tmp_path / "ovl", True, monkeypatch, "actor.ppo_micro_batch_size_per_gpu=4")
     main = f"reward:{threading.main_thread().name}"
@@ -196,28 +209,31 @@ def test_grpo_without_worker_stages_scores_during_the_update_and_changes_nothing
     assert "timing/reward" in ovl[0] and "timing/adv" in ovl[0]
 
 
-def test_scoring_during_the_update_needs_one_pass_one_process_and_no_worker_stage(tmp_path):
-    decide = lambda *o: PPOAlgorithm._reward_during_update(_Stub(tiny_ppo_config(  # noqa: E731
-        tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE, *o)))
-    assert decide() is True
-    assert decide("reward.overlap=false") is False
-    assert decide("actor.ppo_epochs=2") is False  # the first forward of epoch 2 needs epoch 1's advantages
-    assert decide("actor.ppo_mini_batch_size=1") is False  # 2 mini-batches: old log-probs recomputed (stage 3)
-    assert decide("actor.use_kl_loss=true") is False  # reference log-probs: overlapped there instead
-    assert decide("algorithm.adv_estimator=gae") is False  # critic values: overlapped there instead
-    assert decide("algorithm.filter_groups.enable=true") is False
-    assert decide("reward.sources=[{name: model, weight: 1.0}]", "reward.reward_model.enable=true") is False
-    assert decide("trainer.backend=ray") is False  # the update runs in another process: no token reaches it
-    stub = _Stub(tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE))
-    stub.driver = object()  # one_step_off / async: the batch was generated ahead and is scored on arrival
-    assert PPOAlgorithm._reward_during_update(stub) is False
+def test_scoring_during_the_update_needs_one_pass_one_process_and_no_worker_stage(tmp_path, monkeypatch):
+    decide = lambda *o, **kw: _names(_plan(tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE, *o),  # noqa: E731
+                                           **kw))
+    monkeypatch.delenv(keys.CHECK_ENV, raising=False)
+    assert decide() == (("reward", "adv"), ("update_actor",), True)
+    assert decide("reward.overlap=false") is None
+    # the first forward of epoch 2 needs epoch 1's advantages; 2 mini-batches: old log-probs recomputed (stage 3)
+    assert decide("actor.ppo_epochs=2") == (("reward",), ("old_log_prob",), False)
+    assert decide("actor.ppo_mini_batch_size=1") == (("reward",), ("old_log_prob",), False)
+    assert decide("actor.use_kl_loss=true") == (("reward",), ("old_log_prob", "ref"), False)  # overlapped there
+    assert decide("algorithm.adv_estimator=gae") == (("reward",), ("values",), False)  # critic values: there
+    assert decide("algorithm.filter_groups.enable=true") is None
+    assert decide("reward.sources=[{name: model, weight: 1.0}]", "reward.reward_model.enable=true") is None
+    assert decide(backend="ray") is None  # the update runs in another process: it cannot call back for columns
+    # one_step_off / async: the batch was generated ahead (and, with DAPO, scored on arrival)
+    assert decide(driver=types.SimpleNamespace(scores=False)) is None
+    monkeypatch.setenv(keys.CHECK_ENV, "1")  # the update's check wants the advantages at the call
+    assert decide() is None
 
 
 def test_a_failing_reward_during_the_update_is_the_error_raised(tmp_path, monkeypatch):
     def broken(self, batch, metrics):
         raise ValueError("reward function broke on row 3")
 
-    monkeypatch.setattr(PPOAlgorithm, "_reward", broken)
+    monkeypatch.setattr(PPOAlgorithm, "reward", broken)
     cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, *GRPO_NO_STAGE)
     trainer = PPOTrainer(cfg)
     try:
@@ -225,17 +241,3 @@ def test_a_failing_reward_during_the_update_is_the_error_raised(tmp_path, monkey
             trainer.fit()
     finally:
         trainer.close()
-
-
-class _Stub:
-    _reward_may_overlap = PPOAlgorithm._reward_may_overlap
-    _has_worker_stages = PPOAlgorithm._has_worker_stages
-
-    def __init__(self, cfg) -> None:
-        from types import SimpleNamespace
-
-        from hybridflow.config import resolve
-
-        self.cfg, self.res = cfg, resolve(cfg)
-        self.driver = None
-        self.actor = SimpleNamespace(worker_group=SimpleNamespace(backend_kind=cfg.trainer.backend))
