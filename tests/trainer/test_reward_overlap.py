@@ -218,7 +218,7 @@ def test_scoring_during_the_update_needs_one_pass_one_process_and_no_worker_stag
     # the first forward of epoch 2 needs epoch 1's advantages; 2 mini-batches: old log-probs recomputed (stage 3)
     assert decide("actor.ppo_epochs=2") == (("reward",), ("old_log_prob",), False)
     assert decide("actor.ppo_mini_batch_size=1") == (("reward",), ("old_log_prob",), False)
-    assert decide("actor.use_kl_loss=true") == (("reward",), ("old_log_prob", "ref"), False)  # overlapped there
+    assert decide("actor.use_kl_loss=true") == (("reward",), ("ref",), False)  # overlapped there (no old-policy pass)
     assert decide("algorithm.adv_estimator=gae") == (("reward",), ("values",), False)  # critic values: there
     assert decide("algorithm.filter_groups.enable=true") is None
     assert decide("reward.sources=[{name: model, weight: 1.0}]", "reward.reward_model.enable=true") is None
