@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridflow.planning.model_shape import ModelShape, max_shard_numel
+from hybridflow.planning.model_shape import ModelShape, shard_numel
 
 GiB = 2**30
 CUDA_CONTEXT_GIB = 1.0  # CUDA context + cuBLAS/NCCL workspaces outside torch's allocator (typ. 0.5-1.5 GiB)
@@ -63,6 +63,7 @@ class EngineSettings:
     infer_tokens: int = 16384  # tokens per forward-only micro-batch per GPU
     logprob_chunk: int = 4096
     world: int = 1
+    rank: int = 0  # whose shard is counted: rank 0 holds the largest (torch.chunk gives the last ranks fewer rows)
 
     @property
     def cpu_step(self) -> bool:
@@ -90,10 +91,13 @@ class EngineSettings:
             return []
         return self.adapter_shapes() if self.lora_rank else self.base_shapes()
 
+    def _shard(self, shapes: list[tuple[int, ...]], world: int) -> int:
+        return shard_numel(shapes, world, self.rank)
+
     def param_bytes(self) -> int:
-        base = max_shard_numel(self.base_shapes(), self.world)
+        base = self._shard(self.base_shapes(), self.world)
         if self.lora_rank:
-            return base * self.compute_bytes + max_shard_numel(self.adapter_shapes(), self.world) * 4
+            return base * self.compute_bytes + self._shard(self.adapter_shapes(), self.world) * 4
         dtype = self.compute_bytes if self.cpu_step else self.master_bytes
         return base * dtype
 
@@ -101,7 +105,7 @@ class EngineSettings:
         return 4 if self.lora_rank else (self.compute_bytes if self.cpu_step else self.master_bytes)
 
     def grad_bytes(self) -> int:
-        sharded = max_shard_numel(self.trained_shapes(), self.world) * self.grad_dtype_bytes()
+        sharded = self._shard(self.trained_shapes(), self.world) * self.grad_dtype_bytes()
         if not self.deferred:
             return sharded
         full = sum(_numel(s) for s in self.trained_shapes()) * self.reduce_bytes
@@ -110,12 +114,12 @@ class EngineSettings:
     def optimizer_gpu_bytes(self) -> int:
         if not self.trainable or self.cpu_step:
             return 0
-        return max_shard_numel(self.trained_shapes(), self.world) * ADAM_BYTES
+        return self._shard(self.trained_shapes(), self.world) * ADAM_BYTES
 
     def host_bytes(self) -> int:
         """Host memory this rank keeps for the engine: cpu_step masters + moments (+ 2 pinned 256 MB staging
         buffers); optimizer / parameter offload: what is parked there between uses."""
-        shard = max_shard_numel(self.trained_shapes(), self.world)
+        shard = self._shard(self.trained_shapes(), self.world)
         out = 0
         if self.cpu_step:
             out += shard * (4 + ADAM_BYTES) + 2 * 256 * 2**20
