@@ -48,6 +48,7 @@ def engine_settings(role: str, spec: EngineSpec, shape: ModelShape, world: int, 
         param_offload=f.param_offload, reshard_after_forward=f.reshard_after_forward,
         defer_grad_sync=f.defer_grad_sync,
         checkpointing=spec.trainable and spec.model.enable_gradient_checkpointing,
+        compiled=spec.model.use_torch_compile in ("auto", True),
         train_tokens=_tokens(train, seq, mini_per_gpu) if train is not None else 0,
         infer_tokens=_tokens(spec.infer_batching, seq, rows_per_gpu), logprob_chunk=chunk, world=world)
 

@@ -12,9 +12,10 @@ Per engine (actor, critic, reference; FSDP2 Shard(0) over `world` ranks, rank 0'
 - optimizer: Adam's two moments, shard × 8 bytes, on the GPU unless `optimizer_offload` (true: there for the update
   only; cpu_step: never — host memory holds master + moments, 12 bytes a parameter).
 Activations per micro-batch of T tokens, compute dtype b bytes (h hidden, kv = kv_heads·head_dim, I intermediate):
-- one decoder layer saves, per token, b·(7h + 3kv + 4I) + 8h bytes: the two RMSNorm inputs and outputs (and their
-  fp32 upcasts, the 8h), q/k/v and RoPE'd q/k, the attention output, gate, up, SiLU(gate) and their product
-  (FlashAttention-style kernels: no [s, s] scores).
+- one decoder layer saves, per token, b·(7h + 3kv + 3I) bytes with compiled layers (the GPU default): the two
+  RMSNorm inputs and outputs, q/k/v and RoPE'd q/k, the attention output, gate, up and SiLU(gate)·up
+  (FlashAttention-style kernels: no [s, s] scores). Eager: b·(7h + 3kv + 4I) + 8h (SiLU(gate) kept apart, fp32
+  RMSNorm upcasts saved); not checked against a measurement.
 - training: T·L·(that) without gradient checkpointing; with it T·(L·b·h + that) (each layer's input, plus one layer
   recomputed during backward). Forward only: T·b·(2h + q + 2kv + 2I), one layer's temporaries.
 - logits: one chunk of `logprob_chunk_size` response tokens × vocab × 2b (the chunk's logits and their gradient,
@@ -59,6 +60,7 @@ class EngineSettings:
     reshard_after_forward: bool = True
     defer_grad_sync: bool | str = "auto"
     checkpointing: bool = False
+    compiled: bool = True  # model.use_torch_compile (auto: on for a GPU)
     train_tokens: int = 4096  # tokens per training micro-batch per GPU
     infer_tokens: int = 16384  # tokens per forward-only micro-batch per GPU
     logprob_chunk: int = 4096
@@ -141,6 +143,8 @@ class EngineSettings:
     # ------------------------------------------------------------------------------------- activations
     def layer_saved_per_token(self) -> int:
         s, b = self.shape, self.compute_bytes
+        if self.compiled:  # inductor: SiLU(gate)·up fused, RMSNorm's fp32 upcast recomputed in backward
+            return b * (7 * s.hidden + 3 * s.kv_dim + 3 * s.inter)
         return b * (7 * s.hidden + 3 * s.kv_dim + 4 * s.inter) + 8 * s.hidden
 
     def train_activation_bytes(self) -> int:

@@ -20,9 +20,9 @@ ROWS = yaml.safe_load((Path(__file__).parent / "measured_peaks.yaml").read_text(
 
 
 def predicted_gib(row: dict) -> float:
-    ns = argparse.Namespace(device="cuda", tuned=False, override=[*SETTINGS[row["settings"]], *row["overrides"]],
-                            prompts=32, n=8, prompt_len=256, response_len=256)
-    cfg = load_for_gpu([], bench_overrides(ns, row["preset"]), H200_GIB)
+    ns = argparse.Namespace(device="cuda", tuned=row.get("tuned", False), prompts=row.get("prompts", 32), n=8,
+                            override=[*SETTINGS[row["settings"]], *row["overrides"]], prompt_len=256, response_len=256)
+    cfg = load_for_gpu([], bench_overrides(ns, row["preset"]), H200_GIB, row.get("gpus", 1))
     inputs = plan_inputs(cfg)
     plan = plan_memory(inputs.engines, inputs.rollout, int(H200_GIB * GiB), inputs.stages)
     stage = plan.peak if row["stage"] == "peak" else plan.stage(row["stage"])
