@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridflow.models.presets import PRESETS
 from hybridflow.planning.memory import ADAM_BYTES, EngineSettings, RolloutSettings
 from hybridflow.planning.model_shape import ModelShape, max_shard_numel
 
@@ -69,7 +68,9 @@ def _interp(table: list[tuple[float, float | None, str]], params: float, seven_b
 
 
 def _seven_b() -> ModelShape:
-    return ModelShape.from_hf({**PRESETS["qwen2.5-7b"], "model_type": "qwen2"})
+    """Qwen2.5-7B (models/presets.py's `qwen2.5-7b`, repeated here so the CLI's help does not import transformers)."""
+    return ModelShape(layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, inter=18944, vocab=152064,
+                      tied=False, qkv_bias=True)
 
 
 def seven_b_mfu() -> float:

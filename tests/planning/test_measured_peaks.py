@@ -34,3 +34,11 @@ def test_predicted_peak_within_10_percent_of_measured(row):
     got = predicted_gib(row)
     assert abs(got / row["measured_gib"] - 1) <= 0.10, f"{row['name']}: predicted {got:.1f} GiB, measured " \
                                                        f"{row['measured_gib']} GiB ({row['source']})"
+
+
+def test_step_time_seven_b_shape_is_the_preset():
+    from hybridflow.models.presets import preset_config
+    from hybridflow.planning.model_shape import ModelShape
+    from hybridflow.planning.step_time import _seven_b
+
+    assert _seven_b() == ModelShape.from_hf(preset_config("qwen2.5-7b").to_dict())
