@@ -73,10 +73,15 @@ def _seven_b() -> ModelShape:
                       tied=False, qkv_bias=True)
 
 
+def update_factor(lora: bool, checkpointing: bool) -> float:
+    """An update's FLOPs over 6·N·tokens: forward 2, input gradients 2, weight gradients 2 (none for a frozen LoRA
+    base; the adapters' FLOPs are neglected), + 2 for the forward recomputed with gradient checkpointing."""
+    return (6 - 2 * lora + 2 * checkpointing) / 6
+
+
 def seven_b_mfu() -> float:
-    """Hardware MFU of the 7B LoRA update: its FLOPs with the recomputed forward (it ran with checkpointing), as
-    `predict_step_time` counts them."""
-    flops = train_flops(_seven_b(), SEVEN_B_TOKENS, 512, SEVEN_B_TOKENS // 2) * 4 / 3
+    """Hardware MFU of the 7B LoRA update (checkpointing on): its FLOPs as `predict_step_time` counts them."""
+    flops = train_flops(_seven_b(), SEVEN_B_TOKENS, 512, SEVEN_B_TOKENS // 2) * update_factor(True, True)
     return flops / (SEVEN_B_UPDATE_S * 989e12)
 
 
@@ -129,7 +134,7 @@ def predict_step_time(engines: dict[str, EngineSettings], rollout: RolloutSettin
             continue
         flops = train_flops(e.shape, tokens, seq, resp if e.head == "lm" else 0)
         if stage.startswith("update"):
-            flops *= 4 / 3 if e.checkpointing else 1.0  # recomputed forward
+            flops *= update_factor(e.lora_rank > 0, e.checkpointing)
             secs = flops / rate + _offload_seconds(e)
         else:
             secs = flops / 3 / rate + (2 * e.param_bytes() / PCIE_BYTES_PER_S if e.param_offload else 0.0)
@@ -139,7 +144,7 @@ def predict_step_time(engines: dict[str, EngineSettings], rollout: RolloutSettin
 
 def _offload_seconds(e: EngineSettings) -> float:
     shard = max_shard_numel(e.trained_shapes(), e.world)
-    if e.cpu_step:  # host AdamW + gradients down and parameters up in the compute dtype
-        return shard * HOST_ADAM_S_PER_PARAM + 2 * shard * e.compute_bytes / PCIE_BYTES_PER_S
+    if e.cpu_step:  # host AdamW; the gradients down and parameters up stream beside it (host_optim.py)
+        return max(shard * HOST_ADAM_S_PER_PARAM, 2 * shard * e.compute_bytes / PCIE_BYTES_PER_S)
     secs = 2 * shard * ADAM_BYTES / PCIE_BYTES_PER_S if e.optimizer_offload else 0.0
     return secs + (2 * e.param_bytes() / PCIE_BYTES_PER_S if e.param_offload else 0.0)
