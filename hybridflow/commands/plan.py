@@ -71,6 +71,8 @@ def render(d: dict[str, Any], world: int) -> None:
     table.add_row("predicted seconds", *(f"{d['step_seconds'].get(s, 0.0):.2f}" for s in stages))
     console.print(table)
     verdict = "[green]fits[/]" if d["fits"] else "[red]does not fit[/]"
+    if d["fits"] and d["needed_gib"] > 0.9 * d["gpu_memory_gib"]:
+        verdict += " (within 10% of the limit, the planner's error band: tight)"
     console.print(f"peak {d['peak_gib']:.1f} GiB at {d['peak_stage']}; with allocator and CUDA overhead "
                   f"{d['needed_gib']:.1f} GiB: {verdict}. Host memory {d['host_gib_per_rank']:.1f} GiB per rank. "
                   f"KV cache: {d['kv_slots']} sequences. Predicted step {d['step_total_seconds']:.2f} s (update MFU "
@@ -83,6 +85,22 @@ def render(d: dict[str, Any], world: int) -> None:
     if "error" in d:
         console.print(f"[red]{d['error']}")
     console.print("All numbers are predictions (docs/plan.md), not measurements.")
+
+
+def _fewest_gpus(files: list[str], overrides: list[str], gpu: Any, world: int, most: int = 64) -> str:
+    """Which GPU count (doubling from `world`, up to `most`) the planner finds a fitting choice for."""
+    from hybridflow.planning.choose import DoesNotFit, choose
+    from hybridflow.planning.from_config import load_for_gpu, plan_inputs
+
+    n = world * 2
+    while n <= most:
+        try:
+            best = choose(plan_inputs(load_for_gpu(files, overrides, gpu.memory_gib, n)), gpu)
+        except DoesNotFit:
+            n *= 2
+            continue
+        return f"--gpus {n} fits ({' '.join(best.overrides) or 'as configured'})"
+    return f"no GPU count up to {most} fits"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         best = choose(inputs, gpu, {"actor": cfg.actor.use_dynamic_bsz, "critic": cfg.critic.use_dynamic_bsz})
     except DoesNotFit as err:
-        error = str(err)
+        error = f"{err}; {_fewest_gpus(files, overrides, gpu, inputs.world)}"
     d = plan_dict(evaluate(inputs, gpu), gpu, best, error)
     if args.json:
         print(json.dumps(d, indent=1))

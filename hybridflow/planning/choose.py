@@ -100,8 +100,7 @@ def choose(inputs: PlanInputs, gpu: Gpu, dynamic: dict[str, bool] | None = None)
         raise DoesNotFit(
             f"does not fit {gpu.memory_gib:.0f} GiB per GPU on {inputs.world} GPU(s) even with cpu_step, gradient "
             f"checkpointing and micro-batch 1: the {mem.peak.stage} stage needs {need / GiB:.1f} GiB (with "
-            f"allocator and CUDA overhead); use LoRA (model.lora.rank=64) or more GPUs "
-            f"(--gpus {_more_gpus(inputs.world)}, trainer.n_gpus_per_node)")
+            f"allocator and CUDA overhead); use LoRA (model.lora.rank=64) or more GPUs (trainer.n_gpus_per_node)")
     return best[1]
 
 
@@ -114,10 +113,6 @@ def fit_micro_batch(inputs: PlanInputs, gpu: Gpu, role: str = "actor") -> int:
             return tokens
     raise DoesNotFit(f"{role}: not even one sequence per micro-batch fits {gpu.memory_gib:.0f} GiB; enable "
                      f"model.enable_gradient_checkpointing, {role}.fsdp.optimizer_offload=cpu_step or LoRA")
-
-
-def _more_gpus(world: int) -> int:
-    return world * 2
 
 
 def _overrides(changes: dict[str, object], inputs: PlanInputs, dynamic: dict[str, bool]) -> list[str]:

@@ -1,6 +1,7 @@
 """`hybridflow plan`: JSON output, the choice that fits, and the error naming what to change when nothing fits."""
 
 import json
+import re
 
 from hybridflow.cli import main
 
@@ -28,7 +29,8 @@ def test_nothing_fits_names_the_fix(capsys):
     rc, d = _plan(capsys, *SEVEN_B, "--gpu-memory", "24")
     assert rc == 1 and "choice" not in d
     assert "does not fit 24 GiB" in d["error"] and "cpu_step" in d["error"]
-    assert "model.lora.rank" in d["error"] and "--gpus 2" in d["error"]
+    assert "model.lora.rank" in d["error"]
+    assert re.search(r"--gpus (\d+) fits", d["error"]) and int(re.search(r"--gpus (\d+)", d["error"])[1]) > 1
 
 
 def test_more_gpus_shard_the_state(capsys):
