@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
 
 
-def plan_dict(choice_given: Any, gpu: Any, best: Any, error: str | None) -> dict[str, Any]:
+def plan_dict(choice_given: Any, gpu: Any, best: Any, error: str | None, gpus_per_node: int) -> dict[str, Any]:
     from hybridflow.planning.memory import GiB, needed_bytes
 
     mem, time = choice_given
@@ -37,7 +37,8 @@ def plan_dict(choice_given: Any, gpu: Any, best: Any, error: str | None) -> dict
         "stages": {s.stage: {"components_gib": {k: gib(v) for k, v in s.components.items() if v},
                              "total_gib": gib(s.total)} for s in mem.stages},
         "peak_stage": mem.peak.stage, "peak_gib": gib(mem.peak.total), "needed_gib": gib(needed_bytes(mem)),
-        "host_gib_per_rank": gib(mem.host_bytes), "kv_slots": mem.kv_slots,
+        "host_gib_per_rank": gib(mem.host_bytes), "host_gib_per_node": gib(mem.host_bytes * gpus_per_node),
+        "kv_slots": mem.kv_slots,
         "step_seconds": {k: round(v, 3) for k, v in time.seconds.items()}, "step_total_seconds": round(time.total, 3),
         "update_mfu": round(time.mfu, 3), "decode_fraction_of_copy_bandwidth": round(time.decode_fraction, 3),
     }
@@ -74,7 +75,8 @@ def render(d: dict[str, Any], world: int) -> None:
     if d["fits"] and d["needed_gib"] > 0.9 * d["gpu_memory_gib"]:
         verdict += " (within 10% of the limit, the planner's error band: tight)"
     console.print(f"peak {d['peak_gib']:.1f} GiB at {d['peak_stage']}; with allocator and CUDA overhead "
-                  f"{d['needed_gib']:.1f} GiB: {verdict}. Host memory {d['host_gib_per_rank']:.1f} GiB per rank. "
+                  f"{d['needed_gib']:.1f} GiB: {verdict}. Host memory {d['host_gib_per_rank']:.1f} GiB per rank "
+                  f"({d['host_gib_per_node']:.1f} per node). "
                   f"KV cache: {d['kv_slots']} sequences. Predicted step {d['step_total_seconds']:.2f} s (update MFU "
                   f"{d['update_mfu']:.0%}, decode at {d['decode_fraction_of_copy_bandwidth']:.0%} of copy bandwidth).")
     if "choice" in d:
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         best = choose(inputs, gpu, {"actor": cfg.actor.use_dynamic_bsz, "critic": cfg.critic.use_dynamic_bsz})
     except DoesNotFit as err:
         error = f"{err}; {_fewest_gpus(files, overrides, gpu, inputs.world)}"
-    d = plan_dict(evaluate(inputs, gpu), gpu, best, error)
+    d = plan_dict(evaluate(inputs, gpu), gpu, best, error, min(inputs.world, cfg.trainer.n_gpus_per_node))
     if args.json:
         print(json.dumps(d, indent=1))
     else:
