@@ -15,7 +15,7 @@ from hybridflow.config import Config
 from hybridflow.config.resolved import resolve
 from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.planning.memory import EngineSettings, RolloutSettings
-from hybridflow.planning.model_shape import ModelShape, lora_targets, read_shape
+from hybridflow.planning.model_shape import ModelShape, lora_targets, read_config_json, read_shape
 from hybridflow.workers.engine_specs import REF_LOGPROB_CHUNK, actor_spec, critic_spec, ref_spec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -104,6 +104,9 @@ def load_for_gpu(files: list[str], overrides: list[str], gpu_gib: float, gpus: i
     if gpus:
         overrides = [*overrides, "trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}"]
     merged = merge_sources(files, overrides)
+    for path in (merged["model"].get("path"), merged.get("critic", {}).get("model_path")):
+        if path:
+            read_config_json(str(path))  # a missing model names the key before anything reads it
     keys = auto_keys(merged)
     if keys:
         values = gpu_values(merged, model_shape(merged), gpu_gib)

@@ -78,8 +78,7 @@ class EngineSettings:
     @property
     def deferred(self) -> bool:
         on = self.defer_grad_sync is True or (self.defer_grad_sync == "auto" and self.world == 1)
-        master = self.compute_bytes if self.cpu_step else self.master_bytes
-        return self.trainable and on and self.reduce_bytes >= (4 if self.lora_rank else master)
+        return self.trainable and on and self.reduce_bytes >= self.master_bytes  # as engine/train_engine.py
 
     # ------------------------------------------------------------------------------------- states (bytes)
     def base_shapes(self) -> list[tuple[int, ...]]:

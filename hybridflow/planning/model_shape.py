@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config import ConfigError
 from hybridflow.config.schema import ModelConfig
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -105,15 +106,27 @@ def lora_targets(cfg: ModelConfig) -> tuple[str, ...]:
     return LINEAR_NAMES if t == "all-linear" else tuple(x for x in t if x in LINEAR_NAMES)
 
 
+def read_config_json(path: str) -> dict[str, Any]:
+    """`path`'s config.json (a local directory or a cached Hugging Face id); ConfigError naming the fix if absent."""
+    from hybridflow.models.loader import resolve_path
+
+    try:
+        file = resolve_path(path) / "config.json"
+    except ValueError as err:  # an id not in the local cache: the message says how to fetch it
+        raise ConfigError(str(err)) from None
+    if not file.is_file():
+        raise ConfigError(f"model path {path!r}: no config.json at {file}; point model.path (or critic.model_path) at "
+                          "a Hugging Face model directory or a cached model id, or use model.preset")
+    return json.loads(file.read_text())
+
+
 def read_shape(model: ModelConfig, path: str | None = None) -> ModelShape:
     """The shape of `path` (default model.path; its config.json, a cached Hugging Face id too) or of model.preset,
     with model.override_config applied. Never downloads."""
     override = dict(model.override_config or {})
     path = path or model.path
     if path:
-        from hybridflow.models.loader import resolve_path
-
-        cfg = json.loads((resolve_path(str(path)) / "config.json").read_text())
+        cfg = read_config_json(str(path))
         cfg.update(override)
     else:
         from hybridflow.models.presets import preset_config
