@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("data", "prepare datasets (gsm8k, math) into verl-schema parquet"),
     "report": ("report", "render an HTML report with plots from a run directory"),
     "config": ("config", "show or validate the resolved configuration"),
+    "plan": ("plan", "predict GPU memory per stage and step time, and the settings that fit: plan CONFIG --gpus N"),
 }
 
 

@@ -52,6 +52,18 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
                 validate: bool = True, command: str = "train") -> Config:
     """Build the typed config from defaults, YAML files or nested dicts shaped like one (in order, later wins)
     and `a.b=c` overrides (last wins); `validate` checks what `command` (train|sft|rm|dpo) uses."""
+    merged = resolve_lr(resolve_auto_sizes(merge_sources(files, overrides)))
+    cfg = build(Config, merged, "")
+    if validate:
+        from hybridflow.config.validate import validate_config
+
+        validate_config(cfg, command)
+    return cfg
+
+
+def merge_sources(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides: Iterable[str] = ()
+                  ) -> dict[str, Any]:
+    """The config as a dict — defaults, files, overrides — before `auto` sizes and the LR rule are resolved."""
     merged = load_defaults_dict()
     for f in files:
         source = "a dict layer" if isinstance(f, Mapping) else str(f)
@@ -65,13 +77,7 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
         merged = _with_preset(merged, presets[-1])
     for key, value in parsed:
         set_dotted(merged, key, value)
-    merged = resolve_lr(resolve_auto_sizes(interpolate(merged)))
-    cfg = build(Config, merged, "")
-    if validate:
-        from hybridflow.config.validate import validate_config
-
-        validate_config(cfg, command)
-    return cfg
+    return interpolate(merged)
 
 
 def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:
