@@ -245,6 +245,8 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
         resting[f"{name}/params"] = 0 if e.param_offload else e.param_bytes()
         resting[f"{name}/optimizer"] = 0 if e.optimizer_offload else e.optimizer_gpu_bytes()
         resting[f"{name}/unsharded"] = e.unsharded_bytes() if e.keep_unsharded and not e.param_offload else 0
+        if name != "actor" and e.trainable:  # a critic's gradients stay until its next accumulation starts (the
+            resting[f"{name}/gradients"] = e.grad_bytes()  # actor's are freed at the switch to generation)
     view = weight_view_bytes(actor)
     keep_view = not rollout.free_cache_engine or actor.world == 1
     gen_base = {k: v for k, v in resting.items() if k != "actor/unsharded"}
@@ -262,8 +264,12 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
                                      "activations": prefill})]
     kept = {"rollout/weights": view if keep_view else 0, "rollout/kv_cache": 0 if rollout.free_cache_engine else kv}
 
+    actor_gathered = False  # generation reshards the actor: its unsharded copy is back after its next pass
+
     def pass_peak(stage: str, e: EngineSettings, role: str, train: bool) -> StagePeak:
         comp = dict(resting) | kept
+        if not actor_gathered:
+            comp["actor/unsharded"] = 0
         comp[f"{role}/params"] = e.param_bytes()
         comp[f"{role}/unsharded"] = e.unsharded_bytes()
         if train:
@@ -280,6 +286,7 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
         if stage in runs and runs[stage][0] in engines:
             role, train = runs[stage]
             peaks.append(pass_peak(stage, engines[role], role, train))
+            actor_gathered = actor_gathered or role == "actor"
     host = sum(e.host_bytes() for e in engines.values())
     return MemoryPlan(stages=peaks, host_bytes=host, kv_slots=slots)
 

@@ -3,6 +3,7 @@
 that measured them. Some rows are the step-time constants' own sources (docs/plan.md says which)."""
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,23 @@ SETTINGS = {"lora_gpu": (*lora_gpu.SEVEN_B, *lora_gpu.TUNED, *lora_gpu.KEEP_RESI
 ROWS = yaml.safe_load((Path(__file__).parent / "measured_peaks.yaml").read_text())
 
 
+def _critic_dir(row: dict) -> list[str]:
+    """A critic of another shape (`critic_preset`): its config.json (the planner reads shapes only) with the actor's
+    vocabulary, as benchmarks/cpu_step_7b.py --critic-preset writes it, and GAE."""
+    if "critic_preset" not in row:
+        return []
+    from hybridflow.models.presets import preset_config
+
+    path = Path(tempfile.mkdtemp(prefix="critic_"))
+    preset_config(row["critic_preset"], vocab_size=preset_config(row["preset"]).vocab_size).to_json_file(
+        str(path / "config.json"))
+    return ["algorithm.adv_estimator=gae", f"critic.model_path={path}"]
+
+
 def _inputs(row: dict) -> PlanInputs:
     ns = argparse.Namespace(device="cuda", tuned=row.get("tuned", False), prompts=row.get("prompts", 32), n=8,
-                            override=[*SETTINGS[row["settings"]], *row["overrides"]], prompt_len=256, response_len=256)
+                            override=[*SETTINGS[row["settings"]], *_critic_dir(row), *row["overrides"]],
+                            prompt_len=256, response_len=256)
     return plan_inputs(load_for_gpu([], bench_overrides(ns, row["preset"]), H200_GIB, row.get("gpus", 1)))
 
 
