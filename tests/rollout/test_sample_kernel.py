@@ -15,7 +15,7 @@ from rollout_helpers import CUDA, DEV, needs_kernel, rerun_under_triton_interpre
 pytest.importorskip("triton")
 from hybridflow.rollout import sample_kernel as sk  # noqa: E402
 from hybridflow.rollout import triton_util  # noqa: E402
-from hybridflow.rollout.sampling import build_sampler, kernel_sample, row_seed, sample  # noqa: E402
+from hybridflow.rollout.sampling import kernel_sample, row_seed, sample  # noqa: E402
 
 
 def _args(N, V, temp=0.7, seed=0):
@@ -79,14 +79,6 @@ def test_filtered_mode_uses_torch():
     assert torch.equal(tok, ref_tok) and torch.equal(logp, ref_logp)
     with pytest.raises(ValueError, match="filtered"):
         sk.fused_sample(logits, "filtered", t, k, p, seeds, steps)
-
-
-def test_the_engine_picks_its_sampler_once_per_device():
-    assert build_sampler(torch.device("cpu"), compiled=False) is sample
-    compiled = build_sampler(torch.device("cpu"), compiled=True)
-    assert compiled is build_sampler(torch.device("cpu"), compiled=True) and compiled.fn is sample
-    if CUDA and triton_util.triton_available("cuda"):
-        assert build_sampler(torch.device("cuda"), compiled=True) is kernel_sample
 
 
 @pytest.mark.skipif(not CUDA, reason="Qwen2 vocab at decode batch size and CUDA graphs need a GPU")
