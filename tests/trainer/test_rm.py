@@ -92,7 +92,7 @@ def test_split_pair_and_interleaved_batch():
         pair_halves(scores, torch.tensor([0, 1, 1, 0, 1, 0]))
 
 
-def test_bradley_terry_closure_matches_reference():
+def test_bradley_terry_loss_matches_reference():
     torch.manual_seed(0)
     B, R = 6, 4
     values = torch.randn(B, R, requires_grad=True)
