@@ -85,7 +85,7 @@ def reprefill_extend(prompt_ids: torch.Tensor):
 
     def one(self: ModelRunner, slot: int, new_ids: list[int]) -> int:
         dev = self.device
-        step, k, P = int(self.step[slot]), len(new_ids), prompt_ids.numel()
+        step, k, P = int(self.resp_len[slot]), len(new_ids), prompt_ids.numel()
         hist = torch.cat([prompt_ids.to(dev), self.out_tok[slot, :step],
                           torch.tensor(new_ids, dtype=torch.long, device=dev)])
         self.valid[slot, :] = False
@@ -94,13 +94,13 @@ def reprefill_extend(prompt_ids: torch.Tensor):
                                       torch.arange(P + step + k, device=dev)[None], [hist.numel()], self.cache,
                                       t(slot), [0], self.valid)
         counter = t(step + k)
-        tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
-                                    self.seed[slot: slot + 1], counter)
+        tok, logp = self.sampler(logits, self.mode, self.temperature, self.top_k, self.top_p,
+                                  self.seed[slot: slot + 1], counter)
         self.out_tok[slot, step: step + k] = hist[P + step:]
         self.out_logp[slot, step: step + k] = 0.0
         self.out_tok[slot, step + k], self.out_logp[slot, step + k] = tok[0], logp[0]
         new_len = step + k + 1
-        self.tok[slot], self.step[slot] = tok[0], new_len
+        self.tok[slot], self.resp_len[slot] = tok[0], new_len
         self.cidx[slot], self.pos[slot] = P + step + k, P + step + k
         self.done[slot] = self.is_stop[tok[0]] | (new_len >= self.max_new[slot])
         return new_len

@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from hybridflow.config import load_config
 from hybridflow.models.presets import preset_config
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import RolloutEngine, forward
+from hybridflow.rollout import RolloutEngine, forward, sampling
+from hybridflow.rollout import engine as rollout_engine
 from hybridflow.rollout.kv_cache import bytes_per_slot
 
 log = logging.getLogger("bench.rollout")
@@ -127,10 +128,12 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
         "engine": "hybridflow", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
         "compiled": bool(runner.ops.is_compiled), "cuda_graphs": runner.use_graphs,
         "compiled_ok": {n: getattr(getattr(runner.ops, n), "ok", False)
-                        for n in ("qkv_normed", "mlp_block_norm", "embed_norm", "sample")},
+                        for n in ("qkv_normed", "mlp_block_norm", "embed_norm")}
+        | {"sample": getattr(runner.sampler, "ok", False)},
         "fuse_norms": runner.ops.fuse_norms,
         "attention": getattr(runner.ops.attention, "__name__", "sdpa"),
-        "sampler": f"{runner.ops.sample.__module__}.{getattr(runner.ops.sample, '__name__', 'compiled')}", "fp32_master": args.fp32_master,
+        "sampler": f"{runner.sampler.__module__}.{getattr(runner.sampler, '__name__', 'compiled')}",
+        "fp32_master": args.fp32_master,
         "fused_qkv": runner.weights.layers[0].qkv is not None,
         "graphs": sorted(runner.graphs), "check_every": engine.check_every,
         "first_call_s": t_first, "generate_s": t_gen, "tokens_per_s": B * R / t_gen,
@@ -251,7 +254,9 @@ def main() -> None:
                     help="fp32 parameters generating in bf16 (the RL setting: cast into fused buffers)")
     args = ap.parse_args()
     if args.sdpa:
-        forward._triton_kernels = lambda device: (None, None)
+        forward._triton_attention = lambda device: None
+        # the torch sampler as chosen off CUDA (compiled when the decode ops are)
+        rollout_engine.build_sampler = lambda device, compiled: sampling.build_sampler(torch.device("cpu"), compiled)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

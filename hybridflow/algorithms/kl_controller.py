@@ -1,19 +1,22 @@
 """KL-coefficient controllers (fixed; adaptive per Ziegler et al. 2019) and the KL-in-reward penalty.
 
 Decision: controllers are tiny stateful objects with `state_dict()`/`load_state_dict()` so the current
-coefficient is checkpointed with the trainer; `build_kl_controller` reads `algorithm.kl_ctrl`
-(`type: fixed | adaptive`, `kl_controller` accepted as an alias of `adaptive`).
+coefficient is checkpointed with the trainer; `build_kl_controller` reads `algorithm.kl_ctrl` (a `KLCtrlConfig`:
+`type: fixed | adaptive`, `kl_controller` accepted by the config as an alias of `adaptive`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.masked import masked_mean
+
+if TYPE_CHECKING:  # annotation only: the config checks algorithm names against these registries
+    from hybridflow.config.schema import KLCtrlConfig
 
 ADAPTIVE_ERR_CLIP = 0.2
 
@@ -57,23 +60,13 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + err * n_steps / self.horizon
 
 
-_TYPES = {"fixed": "fixed", "adaptive": "adaptive", "kl_controller": "adaptive"}
-
-
-def build_kl_controller(cfg: Any) -> FixedKLController:
-    """Controller from an object (or mapping) with `type`, `kl_coef`, `target_kl`, `horizon`."""
-
-    def get(key: str, default: Any = None) -> Any:
-        return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-
-    kind = _TYPES.get(str(get("type", "fixed")))
-    if kind is None:
-        raise ValueError(
-            f"algorithm.kl_ctrl.type={get('type')!r} is not supported; use one of {', '.join(sorted(_TYPES))}"
-        )
-    if kind == "fixed":
-        return FixedKLController(get("kl_coef", 0.001))
-    return AdaptiveKLController(get("kl_coef", 0.001), get("target_kl", 0.1), get("horizon", 10000))
+def build_kl_controller(cfg: KLCtrlConfig) -> FixedKLController:
+    """Controller for `algorithm.kl_ctrl` (the config has checked its type and resolved the alias)."""
+    if cfg.type == "fixed":
+        return FixedKLController(cfg.kl_coef)
+    if cfg.type == "adaptive":
+        return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
+    raise ValueError(f"algorithm.kl_ctrl.type={cfg.type!r} is not supported; use fixed or adaptive")
 
 
 def apply_kl_penalty(

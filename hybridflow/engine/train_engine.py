@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,13 +53,21 @@ from hybridflow.protocol.late import new_columns
 from hybridflow.utils.progress import beat
 
 logger = logging.getLogger(__name__)
-
-# loss_fn(outputs of one micro-batch, the micro-batch on the device, {loss_agg_mode: mini-batch normaliser over
-# all ranks}) -> (this micro-batch's share of the mini-batch loss, metrics: shares or micro-batch means)
-LossFn = Callable[[dict[str, torch.Tensor], DataProto, dict[str, torch.Tensor]],
-                  tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 MODES = ("train", "generate", "offload")
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class LossFn(Protocol):
+    """What `forward_backward` calls per micro-batch, implemented by every trained role's loss: the actor's
+    (`workers/losses.py` `ActorLoss`: PPO/GRPO), the critic's, and the supervised ones (SFT, reward model,
+    DPO/IPO/SimPO: `trainer/supervised_losses.py`)."""
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
+                 global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """outputs: the engine's outputs for one micro-batch (`log_probs`, `entropy` or `values` [b, R]); mb: that
+        micro-batch on the device; global_norm[loss_agg_mode]: the whole mini-batch's normaliser over all ranks.
+        Returns this micro-batch's share of the mini-batch loss and metrics (shares or micro-batch means)."""
+        ...
 
 
 @dataclass(frozen=True)

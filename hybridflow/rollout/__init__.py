@@ -1,7 +1,8 @@
 """Rollout: our own generation engine running on the actor's parameters (hybrid engine).
 
 `RolloutEngine` (engine.py) → `Scheduler` (continuous batching) → `ModelRunner` (slot state, CUDA graphs) →
-`forward` (Llama-family prefill/decode) + `sampling` (on-device sampler); `hf_fallback` for other architectures.
+`forward` (Llama-family prefill/decode) + `sampling` (on-device sampler, chosen by the engine with
+`build_sampler`); `hf_fallback` for other architectures.
 """
 
 from hybridflow.rollout.engine import RolloutEngine, build_rollout

@@ -26,7 +26,7 @@ from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
-from hybridflow.rollout.sampling import SamplingParams, row_seed
+from hybridflow.rollout.sampling import SamplingParams, build_sampler, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
 from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
 
@@ -121,9 +121,11 @@ class RolloutEngine:
                                gpu_memory_utilization=self.cfg.gpu_memory_utilization)
             cache = KVCache(self.spec, slots, max_len, self.dtype, self.device)
             rope = RopeTable(self.module, cache.max_len, self.dtype, self.device)
+            # the forward's pieces and the sampler, chosen once for this device (torch, compiled, Triton)
             ops = DecodeOps.for_device(self.device, self.compile_decode)
+            sampler = build_sampler(self.device, self.compile_decode)
             self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
-                                       use_graphs=self.use_graphs, ops=ops)
+                                       use_graphs=self.use_graphs, ops=ops, sampler=sampler)
             self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
         return self._runner
 

@@ -19,13 +19,13 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hybridflow.rollout import sampling
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
 from hybridflow.utils.compile import GuardedCompile
@@ -125,32 +125,61 @@ def sdpa_attention(q_bHGD: torch.Tensor, k_bHTD: torch.Tensor, v_bHTD: torch.Ten
     return F.scaled_dot_product_attention(q_bHGD, k_bHTD, v_bHTD, attn_mask=mask_b11T)
 
 
-@dataclass
-class DecodeOps:
-    """The pure pieces of a decode step; eager by default, `torch.compile`d on GPU when asked (fuses the norms,
-    RoPE, SwiGLU and the sampler's passes over the vocab). `attention` is None for SDPA over the additive mask,
-    or a kernel taking each row's contiguous valid column range (q, k, v, start, end) -> o. `kv_store` is None
-    for two `index_put`s per layer, or a kernel writing both in one launch (k_cache, v_cache, k, v, cidx)."""
+Heads = tuple[int, int, int]  # (H, Hkv, D)
+QKVFn = Callable[[torch.Tensor, LayerWeights, torch.Tensor, torch.Tensor, Heads, float],
+                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # `qkv`, `qkv_normed`
+QKVProjectFn = Callable[[torch.Tensor, LayerWeights, Heads, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+MLPFn = Callable[[torch.Tensor, torch.Tensor, LayerWeights, float], torch.Tensor]  # `mlp_block`
+MLPNormFn = Callable[[torch.Tensor, torch.Tensor, LayerWeights, torch.Tensor, float],
+                     tuple[torch.Tensor, torch.Tensor]]  # `mlp_block_norm`
+EmbedNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
-    qkv: Callable = qkv
-    mlp_block: Callable = mlp_block
-    sample: Callable = sampling.sample
-    attention: Callable | None = None
-    kv_store: Callable | None = None
+
+class RangeAttention(Protocol):
+    """o [b, Hkv, G, D] attending each query row to cache row `rows[i]` (default i), columns [start[i], end[i]);
+    with cos/sin [b, D] RoPE is applied to q first (`decode_attention.decode_attention`, its `_ref`)."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+                 end: torch.Tensor, *, rows: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None) -> torch.Tensor:
+        ...
+
+
+class KVStore(Protocol):
+    """k_cache[rows[i], :, cidx[i]] = k[i] (RoPE applied with cos/sin), v likewise (`kv_store_kernel.store_kv`)."""
+
+    def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cidx: torch.Tensor, rows: torch.Tensor | None = None, *, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None) -> None:
+        ...
+
+
+@dataclass(frozen=True)
+class DecodeOps:
+    """The pure pieces of a decode step, chosen once per engine (`for_device`); eager by default,
+    `torch.compile`d on GPU when asked (fuses the norms, RoPE and SwiGLU). `attention` is None for SDPA over the
+    additive mask, or a kernel taking each row's contiguous valid column range. `kv_store` is None for two
+    `index_put`s per layer, or a kernel writing both in one launch. The sampler is chosen beside these
+    (`sampling.build_sampler`)."""
+
+    qkv: QKVFn = qkv
+    mlp_block: MLPFn = mlp_block
+    attention: RangeAttention | None = None
+    kv_store: KVStore | None = None
     is_compiled: bool = False
     # The fused-norm composition (`fuse_norms`, the default): each layer is `qkv_normed` and `mlp_block_norm`,
     # which also returns the next layer's normed input, so a layer's last residual add and the next input RMSNorm
     # are one compiled function (one kernel) instead of the tail of one and the head of the next; `embed_norm`
     # starts the stream. False: `qkv` and `mlp_block` as before (kept for comparison and for any caller).
-    qkv_normed: Callable = qkv_normed
-    mlp_block_norm: Callable = mlp_block_norm
-    embed_norm: Callable = embed_norm
+    qkv_normed: QKVFn = qkv_normed
+    mlp_block_norm: MLPNormFn = mlp_block_norm
+    embed_norm: EmbedNormFn = embed_norm
     fuse_norms: bool = True
     # Decode applies RoPE inside the K/V-store kernel (to k) and the attention kernel (to q), given each row's
     # cos/sin, so `qkv_project` replaces `qkv_normed` and the RoPE kernels go (fp32, one rounding: on an H200 the
     # same bits as the compiled torch RoPE, 7% faster decode steps at 0.5B). Only with `fuse_norms` and both
     # `kv_store` and `attention` set (their torch references take cos/sin too), i.e. our CUDA kernels.
-    qkv_project: Callable = qkv_project
+    qkv_project: QKVProjectFn = qkv_project
     rope_in_kernels: bool = True
 
     @classmethod
@@ -164,12 +193,12 @@ class DecodeOps:
 
     @classmethod
     def for_device(cls, device: torch.device, compile_ops: bool) -> DecodeOps:
-        """Compiled pieces when asked; on CUDA with Triton, our decode-attention, sampler and KV-write kernels."""
+        """Compiled pieces when asked; on CUDA with Triton, our decode-attention and KV-write kernels."""
         ops = cls.compiled() if compile_ops else cls()
-        attention, sampler = _triton_kernels(device)
+        attention = _triton_attention(device)
         if attention is None:
             return ops
-        return dataclasses.replace(ops, attention=attention, sample=sampler, kv_store=_triton_kv_store(device))
+        return dataclasses.replace(ops, attention=attention, kv_store=_triton_kv_store(device))
 
 
 @functools.lru_cache(maxsize=1)
@@ -177,27 +206,27 @@ def _compiled_ops() -> DecodeOps:
     def auto(fn: Callable, what: str) -> GuardedCompile:
         return GuardedCompile(fn, f"the rollout's {what}", dynamic=None)
 
-    return DecodeOps(qkv=auto(qkv, "qkv"), mlp_block=auto(mlp_block, "mlp_block"), sample=auto(sampling.sample, "sampler"),
+    return DecodeOps(qkv=auto(qkv, "qkv"), mlp_block=auto(mlp_block, "mlp_block"),
                      qkv_normed=auto(qkv_normed, "qkv_normed"), mlp_block_norm=auto(mlp_block_norm, "mlp_block_norm"),
                      embed_norm=auto(embed_norm, "embed_norm"), qkv_project=auto(qkv_project, "qkv_project"),
                      is_compiled=True)
 
 
-def _triton_kernels(device: torch.device) -> tuple[Callable | None, Callable | None]:
-    """(decode attention, sampler) Triton kernels for `device`, or (None, None) to stay with torch ops."""
+def _triton_attention(device: torch.device) -> RangeAttention | None:
+    """The decode-attention Triton kernel for `device`, or None to stay with SDPA."""
     if device.type != "cuda":
-        return None, None
+        return None
     try:
-        from hybridflow.rollout import decode_attention, sample_kernel
-    except ImportError as err:  # triton missing: SDPA and the torch sampler it is
-        logger.info("rollout: Triton kernels unavailable (%s); using SDPA and the torch sampler", err)
-        return None, None
+        from hybridflow.rollout import decode_attention
+    except ImportError as err:  # triton missing: SDPA it is
+        logger.info("rollout: Triton kernels unavailable (%s); using SDPA", err)
+        return None
     if not decode_attention.triton_available(device):
-        return None, None
-    return decode_attention.decode_attention, sample_kernel.fused_sample
+        return None
+    return decode_attention.decode_attention
 
 
-def _triton_kv_store(device: torch.device) -> Callable | None:
+def _triton_kv_store(device: torch.device) -> KVStore | None:
     """The one-launch K/V cache write for `device` (CUDA with Triton), or None for torch `index_put`."""
     if device.type != "cuda":
         return None

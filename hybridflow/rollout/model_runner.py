@@ -21,7 +21,7 @@ import torch
 from hybridflow.rollout import forward
 from hybridflow.rollout.forward import DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
-from hybridflow.rollout.sampling import SamplingParams, sampler_values
+from hybridflow.rollout.sampling import Sampler, SamplingParams, sample, sampler_values
 from hybridflow.rollout.weights import ArchSpec, ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -59,17 +59,22 @@ def _pow2(x: int, floor: int) -> int:
 
 
 class ModelRunner:
-    """Owns the KV cache and slot state; `admit` prefills prompts into slots, `step` decodes all live slots."""
+    """Owns the KV cache and slot state; `admit` prefills prompts into slots, `step_` decodes all live slots.
+    `ops` (the forward's pieces) and `sampler` are the engine's choice for its device."""
 
     def __init__(self, spec: ArchSpec, weights: ModelWeights, rope: RopeTable, cache: KVCache, *, pad_id: int,
-                 max_new_tokens: int, use_graphs: bool, ops: DecodeOps) -> None:
-        self.spec, self.weights, self.rope, self.cache, self.ops = spec, weights, rope, cache, ops
+                 max_new_tokens: int, use_graphs: bool, ops: DecodeOps, sampler: Sampler) -> None:
+        self.spec, self.weights, self.rope, self.cache = spec, weights, rope, cache
+        self.ops: DecodeOps = ops
+        self.sampler: Sampler = sampler
         self.pad_id, self.R, self.use_graphs = pad_id, max_new_tokens, use_graphs
         S, T = cache.slots, cache.max_len
         dev = cache.k[0].device
         self.device = dev
         zeros = dict(dtype=torch.long, device=dev)
-        self.tok, self.pos, self.cidx, self.step = (torch.zeros(S, **zeros) for _ in range(4))
+        # resp_len: each slot's response length so far = the index of its next token in `out_tok` and the
+        # sampler's counter for it
+        self.tok, self.pos, self.cidx, self.resp_len = (torch.zeros(S, **zeros) for _ in range(4))
         self.start = torch.zeros(S, **zeros)  # first valid cache column of each slot (after the left padding)
         self.seed, self.max_new = torch.zeros(S, **zeros), torch.full((S,), max_new_tokens, **zeros)
         self.done = torch.ones(S, dtype=torch.bool, device=dev)
@@ -129,8 +134,8 @@ class ModelRunner:
         src = torch.arange(B, device=dev).repeat_interleave(n)
         logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t, src)
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
-        tok, logp = self.ops.sample(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
-                           torch.zeros_like(seeds_t))
+        tok, logp = self.sampler(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
+                                 torch.zeros_like(seeds_t))
         self.valid[slot_t] = False
         self.valid[slot_t, :P] = mask_BP.bool()[src]
         self.start[slot_t] = (P - mask_BP.long().sum(-1))[src]
@@ -142,7 +147,7 @@ class ModelRunner:
         self.tok[slot_t] = tok
         self.pos[slot_t] = pos_BP[src, -1] + 1
         self.cidx[slot_t] = P
-        self.step[slot_t] = 1
+        self.resp_len[slot_t] = 1
         self.max_new[slot_t] = max_new
         stop = self.is_stop[tok]
         self.done[slot_t] = stop | (max_new <= 1)
@@ -153,7 +158,7 @@ class ModelRunner:
         slot's response, prefill only them (and the turn's last sampled token, whose K/V no step wrote yet) — all
         slots in one batched forward — sample each slot's next model token and make the slots live again. Returns
         the new response lengths. A waiting slot's `tok`/`pos`/`cidx`/`valid` drifted (finished rows keep stepping,
-        masked), so they are rebuilt from `step`, which never drifts.
+        masked), so they are rebuilt from `resp_len`, which never drifts.
 
         With a range-attention kernel (`ops.attention`, the GPU path) the new tokens run flat through
         `forward.extend_ranged`; otherwise through `forward.extend_batch` (SDPA over a padded [slots, tokens]
@@ -164,7 +169,7 @@ class ModelRunner:
         slots = [s for s, _, _ in items]
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         if steps is None or max_new is None:
-            steps, max_new = torch.stack([self.step[slots_t], self.max_new[slots_t]]).tolist()
+            steps, max_new = torch.stack([self.resp_len[slots_t], self.max_new[slots_t]]).tolist()
         for (s, new_ids, _), step, mx in zip(items, steps, max_new):
             assert step + len(new_ids) < mx, (s, step, len(new_ids), mx)
         col0 = [prompt_width + st - 1 for st in steps]  # the column of response token step - 1 (re-fed)
@@ -188,12 +193,12 @@ class ModelRunner:
         counter, next_col, next_pos = per_slot
         self.out_tok[app[0], app[1]] = app[2]
         self.out_logp[app[0], app[1]] = 0.0
-        tok, logp = self.ops.sample(logits, self.mode, self.temperature, self.top_k, self.top_p,
-                                    self.seed[slots_t], counter)
+        tok, logp = self.sampler(logits, self.mode, self.temperature, self.top_k, self.top_p, self.seed[slots_t],
+                                 counter)
         self.out_tok[slots_t, counter] = tok
         self.out_logp[slots_t, counter] = logp
         new_len = counter + 1
-        self.tok[slots_t], self.step[slots_t] = tok, new_len
+        self.tok[slots_t], self.resp_len[slots_t] = tok, new_len
         self.cidx[slots_t], self.pos[slots_t] = next_col, next_pos
         self.done[slots_t] = self.is_stop[tok] | (new_len >= self.max_new[slots_t])
         return [st + n + 1 for st, n in zip(steps, k)]  # = new_len, known on the host
@@ -286,20 +291,20 @@ class ModelRunner:
                                     self.valid)
 
     # --------------------------------------------------------------------------------------------------- decode
-    def _step(self, b: int, L: int, mode: str) -> None:
+    def _eager_step(self, b: int, L: int, mode: str) -> None:
         T = self.cache.max_len
         logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
                                 self.cidx[:b], self.valid[:b], self.start[:b], self.cache, L)
-        step, done = self.step[:b], self.done[:b]
-        tok, logp = self.ops.sample(logits, mode, self.temperature, self.top_k, self.top_p, self.seed[:b], step)
+        resp_len, done = self.resp_len[:b], self.done[:b]
+        tok, logp = self.sampler(logits, mode, self.temperature, self.top_k, self.top_p, self.seed[:b], resp_len)
         live = ~done
-        col = torch.where(live, step, self.R)[:, None]  # finished rows write into the trash column R
+        col = torch.where(live, resp_len, self.R)[:, None]  # finished rows write into the trash column R
         self.out_tok[:b].scatter_(1, col, tok[:, None])
         self.out_logp[:b].scatter_(1, col, logp[:, None])
-        new_step = step + live.long()
+        new_len = resp_len + live.long()
         stop = self.is_stop[tok]
-        done |= live & (stop | (new_step >= self.max_new[:b]))
-        step.copy_(new_step)
+        done |= live & (stop | (new_len >= self.max_new[:b]))
+        resp_len.copy_(new_len)
         self.tok[:b].copy_(tok)
         self.pos[:b].add_(1).clamp_(max=self.rope.max_len - 1)
         self.cidx[:b].add_(1).clamp_(max=T - 1)
@@ -324,12 +329,12 @@ class ModelRunner:
         """One decode step over slots [0, b) and cache columns [0, L): a graph replay when captured, else eager."""
         graph = self.graphs.get((b, L, self.mode)) if self.use_graphs else None
         if graph is None:
-            self._step(b, L, self.mode)
+            self._eager_step(b, L, self.mode)
         else:
             graph.replay()
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.tok, self.pos, self.cidx, self.step, self.done, self.valid, self.out_tok, self.out_logp]
+        return [self.tok, self.pos, self.cidx, self.resp_len, self.done, self.valid, self.out_tok, self.out_logp]
 
     def ensure_graph(self, b: int, L: int) -> None:
         """Capture the step over slots [0, b) and columns [0, L). Warm-up steps run for real, so the slot state is snapshotted and
@@ -344,10 +349,10 @@ class ModelRunner:
                 t[:b].copy_(saved)
             self.graphs.clear()
             self.ext_graphs.clear()
-            if self.ops.is_compiled or self.ops.attention is not None:
+            if self.ops.is_compiled or self.ops.attention is not None or self.sampler is not sample:
                 logger.warning("CUDA-graph capture with compiled ops / Triton kernels failed (%s: %s); retrying "
                                "with eager torch ops", type(err).__name__, err)
-                self.ops = DecodeOps()
+                self.ops, self.sampler = DecodeOps(), sample
                 self.ensure_graph(b, L)
                 return
             logger.warning("CUDA-graph capture failed (%s: %s); decoding eagerly (slow)", type(err).__name__, err)
@@ -360,7 +365,7 @@ class ModelRunner:
                     time.perf_counter() - t0, self.ops.is_compiled)
 
     def _capture(self, b: int, L: int) -> None:
-        graph, _ = self._graph(lambda: self._step(b, L, self.mode), warmups=2)
+        graph, _ = self._graph(lambda: self._eager_step(b, L, self.mode), warmups=2)
         torch.cuda.synchronize()
         self.graphs[(b, L, self.mode)] = graph
 
@@ -386,11 +391,11 @@ class ModelRunner:
         return self.done.cpu()
 
     def done_and_steps(self) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """Host copies of `done` and `step` (each slot's response length) in one transfer."""
-        both = torch.stack([self.done.long(), self.step]).cpu().numpy()
+        """Host copies of `done` and `resp_len` (each slot's response length) in one transfer."""
+        both = torch.stack([self.done.long(), self.resp_len]).cpu().numpy()
         return both[0].astype(bool), both[1]
 
     def harvest(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [k, R], log-probs [k, R], lengths [k]) of finished slots; the slots become free."""
         idx = torch.tensor(slots, device=self.device)
-        return self.out_tok[idx, : self.R], self.out_logp[idx, : self.R], self.step[idx].clone()
+        return self.out_tok[idx, : self.R], self.out_logp[idx, : self.R], self.resp_len[idx].clone()

@@ -1,6 +1,7 @@
 """The decode sampler as two Triton kernels: Gumbel-max (or argmax) and the log-prob in one pass over the vocab.
 
-Same contract and noise as `sampling.sample` for the `sample` and `greedy` modes: token = argmax(logits / T + G),
+Same contract and noise as `sampling.sample` for the `sample` and `greedy` modes (`sampling.build_sampler` picks
+this kernel once per engine on CUDA with Triton; `filtered` stays in torch there): token = argmax(logits / T + G),
 G = -log(-log(u)), u from the 32-bit counter hash of (seed, step, token id); log-prob = logits[tok] / T -
 logsumexp(logits / T). `_partial_kernel` runs (row, split) programs, each walking ~SPLIT_V vocab entries in BLOCK_V
 chunks with the best score and its index per lane and an online logsumexp; `_combine_kernel`
@@ -11,7 +12,7 @@ ties go to the lowest index (as torch.argmax) however the vocab is split, so the
 it only reorders the logsumexp's fp32 sum. The hash runs in uint32, whose wrapping multiply equals the
 int64-and-mask arithmetic of `sampling._mix32`, so the noise is bit-identical; `log` may differ from torch's in the
 last ulp, so a near-tie can resolve differently between this kernel and the torch path (each is deterministic on
-its own). `filtered` (top-k / top-p) needs a sort and stays in torch.
+its own). `filtered` (top-k / top-p) needs a sort and stays in torch (`sampling.kernel_sample`).
 
 The draw is the exponential race (`_chunk`): argmax exp(x - m) / E with E = -log(u), the same argmax as
 x - log(-log u) in exact arithmetic with one log per entry instead of two, and one running max per program (one exp
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.rollout import sampling
-from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton, triton_available
+from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton
 
 BLOCK_V = 1024  # vocab entries per loop iteration of a program (H200 sweep: 1024 × 4 warps fastest)
 SPLIT_V = 8192  # vocab entries per program: ~19 programs per row at V = 151,936
 WARPS = 4
+KERNEL_MODES = ("greedy", "sample")  # `filtered` needs a sort over the vocab: `sampling.sample`
 
 
 @jit
@@ -132,12 +133,12 @@ def auto_splits(V: int) -> int:
 def fused_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor, *,
                  num_splits: int | None = None, block: int | None = None, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.sample` with `greedy` and `sample` in two kernels; `filtered` goes to the torch version.
-    `num_splits` (programs per row) defaults to `auto_splits(V)`; splits beyond the vocab stay empty."""
-    if mode == "filtered" or not triton_available(logits_NV.device):
-        return sampling.sample(logits_NV, mode, temperature, top_k, top_p, seeds_N, steps_N)
-    if mode not in sampling.MODES:
-        raise ValueError(f"sampling mode={mode!r}; choose one of {sampling.MODES}")
+    """`sampling.sample` for the `greedy` and `sample` modes, in two kernels (`sampling.kernel_sample` routes
+    `filtered` to torch). `num_splits` (programs per row) defaults to `auto_splits(V)`; splits beyond the vocab
+    stay empty."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"fused_sample mode={mode!r}: the kernel draws {KERNEL_MODES}; top-k/top-p ('filtered') "
+                         "goes through sampling.sample (sampling.kernel_sample routes it)")
     logits = logits_NV if logits_NV.stride(-1) == 1 else logits_NV.contiguous()
     N, V = logits.shape
     splits = auto_splits(V) if num_splits is None else num_splits

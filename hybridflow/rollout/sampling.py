@@ -7,6 +7,8 @@ u = hash(seed, step, v): elementwise noise plus two reductions (argmax, logsumex
 single passes over the vocab — no sort and no scan (an inverse-CDF sampler needs a cumsum over 151,936 logits,
 ~0.9 ms per decode step on an H200 and a construct Inductor failed to compile). top-k/top-p needs the sorted
 distribution anyway, so it draws one uniform per row and inverts the CDF of the filtered, sorted probabilities.
+Which implementation samples (`Sampler`: torch, compiled torch, or the Triton kernel of sample_kernel.py) is
+decided once per engine by `build_sampler`.
 
 Legend: N rows being sampled, V vocab.
 """
@@ -14,12 +16,17 @@ Legend: N rows being sampled, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from hybridflow.rollout import sample_kernel
+from hybridflow.rollout.triton_util import triton_available
+from hybridflow.utils.compile import GuardedCompile
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +162,38 @@ def sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k:
     p_j = kept.gather(-1, j[:, None]).squeeze(-1)
     tok = sorted_idx.gather(-1, j[:, None]).squeeze(-1)
     return tok, torch.log(p_j / z)
+
+
+class Sampler(Protocol):
+    """(token ids [N] int64, log-probs [N] float32) for logits [N, V]; the contract of `sample`, whose noise every
+    implementation reproduces. `temperature`, `top_k`, `top_p` are 0-d device tensors (graph-captured)."""
+
+    def __call__(self, logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+def build_sampler(device: torch.device, compiled: bool) -> Sampler:
+    """The engine's sampler, chosen once: on CUDA with Triton `kernel_sample` (the fused kernel); elsewhere
+    `sample`, `torch.compile`d when `compiled` (one process-wide compiled copy, shapes specialised as the decode
+    ops' are)."""
+    if device.type == "cuda" and triton_available(device):
+        return kernel_sample
+    return _compiled_sample() if compiled else sample
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_sample() -> Sampler:
+    return GuardedCompile(sample, "the rollout's sampler", dynamic=None)
+
+
+def kernel_sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy` and `sample` in the fused Triton kernel (`sample_kernel.fused_sample`, one pass over the vocab);
+    `filtered` in `sample` (top-k/top-p needs the sorted distribution)."""
+    if mode in sample_kernel.KERNEL_MODES:
+        return sample_kernel.fused_sample(logits_NV, mode, temperature, top_k, top_p, seeds_N, steps_N)
+    return sample(logits_NV, mode, temperature, top_k, top_p, seeds_N, steps_N)
 
 
 def sampler_values(params: SamplingParams, vocab_size: int) -> tuple[float, int, float]:

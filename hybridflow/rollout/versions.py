@@ -41,7 +41,7 @@ class TokenVersions:
                                "e.g. after a rollback, with the current step)")
         slots = list(in_flight)
         if slots:
-            steps = runner.step[torch.tensor(slots, dtype=torch.long, device=runner.device)].tolist()
+            steps = runner.resp_len[torch.tensor(slots, dtype=torch.long, device=runner.device)].tolist()
             for s, k in zip(slots, steps):
                 self._spans[s].append((int(k), version))
         self.current = version

@@ -1,15 +1,17 @@
-"""Losses of the supervised trainers (SFT, reward model, DPO/IPO/SimPO), as `TrainEngine.forward_backward` loss closures.
+"""Losses of the supervised trainers (SFT, reward model, DPO/IPO/SimPO), each an `engine.LossFn`.
 
 Decision: each loss is this micro-batch's share of the whole mini-batch loss — normalised by the engine's
 `global_norm` (counts over every micro-batch on every data-parallel rank) — so the engine's summed gradients are
 exactly the whole-batch mean however it split the batch. Metrics are micro-batch means (the engine averages
-them). A new objective is one more entry in `SUPERVISED_LOSSES`.
+them). A new objective is one more entry in `SUPERVISED_LOSSES` (name → the loss class, built with the
+trainer's `loss_kwargs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,23 +21,24 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised_batch import last_response_values, pair_halves
 from hybridflow.utils.registry import Registry
 
-LossFn = Callable[[dict[str, torch.Tensor], DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
+if TYPE_CHECKING:  # the engine's import is heavy (FSDP, transformers); the driver imports these losses by name
+    from hybridflow.engine import LossFn
 
-SUPERVISED_LOSSES: Registry = Registry("supervised loss")
+Metrics = dict[str, torch.Tensor | float]
+SUPERVISED_LOSSES: Registry[Callable[..., LossFn]] = Registry("supervised loss")
 
 
 @SUPERVISED_LOSSES.register("sft")
-def make_sft_loss(**_: Any) -> LossFn:
+@dataclass(frozen=True)
+class SFTLoss:
     """Negative log-likelihood of the response (loss-mask) tokens, token-mean over the whole mini-batch."""
 
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto,
-                global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
+                 global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         logp_BR = outputs["log_probs"]
         mask_BR = mb.batch["response_mask"].to(logp_BR.dtype)
         loss = -(logp_BR * mask_BR).sum() / global_norm["token-mean"].clamp(min=1)
         return loss, {}  # the engine reports `loss` (summed shares = the whole-batch NLL)
-
-    return loss_fn
 
 
 def bradley_terry(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
@@ -44,22 +47,23 @@ def bradley_terry(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: floa
 
 
 @SUPERVISED_LOSSES.register("bradley_terry")
-def make_bt_loss(margin: float = 0.0, **_: Any) -> LossFn:
+@dataclass(frozen=True)
+class BradleyTerryLoss:
     """Bradley-Terry reward-model loss on interleaved (chosen, rejected) rows with score slots (the score is the
     value at the slot = the scalar head at the last real token), pair-mean over the whole mini-batch."""
 
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto,
-                global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    margin: float = 0.0
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
+                 global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         scores_B = last_response_values(outputs["values"], mb.batch["response_mask"])
         r_c, r_r = pair_halves(scores_B, mb.batch["pair_chosen"])
         # Every row has response tokens, so the sequence count over the mini-batch is 2 × its pairs.
         num_pairs = (global_norm["seq-mean-token-mean"] / 2).clamp(min=1)
-        loss = bradley_terry(r_c, r_r, margin).sum() / num_pairs
+        loss = bradley_terry(r_c, r_r, self.margin).sum() / num_pairs
         diff = (r_c - r_r).detach()
         return loss, {"rm/accuracy": (diff > 0).float().mean(), "rm/reward_margin": diff.mean(),
                       "rm/chosen_reward": r_c.detach().mean(), "rm/rejected_reward": r_r.detach().mean()}
-
-    return loss_fn
 
 
 def sequence_logps(logp_BR: torch.Tensor, mask_BR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,22 +93,26 @@ def preference_metrics(x: PairLogps, out: PreferenceLoss) -> dict[str, torch.Ten
 
 
 @SUPERVISED_LOSSES.register("preference")
-def make_preference_loss(loss_type: str = "dpo", beta: float = 0.1, label_smoothing: float = 0.0,
-                         gamma: float = 0.0, **_: Any) -> LossFn:
+@dataclass(frozen=True)
+class PairPreferenceLoss:
     """DPO / IPO / SimPO (`algorithms.preference`) on interleaved (chosen, rejected) rows: each row's response
     log-probs are summed over `response_mask`; the reference's come with the batch as `ref_log_prob` (absent for
     the reference-free SimPO). Pair-mean over the whole mini-batch."""
 
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto,
-                global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        ref = mb.batch["ref_log_prob"] if loss_type not in REFERENCE_FREE else None
+    loss_type: str = "dpo"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 0.0
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
+                 global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        ref = mb.batch["ref_log_prob"] if self.loss_type not in REFERENCE_FREE else None
         x = pair_logps(outputs["log_probs"], mb.batch["response_mask"], mb.batch["pair_chosen"], ref)
-        out = preference_loss(x, loss_type, beta, label_smoothing, gamma)
+        out = preference_loss(x, self.loss_type, self.beta, self.label_smoothing, self.gamma)
         num_pairs = (global_norm["seq-mean-token-mean"] / 2).clamp(min=1)  # every row has response tokens
         return out.loss_P.sum() / num_pairs, preference_metrics(x, out)
 
-    return loss_fn
-
 
 def build_loss(name: str, **kwargs: Any) -> LossFn:
+    """The registered loss `name` built with the trainer's `loss_kwargs`."""
     return SUPERVISED_LOSSES[name](**kwargs)

@@ -1,6 +1,6 @@
-"""The actor's and critic's loss closures handed to `TrainEngine.forward_backward`.
+"""The actor's and critic's losses (`engine.LossFn`) handed to `TrainEngine.forward_backward`.
 
-Each closure gets the engine's outputs for one micro-batch, the micro-batch itself and the mini-batch's global
+Each gets the engine's outputs for one micro-batch, the micro-batch itself and the mini-batch's global
 normaliser (so gradient accumulation and data parallelism give the whole-batch gradient) and returns
 `(loss, metrics)`. Metric values are this micro-batch's share; the engine sums shares and averages the rest.
 """
@@ -8,13 +8,14 @@ normaliser (so gradient accumulation and data parallelism give the whole-batch g
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridflow.algorithms import (
     POLICY_LOSSES,
+    PolicyLoss,
     agg_loss,
     compute_value_loss,
     kl_penalty,
@@ -23,8 +24,6 @@ from hybridflow.algorithms import (
 )
 from hybridflow.config.schema import ActorConfig, CriticConfig, RolloutISConfig
 from hybridflow.protocol import DataProto
-
-LossFn = Callable[[dict[str, torch.Tensor], DataProto, Any], tuple[torch.Tensor, dict[str, Any]]]
 
 
 def _norm(global_norm: Any, mode: str) -> Any:
@@ -43,64 +42,88 @@ def _local_mean(share: torch.Tensor, mask: torch.Tensor, mode: str, global_norm:
     return (share.detach() * g / local).to(share.dtype)
 
 
-def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: bool,
-                    rollout_is: RolloutISConfig | None = None) -> LossFn:
-    """`rollout_is` (mode set): the off-policy correction between the rollout engine and the trainer — each
-    token's policy-gradient loss is weighted by `rollout_is_weights(old_log_probs, rollout_log_probs)` (TIS or mask,
-    algorithms/rollout_is.py); its metrics are computed once per step on the driver over the whole batch."""
-    policy_loss = POLICY_LOSSES[cfg.policy_loss]
-    is_mode = rollout_is.mode if rollout_is is not None else None
-    if is_mode is not None and "rollout_is_weights" not in inspect.signature(policy_loss).parameters:
-        raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} takes no rollout_is_weights parameter, so "
-                         f"algorithm.rollout_is.mode={is_mode!r} cannot apply: add the parameter to the loss or set "
-                         "algorithm.rollout_is.mode=null")
-    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+@dataclass(frozen=True)
+class ActorLoss:
+    """PPO/GRPO actor loss: `policy_loss` (resolved once from `actor.policy_loss` by `make_actor_loss`) on the
+    advantages, minus the entropy bonus, plus the KL loss to the reference when `use_kl_loss`. `rollout_is` (mode
+    set): the off-policy correction between the rollout engine and the trainer — each token's policy-gradient loss
+    is weighted by `rollout_is_weights(old_log_probs, rollout_log_probs)` (TIS or mask, algorithms/rollout_is.py);
+    its metrics are computed once per step on the driver over the whole batch."""
 
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto, global_norm: Any) -> tuple[torch.Tensor, dict]:
+    cfg: ActorConfig
+    policy_loss: PolicyLoss
+    max_response_length: int
+    use_kl_loss: bool
+    rollout_is: RolloutISConfig | None = None
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
+                 global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        cfg = self.cfg
         log_prob = outputs["log_probs"]
         mask = mb.batch["response_mask"]
         # Strictly on-policy (one epoch, one mini-batch): the sampling policy is the current one, so the ratio is 1
         # and its gradient is the policy gradient; recomputing old log-probs would only cost a forward pass.
         old = mb.batch["old_log_probs"] if "old_log_probs" in mb.batch else log_prob.detach()
-        agg = dict(global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=max_response_length)
+        agg = dict(global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=self.max_response_length)
         is_kw: dict[str, torch.Tensor] = {}
-        if is_mode is not None:  # the old_log_prob stage always runs then (Resolved.recompute_old_log_prob)
-            is_kw["rollout_is_weights"] = rollout_is_weights(
-                mb.batch["old_log_probs"], mb.batch["rollout_log_probs"], mask, mode=is_mode, cap=rollout_is.cap)
-        pg_loss, pg_metrics = policy_loss(
+        if self.rollout_is is not None:  # the old_log_prob stage always runs then (Resolved.recompute_old_log_prob)
+            is_kw["rollout_is_weights"] = rollout_is_weights(mb.batch["old_log_probs"], mb.batch["rollout_log_probs"],
+                                                             mask, mode=self.rollout_is.mode, cap=self.rollout_is.cap)
+        low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+        high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+        pg_loss, pg_metrics = self.policy_loss(
             old, log_prob, mb.batch["advantages"], mask,
             clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
             **agg, **is_kw,
         )
         loss = pg_loss
         mode = cfg.loss_agg_mode
-        metrics: dict[str, Any] = {"actor/pg_loss": _local_mean(pg_loss, mask, mode, global_norm)}
+        metrics: dict[str, torch.Tensor | float] = {"actor/pg_loss": _local_mean(pg_loss, mask, mode, global_norm)}
         metrics |= {f"actor/{k}": v for k, v in pg_metrics.items()}
         if "entropy" in outputs:
             entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, **agg)
             metrics["actor/entropy"] = _local_mean(entropy, mask, mode, global_norm)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
-        if use_kl_loss:
+        if self.use_kl_loss:
             kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], cfg.kl_loss_type)
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = _local_mean(kl_loss, mask, mode, global_norm)
         return loss, metrics
 
-    return loss_fn
+
+def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: bool,
+                    rollout_is: RolloutISConfig | None = None) -> ActorLoss:
+    """The actor's loss with `actor.policy_loss` looked up in `POLICY_LOSSES` (built-ins and plugins' losses)."""
+    policy_loss = POLICY_LOSSES[cfg.policy_loss]
+    is_mode = rollout_is.mode if rollout_is is not None else None
+    if is_mode is not None and "rollout_is_weights" not in inspect.signature(policy_loss).parameters:
+        raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} takes no rollout_is_weights parameter, so "
+                         f"algorithm.rollout_is.mode={is_mode!r} cannot apply: add the parameter to the loss or set "
+                         "algorithm.rollout_is.mode=null")
+    return ActorLoss(cfg, policy_loss, max_response_length, use_kl_loss, rollout_is if is_mode is not None else None)
 
 
-def make_critic_loss(cfg: CriticConfig, max_response_length: int) -> LossFn:
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto, global_norm: Any) -> tuple[torch.Tensor, dict]:
+@dataclass(frozen=True)
+class CriticLoss:
+    """The clipped value loss (`compute_value_loss`) of the critic's values against the returns."""
+
+    cfg: CriticConfig
+    max_response_length: int
+
+    def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
+                 global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        cfg = self.cfg
         vf_loss, m = compute_value_loss(
             outputs["values"], mb.batch["returns"], mb.batch["values"], mb.batch["response_mask"],
             cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode,
-            global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=max_response_length,
+            global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=self.max_response_length,
         )
         vf_metric = _local_mean(vf_loss, mb.batch["response_mask"], cfg.loss_agg_mode, global_norm)
         return vf_loss, {"critic/vf_loss": vf_metric, "critic/vf_clipfrac": m["vf_clipfrac"],
                          "critic/vpred_mean": m["vpred_mean"]}
 
-    return loss_fn
+
+def make_critic_loss(cfg: CriticConfig, max_response_length: int) -> CriticLoss:
+    return CriticLoss(cfg, max_response_length)

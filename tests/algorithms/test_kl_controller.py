@@ -1,7 +1,5 @@
 """Fixed/adaptive KL controllers (exact Ziegler update), config building, state round-trip, KL-in-reward."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from hybridflow.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
 )
+from hybridflow.config.schema import KLCtrlConfig
 
 
 def test_fixed_never_moves():
@@ -39,20 +38,26 @@ def test_adaptive_exact_formula_up_and_down():
 
 @pytest.mark.parametrize("kind", ["adaptive", "kl_controller"])
 def test_build_adaptive_from_config(kind):
-    cfg = SimpleNamespace(type=kind, kl_coef=0.2, target_kl=0.05, horizon=500)
-    c = build_kl_controller(cfg)
+    c = build_kl_controller(KLCtrlConfig(type=kind, kl_coef=0.2, target_kl=0.05, horizon=500))
     assert isinstance(c, AdaptiveKLController)
     assert (c.value, c.target, c.horizon) == (0.2, 0.05, 500)
-    assert isinstance(build_kl_controller({"type": "fixed", "kl_coef": 0.3}), FixedKLController)
+    fixed = build_kl_controller(KLCtrlConfig(type="fixed", kl_coef=0.3, target_kl=0.1, horizon=10))
+    assert type(fixed) is FixedKLController and fixed.value == 0.3
+
+
+def test_build_takes_the_config_section_only():
+    """One type: the `algorithm.kl_ctrl` section, never a mapping with defaults filled in behind its back."""
+    with pytest.raises(AttributeError):
+        build_kl_controller({"type": "fixed", "kl_coef": 0.3})
 
 
 def test_build_errors_name_the_key():
     with pytest.raises(ValueError, match="algorithm.kl_ctrl.type"):
-        build_kl_controller(SimpleNamespace(type="pid", kl_coef=0.1, target_kl=0.1, horizon=10))
+        KLCtrlConfig(type="pid", kl_coef=0.1, target_kl=0.1, horizon=10)
     with pytest.raises(ValueError, match="target_kl"):
-        build_kl_controller(SimpleNamespace(type="adaptive", kl_coef=0.1, target_kl=0.0, horizon=10))
+        AdaptiveKLController(0.1, target_kl=0.0, horizon=10)
     with pytest.raises(ValueError, match="horizon"):
-        build_kl_controller(SimpleNamespace(type="adaptive", kl_coef=0.1, target_kl=0.1, horizon=0))
+        AdaptiveKLController(0.1, target_kl=0.1, horizon=0)
 
 
 def test_state_dict_round_trip():

@@ -12,7 +12,7 @@ import torch
 
 from hybridflow.algorithms.preference import PairLogps, dpo, ipo, preference_loss, simpo
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_losses import make_preference_loss
+from hybridflow.trainer.supervised_losses import PairPreferenceLoss
 
 
 def _log_sigmoid(z: float) -> float:
@@ -107,7 +107,7 @@ def test_engine_closure_sums_masked_tokens_and_uses_the_global_pair_count(loss_t
     mb = DataProto.from_dict({"response_mask": mask, "pair_chosen": torch.tensor([1, 0] * 3), "ref_log_prob": ref})
     kwargs = {"loss_type": loss_type, "beta": 0.5, "label_smoothing": 0.0, "gamma": 0.4}
     # the whole mini-batch holds 5 pairs over all ranks (this micro-batch 3 of them)
-    loss, metrics = make_preference_loss(**kwargs)({"log_probs": logp}, mb,
+    loss, metrics = PairPreferenceLoss(**kwargs)({"log_probs": logp}, mb,
                                                    {"seq-mean-token-mean": torch.tensor(10.0)})
     rows = [(sum(float(logp[b, t]) for t in range(R) if mask[b, t]), sum(float(ref[b, t]) for t in range(R) if mask[b, t]),
              float(mask[b].sum())) for b in range(B)]

@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from hybridflow.rollout import forward
 from hybridflow.rollout.decode_attention import decode_attention_ref
-from hybridflow.rollout.sampling import sample
 from hybridflow.utils.compile import GuardedCompile
 
 P, STEPS = 10, 4
@@ -120,7 +119,7 @@ def test_guarded_compile_fallback_keeps_the_fused_composition_equal(monkeypatch)
     runner = make_engine(model_of("qwen3"), P, 6)._prepare()
     guarded = forward.DecodeOps(qkv_normed=GuardedCompile(forward.qkv_normed, "qkv_normed"),
                                 mlp_block_norm=GuardedCompile(forward.mlp_block_norm, "mlp_block_norm"),
-                                embed_norm=GuardedCompile(forward.embed_norm, "embed_norm"), sample=sample)
+                                embed_norm=GuardedCompile(forward.embed_norm, "embed_norm"))
     fused = run_decode(runner, guarded)
     assert not (guarded.qkv_normed.ok or guarded.mlp_block_norm.ok or guarded.embed_norm.ok)
     assert_same(fused, run_decode(runner, forward.DecodeOps(fuse_norms=False)))

@@ -23,7 +23,6 @@ pytest.importorskip("triton")
 from hybridflow.rollout import forward, triton_util  # noqa: E402
 from hybridflow.rollout.decode_attention import decode_attention_ref  # noqa: E402
 from hybridflow.rollout.kv_store_kernel import store_kv, store_kv_ref  # noqa: E402
-from hybridflow.rollout.sampling import sample  # noqa: E402
 
 
 def make(S, b, hkv, T, d, dtype, seed=0):
@@ -97,7 +96,7 @@ def test_decode_with_the_kernel_generates_like_index_put(monkeypatch):
     """`forward.decode` through `DecodeOps.kv_store` (slots reused: 27 rows through 8) vs the index_put path."""
     model = make_model("qwen").to(DEV)
     prompts = make_prompts(9, 12, model.config.vocab_size, seed=3, meta={"n": 3, "seeds": list(range(9))})
-    monkeypatch.setattr(forward, "_triton_kernels", lambda device: (decode_attention_ref, sample))
+    monkeypatch.setattr(forward, "_triton_attention", lambda device: decode_attention_ref)
     plain = make_engine(model, max_num_seqs=8, enforce_eager=True).generate(prompts)
     monkeypatch.setattr(forward, "_triton_kv_store", lambda device: store_kv)
     engine = make_engine(model, max_num_seqs=8, enforce_eager=True)

@@ -157,7 +157,6 @@ def test_ranged_extension_matches_the_sdpa_extension(model, monkeypatch):
     from hybridflow.rollout.decode_attention import decode_attention_ref
     from hybridflow.rollout.kv_store_kernel import store_kv_ref
     from hybridflow.rollout.model_runner import ModelRunner
-    from hybridflow.rollout.sampling import sample
 
     def run():
         eng = _engine(model, R=48, temperature=1.0)
@@ -168,7 +167,7 @@ def test_ranged_extension_matches_the_sdpa_extension(model, monkeypatch):
     _, sdpa = run()
     calls = []
     real = ModelRunner._extend_ranged
-    monkeypatch.setattr(forward, "_triton_kernels", lambda device: (decode_attention_ref, sample))
+    monkeypatch.setattr(forward, "_triton_attention", lambda device: decode_attention_ref)
     monkeypatch.setattr(forward, "_triton_kv_store", lambda device: store_kv_ref)
     monkeypatch.setattr(ModelRunner, "_extend_ranged", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
     eng, ranged = run()

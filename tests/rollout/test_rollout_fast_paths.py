@@ -39,7 +39,7 @@ def test_range_attention_equals_masked_sdpa(monkeypatch):
     model = make_model("qwen")
     prompts = make_prompts(9, 12, model.config.vocab_size, seed=3, meta={"n": 3, "seeds": list(range(9))})
     sdpa = make_engine(model, max_num_seqs=8).generate(prompts)  # 27 rows through 8 slots: slots are reused
-    monkeypatch.setattr(forward, "_triton_kernels", lambda device: (decode_attention_ref, sample))
+    monkeypatch.setattr(forward, "_triton_attention", lambda device: decode_attention_ref)
     engine = make_engine(model, max_num_seqs=8)
     ranged = engine.generate(prompts)
     assert engine._runner.ops.attention is decode_attention_ref

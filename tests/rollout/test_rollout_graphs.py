@@ -23,9 +23,9 @@ class _FakeGraph:
 
 def _fake_capture(self: ModelRunner, b: int, L: int) -> None:
     for _ in range(2):  # warm-up steps run for real, exactly as on the GPU
-        self._step(b, L, self.mode)
+        self._eager_step(b, L, self.mode)
     mode = self.mode
-    self.graphs[(b, L, mode)] = _FakeGraph(lambda: self._step(b, L, mode))
+    self.graphs[(b, L, mode)] = _FakeGraph(lambda: self._eager_step(b, L, mode))
 
 
 def _generate(model, prompts, graphs: bool):
@@ -63,7 +63,7 @@ def test_failed_capture_falls_back_to_eager(monkeypatch, caplog):
     eager, _ = _generate(model, prompts, graphs=False)
 
     def broken(self, b, L):
-        self._step(b, L, self.mode)  # dirties the slot state before failing: the snapshot must restore it
+        self._eager_step(b, L, self.mode)  # dirties the slot state before failing: the snapshot must restore it
         raise RuntimeError("capture not permitted")
 
     monkeypatch.setattr(ModelRunner, "_capture", broken)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from rollout_helpers import rollout_cfg
+from rollout_helpers import make_engine, make_model, rollout_cfg
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from hybridflow.rollout.sampling import SamplingParams, row_seed, sample, sampler_values
+from hybridflow.rollout.forward import DecodeOps
+from hybridflow.rollout.sampling import (
+    SamplingParams,
+    build_sampler,
+    kernel_sample,
+    row_seed,
+    sample,
+    sampler_values,
+)
 from hybridflow.rollout.sampling import uniform_from_counter as uniform
+from hybridflow.rollout.triton_util import triton_available
 
 
 def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = 40000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,3 +85,17 @@ def test_params_validation_and_overrides():
     q = p.with_overrides({"n": 1, "do_sample": False, "unrelated": 1})
     assert (q.n, q.mode) == (1, "greedy")
     assert SamplingParams.from_config(rollout_cfg(), validate=True).mode == "greedy"
+
+
+def test_the_engine_picks_its_sampler_once_per_device():
+    """One typed `Sampler` chosen at the engine's set-up (not a field of the decode ops swapped per device)."""
+    cpu = torch.device("cpu")
+    assert build_sampler(cpu, compiled=False) is sample
+    compiled = build_sampler(cpu, compiled=True)
+    assert compiled is build_sampler(cpu, compiled=True) and compiled.fn is sample  # one process-wide compile
+    if torch.cuda.is_available() and triton_available("cuda"):
+        assert build_sampler(torch.device("cuda"), compiled=False) is kernel_sample
+    runner = make_engine(make_model("tiny"))._prepare()
+    assert runner.sampler is sample and "sample" not in {f.name for f in dataclasses.fields(DecodeOps)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runner.ops.attention = None

@@ -15,7 +15,7 @@ from rollout_helpers import CUDA, DEV, needs_kernel, rerun_under_triton_interpre
 pytest.importorskip("triton")
 from hybridflow.rollout import sample_kernel as sk  # noqa: E402
 from hybridflow.rollout import triton_util  # noqa: E402
-from hybridflow.rollout.sampling import row_seed, sample  # noqa: E402
+from hybridflow.rollout.sampling import kernel_sample, row_seed, sample  # noqa: E402
 
 
 def _args(N, V, temp=0.7, seed=0):
@@ -74,9 +74,11 @@ def test_auto_splits_is_a_function_of_the_vocab():
 def test_filtered_mode_uses_torch():
     logits, t, _, _, seeds, steps = _args(8, 40)
     k, p = torch.tensor(5, device=DEV), torch.tensor(0.9, device=DEV)
-    tok, logp = sk.fused_sample(logits, "filtered", t, k, p, seeds, steps)
+    tok, logp = kernel_sample(logits, "filtered", t, k, p, seeds, steps)
     ref_tok, ref_logp = sample(logits, "filtered", t, k, p, seeds, steps)
     assert torch.equal(tok, ref_tok) and torch.equal(logp, ref_logp)
+    with pytest.raises(ValueError, match="filtered"):
+        sk.fused_sample(logits, "filtered", t, k, p, seeds, steps)
 
 
 @pytest.mark.skipif(not CUDA, reason="Qwen2 vocab at decode batch size and CUDA graphs need a GPU")

@@ -15,7 +15,7 @@ from hybridflow.rewards.synthetic import arithmetic
 from hybridflow.rewards.synthetic import sort as sort_score
 from hybridflow.trainer.rm import RMTrainer
 from hybridflow.trainer.supervised_batch import collate_pairs, pair_halves, split_pair
-from hybridflow.trainer.supervised_losses import make_bt_loss
+from hybridflow.trainer.supervised_losses import BradleyTerryLoss
 
 
 def _cfg(tmp_path, *extra: str):
@@ -92,7 +92,7 @@ def test_split_pair_and_interleaved_batch():
         pair_halves(scores, torch.tensor([0, 1, 1, 0, 1, 0]))
 
 
-def test_bradley_terry_closure_matches_reference():
+def test_bradley_terry_loss_matches_reference():
     torch.manual_seed(0)
     B, R = 6, 4
     values = torch.randn(B, R, requires_grad=True)
@@ -103,7 +103,7 @@ def test_bradley_terry_closure_matches_reference():
 
     mb = DataProto.from_dict({"response_mask": mask, "pair_chosen": torch.tensor([1, 0] * 3)})
     # The whole mini-batch has 5 pairs on all ranks (this micro-batch holds 3 of them).
-    loss, metrics = make_bt_loss(margin=0.5)({"values": values}, mb, {"seq-mean-token-mean": torch.tensor(10.0)})
+    loss, metrics = BradleyTerryLoss(margin=0.5)({"values": values}, mb, {"seq-mean-token-mean": torch.tensor(10.0)})
     last = mask.sum(-1) - 1
     r = values[torch.arange(B), last]
     expected = -F.logsigmoid(r[0::2] - r[1::2] - 0.5).sum() / 5

@@ -15,7 +15,7 @@ from hybridflow.data import SFTDataset, task_splits
 from hybridflow.models.loader import load_model, load_tokenizer
 from hybridflow.trainer.sft import SFTTrainer, run_sft
 from hybridflow.trainer.supervised_batch import collate_sft_rows, split_at_first_loss_token
-from hybridflow.trainer.supervised_losses import make_sft_loss
+from hybridflow.trainer.supervised_losses import SFTLoss
 
 
 def _cfg(tmp_path, *extra: str):
@@ -89,7 +89,7 @@ def test_sft_loss_matches_naive_reference(tmp_path):
         assert val["num_correct"].sum() == hits
         # The loss closure on the engine's log-probs = token-mean NLL; prompt tokens have no say.
         logp = torch.randn(batch.batch["responses"].shape)
-        loss, _ = make_sft_loss()({"log_probs": logp}, batch, {"token-mean": batch.batch["response_mask"].sum()})
+        loss, _ = SFTLoss()({"log_probs": logp}, batch, {"token-mean": batch.batch["response_mask"].sum()})
         m = batch.batch["response_mask"].float()
         assert torch.allclose(loss, -(logp * m).sum() / m.sum())
         # One engine step's reported loss is the naive whole-batch token-mean NLL at the starting weights.
