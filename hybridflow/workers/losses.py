@@ -8,7 +8,7 @@ normaliser (so gradient accumulation and data parallelism give the whole-batch g
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ class ActorLoss:
     max_response_length: int
     use_kl_loss: bool
     rollout_is: RolloutISConfig | None = None
+    loss_params: dict[str, float] = field(default_factory=dict)  # actor.* keys the policy loss declares (SAPO's taus)
 
     def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
@@ -74,7 +75,7 @@ class ActorLoss:
         pg_loss, pg_metrics = self.policy_loss(
             old, log_prob, mb.batch["advantages"], mask,
             clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-            **agg, **is_kw,
+            **agg, **is_kw, **self.loss_params,
         )
         loss = pg_loss
         mode = cfg.loss_agg_mode
@@ -102,7 +103,13 @@ def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: boo
         raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} takes no rollout_is_weights parameter, so "
                          f"algorithm.rollout_is.mode={is_mode!r} cannot apply: add the parameter to the loss or set "
                          "algorithm.rollout_is.mode=null")
-    return ActorLoss(cfg, policy_loss, max_response_length, use_kl_loss, rollout_is if is_mode is not None else None)
+    declared = inspect.signature(policy_loss).parameters
+    params = {k: getattr(cfg, k) for k in LOSS_PARAMS if k in declared}
+    return ActorLoss(cfg, policy_loss, max_response_length, use_kl_loss, rollout_is if is_mode is not None else None,
+                     params)
+
+
+LOSS_PARAMS = ("tau_pos", "tau_neg")  # actor.* keys handed to the policy losses that declare them (SAPO)
 
 
 @dataclass(frozen=True)

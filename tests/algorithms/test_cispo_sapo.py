@@ -98,3 +98,13 @@ def test_sapo_on_policy_gradient_equals_ppo_and_fades_off_policy():
     assert (far.grad.abs() > 0).all()
     with pytest.raises(ValueError, match="tau_pos"):
         POLICY_LOSSES.get("sapo")(old, far, adv, mask, tau_pos=0.0)
+
+
+def test_the_actor_loss_hands_sapo_its_temperatures_from_the_config():
+    from hybridflow.config import load_config
+    from hybridflow.workers.losses import make_actor_loss
+
+    cfg = load_config(overrides=["actor.policy_loss=sapo", "actor.tau_pos=0.5", "actor.tau_neg=2.0"]).actor
+    assert make_actor_loss(cfg, 8, False).loss_params == {"tau_pos": 0.5, "tau_neg": 2.0}
+    vanilla = load_config(overrides=["actor.policy_loss=cispo"]).actor
+    assert make_actor_loss(vanilla, 8, False).loss_params == {}  # losses without the parameters get none
