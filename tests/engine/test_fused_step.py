@@ -136,3 +136,50 @@ def test_a_checkpoint_of_the_other_optimizer_kind_loads_and_steps(saved_fused, m
     assert train_step(engine, data, nll_loss)["skipped"] == 0
     steps = [s["step"] for s in engine.optimizer.state.values()]
     assert steps and all(float(s) == 2.0 for s in steps)  # one saved step + this one; the skipped one not counted
+
+
+PREFETCH_SCRIPT = r'''
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, "tests/engine")
+from engine_testlib import make_batch, make_config, nll_loss
+from hybridflow.engine import TrainEngine, UpdatePlan, train_update, HeadRequest
+from hybridflow.workers.engine_specs import actor_spec
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+head, batches = HeadRequest("lm", 1.0, 1024, False), [make_batch(seed=s) for s in (1, 2, 3)]
+def run(offload):
+    engine = TrainEngine(actor_spec(make_config(f"actor.fsdp.optimizer_offload={offload}")), device="cuda")
+    places = []
+    for data in batches:
+        engine.to_mode("generate")
+        engine.to_mode("train")
+        places.append({v.device.type for s in engine.optimizer.state.values() for v in s.values()
+                       if torch.is_tensor(v) and v.dim()})
+        engine.infer(data, head)  # a log-prob pass before the update: the parked state stays parked
+        train_update(engine, data, nll_loss, head, UpdatePlan(len(data)))
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # one rank: the whole tensor
+    weights = [local(p) for p in engine.module.parameters()]
+    moments = [local(v) for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
+    return weights, moments, places
+w0, m0, p0 = run("false")
+w1, m1, p1 = run("true")
+assert all(torch.equal(a, b) for a, b in zip(w0, w1)), "weights differ"
+assert all(torch.equal(a, b.to(a.device)) for a, b in zip(m0, m1)), "moments differ"
+assert p0[1:] == [{"cuda"}] * 2 and p1[1:] == [{"cpu"}] * 2, (p0, p1)
+print("prefetch ok")
+'''
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the optimizer prefetch runs on a side CUDA stream")
+def test_parked_optimizer_state_comes_back_for_the_update_only_and_steps_the_same():
+    """optimizer_offload=true: after generation the Adam state stays on the CPU through the log-prob passes and
+    returns on a side stream when the update starts; the weights and moments equal those of the state kept on the
+    GPU, bit for bit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT], cwd=root, capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"PYTHONPATH": str(root)})
+    assert proc.returncode == 0 and "prefetch ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
