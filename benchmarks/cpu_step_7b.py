@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as hybridflow/cli.py: before torch loads its OpenMP runtime
 
 import argparse
+import functools
 import json
 import logging
 import resource
@@ -30,8 +31,9 @@ from typing import Any
 
 import torch
 
+from benchmarks import harness
 from benchmarks.lora_gpu import SEVEN_B, TUNED
-from benchmarks.run import bench_overrides, summarize, synthetic_batch, track_generate_peak, track_stage_peaks
+from benchmarks.run import bench_overrides, synthetic_batch, track_generate_peak, track_stage_peaks
 from hybridflow.engine import host_optim
 
 log = logging.getLogger("bench.cpu_step_7b")
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         trainer.close()
     timed = [s for s in res["steps"] if s["timed"]]
     res["trained_params"] = host_steps.get("params")
-    res["median"] = summarize([{k: v for k, v in s.items() if not isinstance(v, bool)} for s in timed])
+    res["median"] = harness.summarize([{k: v for k, v in s.items() if not isinstance(v, bool)} for s in timed])
     res["max"] = {k: max(s.get(k, 0.0) for s in res["steps"])
                   for k in ("gpu_peak_gb", "gpu_peak_reserved_gb", "host_peak_rss_gb") if k in res["steps"][0]}
     res["min_host_available_gb"] = min(s["host_available_gb"] for s in res["steps"])
@@ -155,30 +157,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--preset", default="qwen2.5-7b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=256)
+    harness.add_workload_args(ap)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation, CUDA graphs)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
-    ap.add_argument("--override", action="append", default=[], help="a.b=c, after this benchmark's; repeatable")
+    harness.add_override_arg(ap, "a.b=c, after this benchmark's; repeatable")
     ap.add_argument("--critic-preset", default=None, help="PPO with a critic of this preset's shape (GAE)")
     ap.add_argument("--name", default="cpu_step_7b", help="the JSON file's name, <out>/<name>.json")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks the code path)")
     args = ap.parse_args()
-    if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
+    harness.apply_smoke(args, SMOKE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def save(res: dict[str, Any]) -> None:
-        tmp = out / f"{args.name}.json.tmp"
-        tmp.write_text(json.dumps(res, indent=1, default=str))
-        tmp.replace(out / f"{args.name}.json")
-
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    save = functools.partial(harness.write_json, Path(args.out) / f"{args.name}.json")
     res = run(args, save)
     save(res)
     print(json.dumps({k: res[k] for k in ("preset", "workload", "trained_params", "startup_s", "after_build",

@@ -17,13 +17,13 @@ for both, so it compares like with like. `max_abs_diff` is triton vs sdpa on the
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import emit_json_line
 from hybridflow.rollout.decode_attention import decode_attention
 
 CASES = [  # (b, Hkv, G, D, L)
@@ -135,11 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     result = dict(bench="decode_attention", gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
                   triton=__import__("triton").__version__, python=platform.python_version(), cases=cases)
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit_json_line(result, args.out)
     return result
 
 

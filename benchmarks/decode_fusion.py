@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import platform
 import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.harness import emit_json_line
 from hybridflow.models.presets import preset_config
 from hybridflow.rollout import forward
 from hybridflow.rollout.kv_cache import KVCache
@@ -210,11 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["kernels_saved_per_step"] = rows[0]["kernels_per_step"] - row["kernels_per_step"]
     res["max_abs_logit_diff"] = max(r["max_abs_logit_diff_vs_engine"] for r in rows[1:])
     res["argmax_agree"] = min(r["argmax_agree_vs_engine"] for r in rows[1:])
-    line = json.dumps(res)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit_json_line(res, args.out)
     return res
 
 

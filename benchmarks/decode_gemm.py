@@ -15,12 +15,12 @@ Prints one JSON line: per (preset, projection, rows) cuBLAS µs, the best Triton
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import emit_json_line
 from hybridflow.models.presets import preset_config
 from hybridflow.rollout.triton_util import jit, tl, triton
 
@@ -164,11 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{preset} {name} M={M} N={N} K={K}: cublas {r['cublas_us']} us, triton {b.get('us')} us "
                           f"{b.get('config')} ({r['speedup']}x), floor {r['hbm_floor_us']} us", flush=True)
         res["wall_s"] = round(time.perf_counter() - t0, 1)
-    line = json.dumps(res)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit_json_line(res, args.out)
     return res
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import commit, write_json
 from hybridflow.checkpoint import CheckpointManager, atomic
 
 # Calls made only while the run shuts down: an error naming one of them hides the call the kill landed in.
@@ -378,13 +379,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def environment() -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    return {"commit": commit or None, "torch": torch.__version__, "python": sys.version.split()[0],
-            "cpus": os.cpu_count(), "date_unix": round(time.time())}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt-trials", type=int, default=12)
@@ -410,7 +404,9 @@ def main() -> None:
     if args.hang_child is not None:
         print(json.dumps(hang_trial(args.hang_child, args.hang_timeout)), flush=True)
         return
-    result: dict[str, Any] = {"env": environment()}
+    result: dict[str, Any] = {"env": {"commit": commit() or None, "torch": torch.__version__,
+                                      "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                                      "date_unix": round(time.time())}}
     if args.ckpt_trials > 0:
         result["checkpoint"] = ckpt_trials(args.ckpt_trials, args.seed, args.max_delay)
     if args.ray_trials > 0:
@@ -423,7 +419,7 @@ def main() -> None:
     print(json.dumps(result))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fault_trials.json").write_text(json.dumps(result, indent=1))
+        write_json(args.out / "fault_trials.json", result)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import parse_seeds, run_child, write_table
 
 log = logging.getLogger("bench.learning")
 
@@ -286,22 +286,11 @@ def loss_terms(work: Path, prompts: int = 32, n: int = 8, seed: int = 0) -> dict
 
 # ------------------------------------------------------------------------------------------------- driver
 def launch(side: str, seed: int, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "benchmarks.learning", *argv, "--child", f"{side}:{seed}"]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    row: dict[str, Any] = {"side": side, "seed": seed, "recipe": args.recipe if side == "ours" else "trl-defaults",
-                           "overrides": args.overrides if side == "ours" else [],
-                           "wall_seconds": time.perf_counter() - start, "returncode": proc.returncode}
-    if proc.returncode == 0:
-        row |= json.loads(proc.stdout.strip().splitlines()[-1])
-    else:
-        row["error"] = proc.stderr[-3000:]
-    out = Path(args.out)
-    with (out / "runs.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    row = run_child(cmd, {"side": side, "seed": seed, "recipe": args.recipe if side == "ours" else "trl-defaults",
+                          "overrides": args.overrides if side == "ours" else []}, Path(args.out) / "runs.jsonl")
     status = (f"{100 * row['start']:.1f}% → {100 * row['end']:.1f}% ({100 * row['gain']:+.1f})" if "gain" in row
-              else f"FAILED rc={proc.returncode}: {row['error'][-500:]}")
+              else f"FAILED rc={row['returncode']}: {row['error'][-500:]}")
     print(f"{side} seed {seed}: {status} ({row['wall_seconds']:.0f}s)", flush=True)
     return row
 
@@ -325,13 +314,6 @@ def summarize(rows: list[dict[str, Any]]) -> str:
                      f"{max(g):+.1f} | {statistics.mean(g):+.1f} | {100 * statistics.mean(r['end'] for r in ok):.1f}"
                      f" | {max(r['train_seconds'] for r in ok):.0f} |")
     return "\n".join(lines)
-
-
-def parse_seeds(text: str) -> list[int]:
-    if "-" in text:
-        lo, hi = text.split("-")
-        return list(range(int(lo), int(hi) + 1))
-    return [int(s) for s in text.split(",")]
 
 
 def main() -> None:
@@ -376,9 +358,7 @@ def main() -> None:
             sides.remove("trl")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = [launch(side, seed, args, argv) for seed in parse_seeds(args.seeds) for side in sides]
-    table = summarize(rows)
-    (Path(args.out) / "summary.md").write_text(table + "\n")
-    print(table)
+    write_table(Path(args.out) / "summary.md", summarize(rows), append=False)
     if any("gain" not in r for r in rows):
         raise SystemExit(1)
 

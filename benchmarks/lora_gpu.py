@@ -26,6 +26,7 @@ lora_gpu.log (every part's output).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -39,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 # The example's 7B set-up (examples/grpo_lora_7b.yaml) for the training passes.
 SEVEN_B = ("model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=true",
@@ -96,13 +99,7 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
     come (a later OOM or timeout keeps the steps before it)."""
     import torch
 
-    from benchmarks.run import (
-        bench_overrides,
-        summarize,
-        synthetic_batch,
-        track_generate_peak,
-        track_stage_peaks,
-    )
+    from benchmarks.run import bench_overrides, synthetic_batch, track_generate_peak, track_stage_peaks
     from hybridflow.config import load_config
     from hybridflow.models.presets import preset_config
     from hybridflow.trainer.ppo import PPOTrainer
@@ -144,7 +141,7 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
     finally:
         trainer.close()
     timed = res["steps"][spec["warmup"]:] or res["steps"]
-    res["median"] = summarize(timed)
+    res["median"] = harness.summarize(timed)
     switch = [s["timing/switch"] for s in timed if "timing/switch" in s]
     if switch:
         res["switch_ms"] = {"median": 1e3 * statistics.median(switch), "max": 1e3 * max(switch), "n": len(switch)}
@@ -170,36 +167,11 @@ def run_trl(spec: dict[str, Any], save: Any) -> dict[str, Any]:
 
 def child(spec_json: str, result_path: Path) -> None:
     spec = json.loads(spec_json)
-
-    def save(res: dict[str, Any]) -> None:
-        tmp = result_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, default=str))
-        tmp.replace(result_path)
-
+    save = functools.partial(harness.write_json, result_path, indent=None)
     save((run_trl if spec["runner"] == "trl" else run_hybridflow)(spec, save))
 
 
 # ----------------------------------------------------------------------------------------------- parent side
-def environment() -> dict[str, str]:
-    """Date, commit, GPU, torch — without creating a CUDA context in this process (the parts need the memory)."""
-    import platform
-
-    commit = os.environ.get("BENCH_COMMIT", "")  # the device copy's git metadata can lag the tree
-    if not commit:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-        commit = git.stdout.strip() or "unknown"
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, check=False, timeout=30)
-        gpu = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else "cpu"
-    except (OSError, subprocess.TimeoutExpired):
-        gpu = "cpu"
-    import torch  # no CUDA context: only torch.cuda calls would create one
-
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "gpu": gpu,
-            "torch": torch.__version__, "python": platform.python_version()}
-
-
 def launch(part: Part, spec: dict[str, Any], limit_s: float, log_path: Path) -> dict[str, Any]:
     """Run one part in a child process (its own process group: a timeout kills its compile workers too) under
     `limit_s`, its output streamed into `log_path`; its row for lora_gpu.jsonl."""
@@ -298,11 +270,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=DEFAULT_PARTS, help=f"comma-separated, in run order (default {DEFAULT_PARTS})")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=256)
+    harness.add_workload_args(ap)
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--lora-alpha", type=float, default=64.0)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile, CUDA graphs)")
@@ -315,7 +283,7 @@ def main() -> None:
     ap.add_argument("--trl-ga", type=int, default=8, help="TRL gradient accumulation steps per optimizer step")
     ap.add_argument("--budget-s", type=float, default=530.0, help="all parts together; a part gets what is left")
     ap.add_argument("--timeout", action="append", default=[], metavar="PART=S", help="a part's own limit")
-    ap.add_argument("--override", action="append", default=[], help="a.b=c for every hybridflow part; repeatable")
+    harness.add_override_arg(ap, "a.b=c for every hybridflow part; repeatable")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, one step each (checks the code paths)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -323,9 +291,7 @@ def main() -> None:
     if args.child:
         child(args.child, Path(args.result))
         return
-    if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
+    harness.apply_smoke(args, SMOKE)
     known = PARTS
     names = [p for p in args.parts.split(",") if p]
     unknown = [p for p in names if p not in known]
@@ -339,7 +305,7 @@ def main() -> None:
         timeouts[name] = float(sec)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = harness.environment(cuda_context=False)  # the parts, in child processes, need the GPU's memory
     deadline = time.perf_counter() + args.budget_s
     rows = []
     with open(out / "lora_gpu.jsonl", "a") as jsonl:
@@ -360,10 +326,7 @@ def main() -> None:
             jsonl.write(json.dumps(row, default=str) + "\n")
             jsonl.flush()
             print(f"{name}: {row['status']} ({row.get('wall_s', 0):.0f}s)", flush=True)
-    table = markdown(env, rows, args)
-    with open(out / "lora_gpu.md", "a") as fh:
-        fh.write(table + "\n\n")
-    print(table)
+    harness.write_table(out / "lora_gpu.md", markdown(env, rows, args))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
 from typing import Any
 
 import torch
+
+from benchmarks.harness import add_workload_args, utc_now, write_json
 
 # benchmarks/rollout.py builds the same random-init models
 from benchmarks.rollout import make_model, sync
@@ -138,12 +139,8 @@ def timed_generate(engine: RolloutEngine, prompts: DataProto, params: SamplingPa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="qwen2.5-0.5b")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=512)
+    add_workload_args(ap, response_len=512)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-len", type=int, default=96, help="mean tokens per assistant turn (stop-id share)")
     ap.add_argument("--tool-tokens", type=int, default=32)
@@ -207,7 +204,7 @@ def main() -> None:
     session.close()
 
     res = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+        "date": utc_now(), "host": platform.node(),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "args": vars(args),
         "trajectories": B * n, "turns_mean": m.get("num_turns/mean"), "tool_calls_mean": m.get("tool_calls/mean"),
@@ -224,8 +221,7 @@ def main() -> None:
     res["multi_vs_single_matched"] = res["multi_turn_reuse_tok_s"] / res["single_matched_tok_s"]
     res["multi_vs_single"] = res["multi_turn_reuse_tok_s"] / res["single_turn_tok_s"]
     res["reuse_vs_reprefill"] = res["multi_turn_reuse_tok_s"] / res["multi_turn_reprefill_tok_s"]
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     for k in ("turns_mean", "model_tokens", "response_len_mean", "multi_turn_reuse_s", "multi_turn_reuse_tok_s",
               "multi_turn_reprefill_tok_s", "reprefill_same_tokens", "reprefill_max_logp_diff", "single_turn_tok_s", "multi_vs_single",
               "single_matched_tok_s", "single_matched_same_lengths", "multi_vs_single_matched",

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-NUMERICS: dict[str, dict[str, str]] = {
-    "default": {},
-    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-}
+from benchmarks import harness
+from benchmarks.harness import min_med_max
 
 
 def seed_overrides(seed: int, fixed_model: bool = False) -> list[str]:
@@ -38,14 +34,6 @@ def seed_overrides(seed: int, fixed_model: bool = False) -> list[str]:
     also draws the train/validation split, which must stay the one the model was fine-tuned on."""
     rl = [f"rollout.seed={seed}", f"trainer.seed={seed + 1}"]
     return rl if fixed_model else [f"model.seed={seed}", f"data.seed={seed + 1}", *rl]
-
-
-def parse_seeds(text: str) -> list[int]:
-    """'0-7' or '0,3,5' → the seeds."""
-    if "-" in text:
-        lo, hi = text.split("-")
-        return list(range(int(lo), int(hi) + 1))
-    return [int(s) for s in text.split(",")]
 
 
 def sft_only_run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
@@ -119,23 +107,14 @@ def _async_summary(history: list[dict[str, float]]) -> dict[str, Any]:
 def launch(out: Path, work: Path, seed: int, numerics: str, overrides: list[str],
            sft_from: Path | None = None, model: Path | None = None, sft_only: bool = False) -> dict[str, Any]:
     run_dir = work / f"{numerics}_s{seed}"
-    env = {**os.environ, **NUMERICS[numerics], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--child", str(run_dir),
            *seed_overrides(seed, fixed_model=model is not None), *overrides,
            *([] if sft_from is None else ["--sft-from", str(sft_from / run_dir.name)]),
            *([] if model is None else ["--model", str(model)]), *(["--sft-only"] if sft_only else [])]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    row: dict[str, Any] = {"seed": seed, "numerics": numerics, "overrides": overrides,
-                           "wall_seconds": time.perf_counter() - start, "returncode": proc.returncode}
-    if proc.returncode == 0:
-        row |= json.loads(proc.stdout.strip().splitlines()[-1])
-    else:
-        row["error"] = proc.stderr[-3000:]
-    with (out / "runs.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    row = harness.run_child(cmd, {"seed": seed, "numerics": numerics, "overrides": overrides}, out / "runs.jsonl",
+                            harness.NUMERICS[numerics])
     status = (f"gain {100 * row['gain']:+.1f}" if "gain" in row else f"SFT val/loss {row['sft_val_loss']:.4f}"
-              if "sft_val_loss" in row else f"FAILED rc={proc.returncode}")
+              if "sft_val_loss" in row else f"FAILED rc={row['returncode']}")
     print(f"{numerics} seed {seed}: {status} ({row['wall_seconds']:.0f}s)", flush=True)
     return row
 
@@ -145,12 +124,6 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     lines = ["| numerics | runs | failed | start % | end % | gain (points) | SFT steps | total s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-    def mmm(vals: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
-        if not vals:
-            return "–"
-        v = [scale * x for x in vals]
-        return f"{min(v):{fmt}} / {statistics.median(v):{fmt}} / {max(v):{fmt}}"
-
     mixed = [r["async/mixed_version_rows"] for r in rows if "async/mixed_version_rows" in r]
     if mixed:
         lines[0] += " mixed-version rows % |"
@@ -159,11 +132,11 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     for g in groups:
         rs = [r for r in rows if g in ("all", r["numerics"])]
         ok = [r for r in rs if "gain" in r]
-        lines.append(f"| {g} | {len(rs)} | {len(rs) - len(ok)} | {mmm([r['start'] for r in ok], 100)} | "
-                     f"{mmm([r['end'] for r in ok], 100)} | {mmm([r['gain'] for r in ok], 100)} | "
-                     f"{mmm([r['sft_steps'] or 0 for r in ok], 1, '.0f')} | "
-                     f"{mmm([r['total_seconds'] for r in ok], 1, '.0f')} |"
-                     + (f" {mmm([r.get('async/mixed_version_rows', 0.0) for r in ok], 100)} |" if mixed else ""))
+        lines.append(f"| {g} | {len(rs)} | {len(rs) - len(ok)} | {min_med_max([r['start'] for r in ok], 100)} | "
+                     f"{min_med_max([r['end'] for r in ok], 100)} | {min_med_max([r['gain'] for r in ok], 100)} | "
+                     f"{min_med_max([r['sft_steps'] or 0 for r in ok], 1, '.0f')} | "
+                     f"{min_med_max([r['total_seconds'] for r in ok], 1, '.0f')} |"
+                     + (f" {min_med_max([r.get('async/mixed_version_rows', 0.0) for r in ok], 100)} |" if mixed else ""))
     return "\n".join(lines)
 
 
@@ -184,12 +157,7 @@ def summarize_sft(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", default="0-7")
-    parser.add_argument("--numerics", default="default,avx2")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one core each)")
-    parser.add_argument("--out", default="runs/quickstart_seeds")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="a.b=c")
+    harness.add_sweep_args(parser, seeds="0-7", out="runs/quickstart_seeds")
     parser.add_argument("--work", default=None, help="where the runs write (default: --out)")
     parser.add_argument("--sft-from", default=None, help="a sweep's work folder: start GRPO from its SFT models")
     parser.add_argument("--model", default=None, help="an HF directory every run's RL phase starts from (no SFT)")
@@ -204,20 +172,15 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    numerics = args.numerics.split(",")
-    unknown = [n for n in numerics if n not in NUMERICS]
-    if unknown:
-        raise SystemExit(f"--numerics {','.join(unknown)}: choose from {', '.join(NUMERICS)}")
-    jobs = [(s, n) for n in numerics for s in parse_seeds(args.seeds)]
+    numerics = harness.parse_choices(args.numerics, harness.NUMERICS, "--numerics")
+    jobs = [(s, n) for n in numerics for s in harness.parse_seeds(args.seeds)]
     with ThreadPoolExecutor(args.jobs) as pool:
         work = Path(args.work) / out.name if args.work else out  # one folder per sweep: sweeps may run side by side
         sft_from = Path(args.sft_from) if args.sft_from else None
         model = Path(args.model).resolve() if args.model else None
         rows = list(pool.map(lambda j: launch(out, work, j[0], j[1], args.overrides, sft_from, model,
                                               args.sft_only), jobs))
-    table = summarize_sft(rows) if args.sft_only else summarize(rows)
-    (out / "summary.md").write_text(table + "\n")
-    print(table)
+    harness.write_table(out / "summary.md", summarize_sft(rows) if args.sft_only else summarize(rows), append=False)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ import argparse
 import functools
 import json
 import logging
-import platform
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import harness
+from benchmarks.harness import cell
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.registry import REWARD_FUNCTIONS
@@ -221,11 +221,6 @@ def decode_roofline(model_cfg: Any, rows: int, prompt_len: int, new_tokens: int,
     return {"weight_bytes": weight_bytes, "kv_bytes_mean": kv_bytes, "roofline_tok_s": rows / step_s}
 
 
-def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
-    keys = sorted({k for m in steps for k in m})
-    return {k: float(np.median([m[k] for m in steps if k in m])) for k in keys}
-
-
 def track_generate_peak(trainer: Any, dev: torch.device) -> None:
     """Make each step's metrics carry `perf/gen_peak_memory_gb`, the peak allocated during generation (CUDA)."""
     orig_generate = trainer.algorithm.generate
@@ -314,7 +309,7 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
             prof = busy_fraction(trainer, synthetic_batch(args.prompts, args.prompt_len, vocab, 999))
     finally:
         trainer.close()
-    med = summarize(steps)
+    med = harness.summarize(steps)
     rows, R = args.prompts * args.n, args.response_len
     gen_s = med.get("timing/generate", med["timing/gen"])
     res: dict[str, Any] = {
@@ -340,19 +335,6 @@ def run_preset(args: argparse.Namespace, preset: str, ceilings: dict[str, float]
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def environment() -> dict[str, str]:
-    commit = os.environ.get("BENCH_COMMIT", "")  # the device copy of the tree has no .git
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    check=False).stdout.strip()
-        except OSError:
-            commit = ""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit or "unknown",
-            "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
-
-
 def trl_step(out: Path, preset: str) -> float | None:
     """Median TRL step time from `benchmarks/trl_grpo.py`'s JSON in the same output directory, if it ran first."""
     path = out / f"trl_{preset}.json"
@@ -360,9 +342,6 @@ def trl_step(out: Path, preset: str) -> float | None:
 
 
 def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict[str, Any]]) -> str:
-    def f(v: Any, fmt: str = "{:.3f}") -> str:
-        return "-" if v is None else fmt.format(v)
-
     tag = f" [{env['tag']}]" if env.get("tag") else ""
     lines = [f"GRPO step loop{tag} — {env['date']}, commit {env['commit']}, {env['gpu']}, torch {env['torch']}",
              f"overrides: {env.get('overrides') or 'none'}"]
@@ -379,12 +358,12 @@ def markdown(env: dict[str, str], ceilings: dict[str, float], results: list[dict
     for r in results:
         med = r["median"]
         busy = r["profile"]["busy_fraction"] if r.get("profile") else None
-        lines.append(f"| {r['preset']} | " + " | ".join(f(med.get(f"timing/{s}")) for s in stages)
-                     + f" | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['decode_tok_s'], '{:.0f}')}"
-                     + f" | {f(r.get('decode_pct_roofline'), '{:.1f}')} | {f(r['update_mfu'], '{:.1%}')}"
-                     + f" | {f(busy, '{:.1%}')} | {f(r['peak_memory_gb'], '{:.1f}')}"
-                     + f" | {f(r['gen_peak_memory_gb'], '{:.1f}')} | {f(r.get('trl_step_s'), '{:.2f}')}"
-                     + f" | {f(r.get('speedup_vs_trl'), '{:.1f}x')} |")
+        lines.append(f"| {r['preset']} | " + " | ".join(cell(med.get(f"timing/{s}")) for s in stages)
+                     + f" | {cell(r['tokens_per_s'], '{:.0f}')} | {cell(r['decode_tok_s'], '{:.0f}')}"
+                     + f" | {cell(r.get('decode_pct_roofline'), '{:.1f}')} | {cell(r['update_mfu'], '{:.1%}')}"
+                     + f" | {cell(busy, '{:.1%}')} | {cell(r['peak_memory_gb'], '{:.1f}')}"
+                     + f" | {cell(r['gen_peak_memory_gb'], '{:.1f}')} | {cell(r.get('trl_step_s'), '{:.2f}')}"
+                     + f" | {cell(r.get('speedup_vs_trl'), '{:.1f}x')} |")
     for r in results:
         if r.get("profile"):
             lines += ["", f"top kernels over one {r['preset']} step (ms, calls):"]
@@ -403,15 +382,11 @@ def main() -> None:
     ap.add_argument("--suite", choices=["gpu", "custom"], default="custom",
                     help="gpu = qwen2.5-0.5b and 1.5b on cuda with profiling; custom = the flags below")
     ap.add_argument("--preset", action="append", help="model preset(s); repeatable (default per suite)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=256)
+    harness.add_workload_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--override", action="append", default=[], help="extra a.b=c config override; repeatable")
+    harness.add_override_arg(ap, "extra a.b=c config override; repeatable")
     ap.add_argument("--stage-peaks", action="store_true",
                     help="record each stage's peak GPU memory (perf/peak_gb/<stage>; syncs the GPU at stage edges)")
     ap.add_argument("--out", default="bench_out")
@@ -428,7 +403,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tuned = sorted({o for p in presets for o in tuned_overrides(p)}) if args.tuned else []
-    env = environment() | {"tag": args.tag, "overrides": " ".join(tuned + args.override)}
+    env = harness.environment() | {"tag": args.tag, "overrides": " ".join(tuned + args.override)}
     dev = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     ceilings = measure_ceilings(dev)
     results = []
@@ -438,12 +413,8 @@ def main() -> None:
         r["speedup_vs_trl"] = r["trl_step_s"] / r["step_s"] if r["trl_step_s"] else None
         results.append(r)
         name = f"bench_{preset}_{args.tag}" if args.tag else f"bench_{preset}"
-        (out / f"{name}.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "args": vars(args),
-                                                             "result": r}, indent=1, default=str))
-    table = markdown(env, ceilings, results)
-    with open(out / "bench.md", "a") as fh:  # several variants in one directory: one table each
-        fh.write(table + "\n\n")
-    print(table)
+        harness.write_json(out / f"{name}.json", {"env": env, "ceilings": ceilings, "args": vars(args), "result": r})
+    harness.write_table(out / "bench.md", markdown(env, ceilings, results))
 
 
 if __name__ == "__main__":

@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tool_calculator.yaml"
 CHECKPOINT = ROOT / "tests" / "assets" / "sft_tool_calculator"
-NUMERICS: dict[str, dict[str, str]] = {
-    "default": {},
-    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-}
 # The RL phase the tests and this sweep run: the example's 20 steps, validated before and after only; PPO with a critic
 # 15 (its margins held at 15 over 5 seeds x 2 numerics; GRPO's well-formed gain did not: docs/benchmarks.md, "Tool task
 # RL at 15 steps").
@@ -58,30 +52,17 @@ def rl_from_checkpoint(run_dir: Path, *overrides: str) -> dict[str, list[float]]
             "well_formed": [m[WELL_FORMED] for m in history if SUCCESS in m]}
 
 
-def _seconds(start: float) -> float:
-    return round(time.perf_counter() - start, 1)
-
-
 def launch(out: Path, seed: int, numerics: str, algo: str, overrides: list[str]) -> dict[str, Any]:
     run_dir = out / f"{algo}_{numerics}_s{seed}"
-    env = {**os.environ, **NUMERICS[numerics], "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "benchmarks.tool_task_seeds", "--child", str(run_dir), f"rollout.seed={seed}",
            f"trainer.seed={seed + 1}", *ALGOS[algo], *overrides]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    row: dict[str, Any] = {"algo": algo, "seed": seed, "numerics": numerics, "overrides": overrides,
-                           "wall_seconds": _seconds(start), "returncode": proc.returncode}
-    if proc.returncode == 0:
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
-        row |= res | {"success_gain": res["success"][-1] - res["success"][0],
-                      "well_formed_gain": res["well_formed"][-1] - res["well_formed"][0]}
-    else:
-        row["error"] = proc.stderr[-3000:]
-    with (out / "runs.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    row = harness.run_child(cmd, {"algo": algo, "seed": seed, "numerics": numerics, "overrides": overrides},
+                            out / "runs.jsonl", harness.NUMERICS[numerics], ROOT,
+                            lambda res: {"success_gain": res["success"][-1] - res["success"][0],
+                                         "well_formed_gain": res["well_formed"][-1] - res["well_formed"][0]})
     status = (f"success {100 * row['success'][0]:.1f}% -> {100 * row['success'][-1]:.1f}%, well-formed "
               f"{100 * row['well_formed'][0]:.1f}% -> {100 * row['well_formed'][-1]:.1f}%" if "success" in row
-              else f"FAILED rc={proc.returncode}")
+              else f"FAILED rc={row['returncode']}")
     print(f"{algo} {numerics} seed {seed}: {status} ({row['wall_seconds']:.0f}s)", flush=True)
     return row
 
@@ -92,11 +73,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
              "well-formed start % | well-formed end % | well-formed gain | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-    def mmm(vals: list[float], scale: float = 100.0) -> str:
-        if not vals:
-            return "–"
-        v = [scale * x for x in vals]
-        return f"{min(v):.1f} / {statistics.median(v):.1f} / {max(v):.1f}"
+    def mmm(vals: list[float], scale: float = 100.0) -> str:  # percent unless told
+        return harness.min_med_max(vals, scale)
 
     for algo in sorted({r["algo"] for r in rows}):
         for g in sorted({r["numerics"] for r in rows}) + ["all"]:
@@ -110,22 +88,10 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _parse_seeds(text: str) -> list[int]:
-    if "-" in text:
-        lo, hi = text.split("-")
-        return list(range(int(lo), int(hi) + 1))
-    return [int(s) for s in text.split(",")]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", default="0-4")
-    parser.add_argument("--numerics", default="default,avx2")
+    harness.add_sweep_args(parser, seeds="0-4", out="runs/tool_task_seeds")
     parser.add_argument("--algos", default="grpo,ppo")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one core each)")
-    parser.add_argument("--out", default="runs/tool_task_seeds")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="a.b=c")
     args = parser.parse_intermixed_args()
     if args.child:
         import torch
@@ -133,19 +99,14 @@ def main() -> None:
         torch.set_num_threads(1)
         print(json.dumps(rl_from_checkpoint(Path(args.child), *args.overrides)))
         return
-    numerics, algos = args.numerics.split(","), args.algos.split(",")
-    for given, valid, flag in ((numerics, NUMERICS, "--numerics"), (algos, ALGOS, "--algos")):
-        unknown = [x for x in given if x not in valid]
-        if unknown:
-            raise SystemExit(f"{flag} {','.join(unknown)}: choose from {', '.join(valid)}")
+    numerics = harness.parse_choices(args.numerics, harness.NUMERICS, "--numerics")
+    algos = harness.parse_choices(args.algos, ALGOS, "--algos")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, n, a) for a in algos for n in numerics for s in _parse_seeds(args.seeds)]
+    jobs = [(s, n, a) for a in algos for n in numerics for s in harness.parse_seeds(args.seeds)]
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda j: launch(out, j[0], j[1], j[2], args.overrides), jobs))
-    table = summarize(rows)
-    (out / "summary.md").write_text(table + "\n")
-    print(table)
+    harness.write_table(out / "summary.md", summarize(rows), append=False)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ base is held in bf16, as ours is. `benchmarks/lora_gpu.py` calls `run()`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from benchmarks.harness import add_workload_args, write_json
 
 log = logging.getLogger("bench.trl")
 
@@ -46,11 +47,7 @@ def word_tokenizer(vocab_size: int) -> Any:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen2.5-0.5b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=256)
+    add_workload_args(ap)
     ap.add_argument("--ga", type=int, default=8, help="gradient accumulation steps per optimizer step")
     ap.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument("--out", default="bench_out")
@@ -65,9 +62,8 @@ def main() -> None:
     args = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     res = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"trl_{args.preset}.json").write_text(json.dumps(res, indent=1))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    write_json(Path(args.out) / f"trl_{args.preset}.json", res)
     print(f"TRL {res['trl']} GRPO {args.preset}: median step {res['median_step_s']} s "
           f"(generate {res['median_gen_s']} s), peak {max(res['peak_memory_gb'], default='-')} GB")
 

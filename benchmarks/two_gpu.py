@@ -36,15 +36,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.run import (
-    BENCH_SOURCE,
-    bench_config,
-    bench_overrides,
-    environment,
-    summarize,
-    synthetic_batch,
-    tuned_overrides,
-)
+from benchmarks import harness
+from benchmarks.harness import cell
+from benchmarks.run import BENCH_SOURCE, bench_config, bench_overrides, synthetic_batch, tuned_overrides
 
 log = logging.getLogger("bench.two_gpu")
 
@@ -315,10 +309,6 @@ def cli_startup(args: argparse.Namespace, case: dict[str, Any]) -> dict[str, Any
     return res
 
 
-def median_of(values: list[float]) -> float | None:
-    return float(statistics.median(values)) if values else None
-
-
 def run_case(args: argparse.Namespace, case: dict[str, Any], *, probe: bool, kill: Any) -> dict[str, Any]:
     """One case on a fresh worker group; `kill()` (asked after the timed steps) says whether to end it with the
     kill test."""
@@ -353,7 +343,7 @@ def run_case(args: argparse.Namespace, case: dict[str, Any], *, probe: bool, kil
             if i >= args.warmup:
                 steps.append(m)
                 peaks.append(info)
-        med = summarize(steps)
+        med = harness.summarize(steps)
         rows = args.prompts * args.n
         res |= {"steps": steps, "median": med, "step_s": med["timing/step"],
                 "tokens_per_s": rows * (args.prompt_len + args.response_len) / med["timing/step"],
@@ -520,9 +510,6 @@ def derive(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str, Any]],
              derived: dict[str, Any], cli: list[dict[str, Any]] | None = None) -> str:
-    def f(v: Any, fmt: str = "{:.3f}") -> str:
-        return "-" if v is None else fmt.format(v)
-
     dev = next((c["ranks_info"][0].get("gpu") for c in cases if c.get("ranks_info")), None) or env["gpu"]
     lines = [f"Ray backend, 1 vs N ranks — {env['date']}, commit {env['commit']}, {dev}, torch {env['torch']}, "
              f"ray {env.get('ray', '?')}",
@@ -539,8 +526,8 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str
             continue
         med = c["median"]
         peaks = "/".join(f"{g:.1f}" for g in c.get("peak_allocated_gb_per_rank", [])) or "-"
-        lines.append(f"| {c['case']} | {c['ranks']} | " + " | ".join(f(med.get(f"timing/{s}")) for s in stages)
-                     + f" | {f(c['tokens_per_s'], '{:.0f}')} | {peaks} | {f(c.get('startup_s'), '{:.1f}')} |")
+        lines.append(f"| {c['case']} | {c['ranks']} | " + " | ".join(cell(med.get(f"timing/{s}")) for s in stages)
+                     + f" | {cell(c['tokens_per_s'], '{:.0f}')} | {peaks} | {cell(c.get('startup_s'), '{:.1f}')} |")
     lines += ["", "per case: GPU busy over one extra step (mean over processes), driver→all-processes empty call "
               "(p50 / p90 ms), update stage time outside the workers' own compute (batch delivery + dispatch + "
               "metrics, ms), peak allocated per GPU (processes sharing a GPU summed):", "",
@@ -553,27 +540,27 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str
         rpc = c.get("rpc_ms") or {}
         ms = {k: c.get(f"update_{k}_outside_compute_s") for k in ("actor", "critic")}
         per_gpu = "/".join(f"{g:.1f}" for g in c.get("peak_allocated_gb_per_gpu", [])) or "-"
-        lines.append(f"| {c['case']} | {f(busy, '{:.1%}')} | {f(rpc.get('p50'), '{:.2f}')} / "
-                     f"{f(rpc.get('p90'), '{:.2f}')} | {f(ms['actor'] and ms['actor'] * 1e3, '{:.0f}')} | "
-                     f"{f(ms['critic'] and ms['critic'] * 1e3, '{:.0f}')} | {per_gpu} |")
+        lines.append(f"| {c['case']} | {cell(busy, '{:.1%}')} | {cell(rpc.get('p50'), '{:.2f}')} / "
+                     f"{cell(rpc.get('p90'), '{:.2f}')} | {cell(ms['actor'] and ms['actor'] * 1e3, '{:.0f}')} | "
+                     f"{cell(ms['critic'] and ms['critic'] * 1e3, '{:.0f}')} | {per_gpu} |")
     if cli:
         lines += ["", "`hybridflow train` as a user starts it (arithmetic task, one step): seconds from the process "
                   "start to the first step's start (first metrics line minus that step's time):", "",
                   "| case | to first step start (s) | first step (s) | to first metrics (s) | exit |",
                   "|---|---:|---:|---:|---:|"]
         for r in cli:
-            lines.append(f"| {r['case']} | {f(r.get('to_first_step_start_s'), '{:.1f}')} | "
-                         f"{f(r.get('first_step_s'), '{:.1f}')} | {f(r.get('to_first_metrics_s'), '{:.1f}')} | "
+            lines.append(f"| {r['case']} | {cell(r.get('to_first_step_start_s'), '{:.1f}')} | "
+                         f"{cell(r.get('first_step_s'), '{:.1f}')} | {cell(r.get('to_first_metrics_s'), '{:.1f}')} | "
                          f"{r['rc']} |")
     for sc in derived["scaling"]:
         lines += ["", f"scaling {sc['algo']} {sc['preset']}, 1 → {sc['ranks']} ranks, same global batch "
                   f"(target ≥ 1.8× on the step for 2):", "",
                   "| stage | 1 rank (s) | " + f"{sc['ranks']} ranks (s) | speed-up |", "|---|---:|---:|---:|"]
         for s, v in sc["stages"].items():
-            lines.append(f"| {s} | {v['t1_s']:.3f} | {v['tn_s']:.3f} | {f(v['ratio'], '{:.2f}×')} |")
+            lines.append(f"| {s} | {v['t1_s']:.3f} | {v['tn_s']:.3f} | {cell(v['ratio'], '{:.2f}×')} |")
         ratio = sc["step_ratio"]
         met = "met" if ratio is not None and ratio >= 1.8 else "**missed**"
-        lines.append(f"\nstep speed-up {f(ratio, '{:.2f}×')} ({f(sc['efficiency'], '{:.0%}')} efficiency): {met}")
+        lines.append(f"\nstep speed-up {cell(ratio, '{:.2f}×')} ({cell(sc['efficiency'], '{:.0%}')} efficiency): {met}")
     if derived["switch"]:
         bw = next((sw["measured_busbw_gb_s"] for sw in derived["switch"] if sw.get("measured_busbw_gb_s")), None)
         lines += ["", "switch (train → generate → train) against the all-gather it needs; bytes per rank = "
@@ -585,14 +572,14 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cases: list[dict[str
                   "|---|---:|---:|---:|---:|" + ("---:|" if bw else "") + "---:|---:|"]
         for sw in derived["switch"]:
             lines.append(
-                f"| {sw['case']} | {f(sw['switch_s'] and sw['switch_s'] * 1e3, '{:.1f}')} "
+                f"| {sw['case']} | {cell(sw['switch_s'] and sw['switch_s'] * 1e3, '{:.1f}')} "
                 f"| {sw['bytes_per_rank_as_gathered'] / 1e6:.1f} (bf16; master {sw['param_dtype'].replace('torch.', '')}) "
                 f"| {sw['bytes_per_rank_bf16'] / 1e6:.1f} "
                 f"| {sw['bound_s_as_gathered_at_450GBs'] * 1e3:.2f} / {sw['bound_s_bf16_at_450GBs'] * 1e3:.2f} "
                 + (f"| {sw['bound_s_as_gathered_at_measured'] * 1e3:.2f} / {sw['bound_s_bf16_at_measured'] * 1e3:.2f} "
                    if bw else "")
-                + f"| {f(sw.get('effective_gb_s_as_gathered'), '{:.1f}')} "
-                f"| {f(sw.get('param_gather_only_s') and sw['param_gather_only_s'] * 1e3, '{:.1f}')} |")
+                + f"| {cell(sw.get('effective_gb_s_as_gathered'), '{:.1f}')} "
+                f"| {cell(sw.get('param_gather_only_s') and sw['param_gather_only_s'] * 1e3, '{:.1f}')} |")
     probe = next((c["collectives"] for c in cases if c.get("collectives")), None)
     if probe:
         lines += ["", "all_gather_into_tensor (" + probe["dtype"] + "): " + ", ".join(
@@ -625,16 +612,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", action="append", help=f"ALGO:PRESET:RANKS[:STEPS], repeatable, in order (default: "
                     f"{' '.join(DEFAULT_CASES)})")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=256)
+    harness.add_workload_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per case (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tuned", action=argparse.BooleanOptionalAction, default=True,
                     help="benchmarks.run's TUNED_* overrides (the critic gets the actor's)")
-    ap.add_argument("--override", action="append", default=[], help="extra a.b=c config override for every case")
+    harness.add_override_arg(ap, "extra a.b=c config override for every case")
     ap.add_argument("--kill-stage", choices=["update_actor", "gen", "none"], default="update_actor")
     ap.add_argument("--kill-frac", type=float, default=0.3, help="kill this fraction into the stage's median time")
     ap.add_argument("--allgather-mib", type=float, nargs="+", default=[4.0, 64.0, 512.0])
@@ -669,7 +652,7 @@ def main() -> None:
     else:  # CPU check: one logical CPU per process even on a 2-core box (the gloo ranks just share the cores)
         ray_kwargs["num_cpus"] = max(os.cpu_count() or 1, *(c["ranks"] * (2 if c["split"] else 1) for c in cases))
     init_ray(**ray_kwargs)
-    env = environment() | {"ray": ray.__version__, "ray_resources": ray.cluster_resources(),
+    env = harness.environment() | {"ray": ray.__version__, "ray_resources": ray.cluster_resources(),
                            "driver_env": {k: os.environ.get(k) for k in
                                           ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                            "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES"]}}
@@ -700,15 +683,12 @@ def main() -> None:
             durations.append(time.perf_counter() - t0)
             results[-1]["case_wall_s"] = durations[-1]
             derived = derive(results)
-            (out / "two_gpu.json").write_text(json.dumps(
-                {"env": env, "args": vars(args), "cli_startup": cli, "cases": results, "derived": derived},
-                indent=1, default=str))
+            harness.write_json(out / "two_gpu.json", {"env": env, "args": vars(args), "cli_startup": cli, "cases": results,
+                                              "derived": derived})
     finally:
         ray.shutdown()
     derived = derive(results)
-    table = markdown(env, args, results, derived, cli)
-    (out / "two_gpu.md").write_text(table + "\n")
-    print(table)
+    harness.write_table(out / "two_gpu.md", markdown(env, args, results, derived, cli), append=False)
     log.info("total %.1f s", time.perf_counter() - start)
 
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hybridflow.commands.common import add_config_args, fail, load_from_args
-from hybridflow.commands.tracked import TrackedRun, add_run_flags, next_command, sibling
+from hybridflow.commands.common import add_config_args
+from hybridflow.commands.tracked import add_run_flags, next_command, run_supervised_command, sibling
 from hybridflow.config import Config
-from hybridflow.tracking import Tracker
 
 SOURCES = "[{name: model, weight: 0.7}, {name: rule, weight: 0.3}]"
 
@@ -31,19 +30,5 @@ def rm_next_commands(cfg: Config, items: list[str], export: Path | None) -> list
 
 def run(args: argparse.Namespace) -> int:
     from hybridflow.trainer.rm import RMTrainer
-    from hybridflow.trainer.supervised import run_supervised
 
-    try:
-        cfg = load_from_args(args.args, preflight=True, command="rm", runs=True)
-    except (ValueError, KeyError) as err:
-        return fail(err)
-
-    def train(tracker: Tracker) -> Path:
-        path, history = run_supervised(RMTrainer, cfg, tracker=tracker)
-        if not history:
-            command.notes.append(f"already at the last step, nothing trained; the model in {path} is unchanged")
-        return path
-
-    command = TrackedRun(cfg, args, "rm", "reward model",
-                         lambda export, ckpt: rm_next_commands(cfg, args.args, export))
-    return command.run(train)
+    return run_supervised_command(args, RMTrainer, "rm", "reward model", rm_next_commands)

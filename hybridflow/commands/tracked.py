@@ -16,13 +16,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hybridflow.commands.common import fail, split_args
+from hybridflow.commands.common import fail, load_from_args, split_args
 from hybridflow.config import Config, to_dict, to_yaml
 from hybridflow.tracking import Tracker
 from hybridflow.tracking.jsonl import read_metrics
 from hybridflow.tracking.run_info import CONFIG_FILE
 from hybridflow.tracking.summary import Outcome, build_summary
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.supervised import SupervisedTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +137,27 @@ class TrackedRun:
             notes=tuple(self.notes))
         rows = read_metrics(tracker.run_dir)
         print_lines(build_summary(outcome, rows, to_dict(self.cfg)))
+
+
+def run_supervised_command(args: argparse.Namespace, trainer_cls: type[SupervisedTrainer], method: str, title: str,
+                           next_commands: Callable[[Config, list[str], Path | None], list[str]]) -> int:
+    """`hybridflow sft|rm`: the config checked before anything loads, `trainer_cls` trained from its last checkpoint,
+    the summary with `next_commands(cfg, command line, export)`; a finished run re-run trains nothing and says so."""
+    from hybridflow.trainer.supervised import run_supervised
+
+    try:
+        cfg = load_from_args(args.args, preflight=True, command=method, runs=True)
+    except (ValueError, KeyError) as err:
+        return fail(err)
+
+    def train(tracker: Tracker) -> Path:
+        path, history = run_supervised(trainer_cls, cfg, tracker=tracker)
+        if not history:
+            command.notes.append(f"already at the last step, nothing trained; the model in {path} is unchanged")
+        return path
+
+    command = TrackedRun(cfg, args, method, title, lambda export, ckpt: next_commands(cfg, args.args, export))
+    return command.run(train)
 
 
 def error_line(error: BaseException | None) -> str | None:
