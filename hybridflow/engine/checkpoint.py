@@ -1,13 +1,10 @@
-"""Engine state for checkpoints: sharded model + optimizer via torch.distributed.checkpoint, extras as JSON.
-
-Decision: tensors go through DCP (each rank writes its shards; any world size can load them); the small
-non-tensor extras (step counter, LR-scheduler counters) are a JSON file written by rank 0 — nothing is pickled.
-`export_hf` gathers a full state dict on rank 0 and writes the HF format (safetensors + config + tokenizer).
+"""Engine state for checkpoints: the sharded model + optimizer state dicts (DCP-ready) that `TrainEngine.state_dict`
+returns and `hybridflow.checkpoint` writes, and `export_hf`, which gathers a full state dict on rank 0 and writes
+the HF format (safetensors + config + tokenizer).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,8 +25,6 @@ from hybridflow.engine.host_optim import HostOptimizer
 from hybridflow.models.loader import save_model
 
 logger = logging.getLogger(__name__)
-
-EXTRA_FILE = "engine_extra.json"
 
 
 def get_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -67,24 +61,6 @@ def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict
     if rest:  # frozen weights (LoRA base, when saved) and buffers
         set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
     host.load(state["model"], state["optimizer"])
-
-
-def save_dir(path: str | Path, state: dict[str, Any], extra: dict[str, Any]) -> None:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path))
-    if dist.get_rank() == 0:
-        (path / EXTRA_FILE).write_text(json.dumps(extra, indent=2))
-    dist.barrier()
-
-
-def load_dir(path: str | Path, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load into `template` (the current engine state, which fixes shapes and sharding); returns (state, extra)."""
-    path = Path(path)
-    if not (path / EXTRA_FILE).is_file():
-        raise ValueError(f"{path} is not an engine checkpoint (no {EXTRA_FILE}); give a directory from engine.save")
-    dcp.load(template, checkpoint_id=str(path))
-    return template, json.loads((path / EXTRA_FILE).read_text())
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None,

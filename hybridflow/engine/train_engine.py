@@ -464,20 +464,6 @@ class TrainEngine:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.to_rest()
 
-    def save(self, path: str | Path) -> None:
-        """Sharded checkpoint into directory `path` (all ranks call it)."""
-        state = self.state_dict()
-        extra = state.pop("extra")
-        ckpt.save_dir(path, state, extra)
-        self.to_rest()
-
-    def load(self, path: str | Path) -> None:
-        state = self.state_dict()
-        state.pop("extra")
-        state, extra = ckpt.load_dir(path, state)
-        state["extra"] = extra
-        self.load_state_dict(state)
-
     def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Export full weights + config + tokenizer in HF format (all ranks call it; rank 0 writes); with LoRA the
         adapters are merged into the weights (a plain HF model)."""
