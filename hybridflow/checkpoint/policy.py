@@ -27,7 +27,7 @@ from hybridflow.config import Config
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
-    from hybridflow.tracking import Tracker
+    from hybridflow.tracking import HealthEvent, Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,12 @@ class CheckpointPolicy:
             if t.rollback.enable:
                 logger.warning("trainer.rollback.enable=true is ignored with trainer.checkpoint.save_freq=0: "
                                "there is no checkpoint to roll back to")
-        self.rollback = RollbackTracker.from_config(t.rollback) if t.rollback.enable else None
+        self.rollback = (RollbackTracker(t.rollback.lr_scale, t.rollback.max_rollbacks, t.rollback.metric)
+                         if t.rollback.enable else None)
+        self.health = tracker.health if tracker is not None else None  # counts the validation falls
+        if self.rollback is not None and self.health is None:
+            logger.warning("trainer.rollback.enable=true without a health monitor (no tracker): a falling "
+                           "validation metric will not roll back, only trainer.max_consecutive_bad_steps will")
         self.guard = NonFiniteGuard(t.max_consecutive_bad_steps, rollback_enabled=t.rollback.enable)
         self.save_freq = t.checkpoint.save_freq
         self.last_saved: tuple[int, str] | None = None  # (step, path) of this run's newest save
@@ -78,6 +83,8 @@ class CheckpointPolicy:
             self.rollback.load_state_dict(extra["rollback"])
         if extra.get("guard") is not None:
             self.guard.load_state_dict(extra["guard"])
+        if self.health is not None and extra.get("health") is not None:
+            self.health.load_val_state(extra["health"])
         return info
 
     def _load(self, mode: str, path: str | None) -> dict[str, dict[str, Any]] | None:
@@ -116,20 +123,25 @@ class CheckpointPolicy:
         if self.guard.rollback_requested:
             self.guard.rollback_requested = False
             reason = f"{self.guard.max_bad} consecutive non-finite steps"
-            decision = self.rollback.request(reason) if self.rollback is not None else None
+            decision = self.rollback.decide(reason) if self.rollback is not None else None
             if decision is None:
                 raise NonFiniteError(f"{reason} (last at step {step}) and no checkpoint to roll back to (or "
                                      "trainer.rollback.max_rollbacks reached). Training stopped.")
             self._roll_back(decision, step)
         return self.guard.metrics()
 
-    def after_validation(self, val_metrics: dict[str, float], step: int) -> None:
-        """Feed the rollback tracker; reload the best checkpoint when the metric kept falling."""
+    def after_validation(self, val_metrics: dict[str, float], warnings: list[HealthEvent], step: int) -> None:
+        """Score the next checkpoint by this validation; on the health monitor's `val_drop` warning (the metric
+        fell `trainer.health.val_drop_patience` validations in a row) reload the best checkpoint."""
         if self.rollback is None:
             return
-        decision = self.rollback.observe(val_metrics)
-        if decision is not None:
-            self._roll_back(decision, step)
+        self.rollback.observe(val_metrics)
+        for w in warnings:
+            if w.kind == "val_drop":
+                reason = f"{w.data['metric']} fell {w.data['falls']} validations in a row (now {w.data['value']:.6g})"
+                decision = self.rollback.decide(reason)
+                if decision is not None:
+                    self._roll_back(decision, step)
 
     def _roll_back(self, decision: RollbackDecision, step: int) -> None:
         assert self.rollback is not None, "a rollback decision comes from the rollback tracker"
@@ -138,13 +150,13 @@ class CheckpointPolicy:
         if self.on_rollback is not None:
             self.on_rollback(next(iter(extras.values())))
         self.guard.consecutive = 0
+        if self.health is not None:
+            self.health.reset_val()  # the restored model starts a new comparison
         if self.tracker is not None:
             self.tracker.event("rollback", f"reloaded checkpoint step {decision.target_step} at step {step}: "
                                f"{decision.reason}; lr x {decision.lr_scale:g} "
                                f"[{decision.rollback_index}/{self.rollback.max_rollbacks}]", step, level="warning",
                                target_step=decision.target_step, lr_scale=decision.lr_scale, reason=decision.reason)
-            if getattr(self.tracker, "health", None) is not None:
-                self.tracker.health.reset_val()
         self.rollbacks.append({"step": step, "target_step": decision.target_step, "lr_scale": decision.lr_scale,
                                "reason": decision.reason})
 
@@ -171,7 +183,7 @@ class CheckpointPolicy:
 
     def _save(self, step: int, extra: Callable[[], dict[str, Any]]) -> None:
         state = {**extra(), "rollback": self.rollback.state_dict() if self.rollback is not None else None,
-                 "guard": self.guard.state_dict()}
+                 "guard": self.guard.state_dict(), "health": self.health.val_state() if self.health else None}
         payload = self.payload() if self.payload is not None else None
         paths = [group.save_checkpoint(step, state, payload=payload if i == 0 else None)[0]
                  for i, group in enumerate(self.targets.values())]

@@ -1,5 +1,5 @@
-"""Health watermarks over the metric stream (the seed's MLOps advice): slow generation, unstable update time,
-a validation metric falling several times in a row, memory close to the device limit.
+"""Health watermarks over the metric stream: slow generation, unstable update time, a validation metric falling
+(or NaN) several times in a row — the one count auto-rollback acts on — and memory close to the device limit.
 
 Each check is a condition evaluated per step. A warning fires on the first unhealthy step of an *episode* and not
 again until the condition has been healthy once (re-armed), so a persistent problem is one event, not one per step.
@@ -83,6 +83,14 @@ class HealthMonitor:
         self._val_drops = 0
         self._armed["val_drop"] = True
 
+    def val_state(self) -> dict[str, Any]:
+        """The validation streak (JSON), saved with each checkpoint so a resumed run keeps counting."""
+        return {"history": self._val_history, "drops": self._val_drops, "armed": self._armed["val_drop"]}
+
+    def load_val_state(self, state: dict[str, Any]) -> None:
+        self._val_history, self._val_drops = [float(v) for v in state["history"]], int(state["drops"])
+        self._armed["val_drop"] = bool(state["armed"])
+
     # Each check returns None (not evaluated), False (healthy) or a HealthEvent (unhealthy).
     def _warmed_up(self, key: str, metrics: dict[str, float]) -> float | None:
         value = metrics.get(key)
@@ -125,13 +133,13 @@ class HealthMonitor:
 
     def _val_drop(self, metrics: dict[str, float], step: int) -> HealthEvent | bool | None:
         value = metrics.get(self.val_metric)
-        if value is None or not math.isfinite(value):
+        if value is None:
             return None
-        if self._val_history and value < self._val_history[-1]:
+        if math.isnan(value) or (self._val_history and value < self._val_history[-1]):
             self._val_drops += 1
         else:
             self._val_drops = 0
-        self._val_history.append(value)
+        self._val_history = [*self._val_history[-self.val_drop_patience:], value]
         if self._val_drops < self.val_drop_patience:
             return False
         recent = self._val_history[-(self.val_drop_patience + 1):]
@@ -139,7 +147,7 @@ class HealthMonitor:
         return HealthEvent("val_drop", (
             f"{self.val_metric} fell {self._val_drops} validations in a row ({trail}); "
             "rollback takes over when trainer.rollback.enable=true."), step,
-            {"value": value, "history": recent, "metric": self.val_metric})
+            {"value": value, "history": recent, "metric": self.val_metric, "falls": self._val_drops})
 
     def _memory(self, metrics: dict[str, float], step: int) -> HealthEvent | bool | None:
         value = metrics.get("perf/max_memory_allocated_gb")
