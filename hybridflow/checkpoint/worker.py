@@ -102,7 +102,7 @@ class CheckpointingWorker:
             remote = join_url(remote, subdir) if remote else None
         ck = t.checkpoint
         self._ckpt = CheckpointManager(local, remote, atomic_save=ck.atomic_save, async_save=ck.async_save,
-                                       keep_last_n=ck.keep_last_n, save_freq=ck.save_freq)
+                                       keep_last_n=ck.keep_last_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def checkpoint_steps(self) -> list[int]:
