@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridflow.checkpoint.manager import should_save
-from hybridflow.checkpoint.nan_guard import NonFiniteError, NonFiniteGuard
+from hybridflow.checkpoint.recovery import NonFiniteError, NonFiniteGuard, RollbackDecision, RollbackTracker
 from hybridflow.checkpoint.remote import join_url
-from hybridflow.checkpoint.rollback import RollbackDecision, RollbackTracker
 from hybridflow.config import Config
 
 if TYPE_CHECKING:

@@ -103,13 +103,3 @@ class DataPosition:
         extra, batch = divmod(self.batch, steps_per_epoch)
         return DataPosition(self.epoch + extra, batch)
 
-
-def position_from_step(global_step: int, steps_per_epoch: int) -> DataPosition:
-    """Data position after `global_step` optimizer steps with one batch per step."""
-    return DataPosition(0, global_step).normalized(steps_per_epoch)
-
-
-def remaining_batches(pos: DataPosition, steps_per_epoch: int, total_epochs: int) -> int:
-    """Batches still to train after resuming at `pos` (0 only when every epoch is done)."""
-    pos = pos.normalized(steps_per_epoch)
-    return max(0, (total_epochs - pos.epoch) * steps_per_epoch - pos.batch)

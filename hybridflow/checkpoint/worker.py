@@ -161,7 +161,7 @@ class CheckpointingWorker:
     def rollback_checkpoint(self, step: int, lr_scale: float = 1.0) -> dict[str, Any]:
         """Discard checkpoints after `step`, reload `step` into the engines (RNG kept), scale the LR of every
         trained engine by `lr_scale`; returns the checkpoint's `extra`."""
-        from hybridflow.checkpoint import scale_lr
+        from hybridflow.checkpoint.recovery import scale_lr
 
         loaded = self._manager().rollback_to(step, templates=self._templates())
         self._apply(loaded)

@@ -14,10 +14,8 @@ from hybridflow.checkpoint import (
     NonFiniteError,
     NonFiniteGuard,
     RollbackTracker,
-    position_from_step,
-    remaining_batches,
-    scale_lr,
 )
+from hybridflow.checkpoint.recovery import scale_lr
 from hybridflow.tracking import HealthMonitor
 
 
@@ -98,19 +96,14 @@ def test_nan_guard_requests_rollback_when_enabled() -> None:
 
 def test_data_position_at_epoch_boundary_trains_remaining_epochs() -> None:
     spe = 4
-    assert position_from_step(8, spe) == DataPosition(2, 0)  # after 2 full epochs → start of epoch 2
-    assert position_from_step(9, spe) == DataPosition(2, 1)
     saved = DataPosition(epoch=1, batch=4)  # sampler state taken right after the last batch of epoch 1
     assert DataPosition.from_dict(saved.to_dict(), spe) == DataPosition(2, 0)
-    assert remaining_batches(saved, spe, total_epochs=3) == 4
-    assert remaining_batches(DataPosition(2, 0), spe, total_epochs=2) == 0
     # naive reference: enumerate (epoch, batch) pairs of a full run and skip the first `step` of them
-    for step in range(0, 13):
-        order = [(e, b) for e in range(3) for b in range(spe)][step:]
-        pos = position_from_step(step, spe)
-        assert remaining_batches(pos, spe, 3) == len(order)
-        if order:
-            assert (pos.epoch, pos.batch) == order[0]
+    for step in range(0, 12):
+        pos = DataPosition(0, step).normalized(spe)
+        assert (pos.epoch, pos.batch) == [(e, b) for e in range(3) for b in range(spe)][step]
+    with pytest.raises(ValueError, match="steps_per_epoch=0"):
+        saved.normalized(0)
 
 
 def test_scale_lr_survives_lambda_scheduler_steps() -> None:
