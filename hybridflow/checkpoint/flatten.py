@@ -89,30 +89,19 @@ def unflatten_state(skeleton: dict[str, Any], tensors: Mapping[str, torch.Tensor
             return val
         if kind == "f":
             return float(val)
+        if kind == "dtype" and isinstance(getattr(torch, val, None), torch.dtype):
+            return getattr(torch, val)
         if kind == "dtype":
-            dtype = getattr(torch, val, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"checkpoint skeleton names unknown dtype {val!r}")
-            return dtype
+            raise ValueError(f"checkpoint skeleton names unknown dtype {val!r}")
         raise ValueError(f"checkpoint skeleton has unknown node kind {kind!r} (written by a newer hybridflow?)")
 
     return dec(skeleton)
 
 
-def tensor_keys(skeleton: dict[str, Any]) -> list[str]:
+def tensor_keys(node: dict[str, Any]) -> list[str]:
     """Paths of all tensor leaves of a skeleton, in order."""
-    out: list[str] = []
-
-    def walk(node: dict[str, Any]) -> None:
-        (kind, val), = node.items()
-        if kind in ("t", "n"):
-            out.append(val)
-        elif kind == "d":
-            for _k, v in val:
-                walk(v)
-        elif kind in ("l", "u"):
-            for v in val:
-                walk(v)
-
-    walk(skeleton)
-    return out
+    (kind, val), = node.items()
+    if kind in ("t", "n"):
+        return [val]
+    children = [v for _k, v in val] if kind == "d" else val if kind in ("l", "u") else []
+    return [key for child in children for key in tensor_keys(child)]

@@ -166,9 +166,6 @@ class CheckpointPolicy:
             return
         if self.rollback is not None:
             self.rollback.on_checkpoint(step)
-            best = self.rollback.best_step
-            for group in self.targets.values():
-                group.protect_checkpoints([] if best is None else [best])
         self._save(step, extra)
 
     def save_final(self, step: int, extra: Callable[[], dict[str, Any]]) -> str | None:
@@ -184,7 +181,9 @@ class CheckpointPolicy:
         state = {**extra(), "rollback": self.rollback.state_dict() if self.rollback is not None else None,
                  "guard": self.guard.state_dict(), "health": self.health.val_state() if self.health else None}
         payload = self.payload() if self.payload is not None else None
-        paths = [group.save_checkpoint(step, state, payload=payload if i == 0 else None)[0]
+        best = self.rollback.best_step if self.rollback is not None else None
+        protect = [] if best is None else [best]  # retention keeps the rollback target
+        paths = [group.save_checkpoint(step, state, protect, payload=payload if i == 0 else None)[0]
                  for i, group in enumerate(self.targets.values())]
         where = paths[0] if len(paths) == 1 else self.cfg.trainer.default_local_dir
         self.last_saved = (step, str(where))

@@ -10,6 +10,7 @@ its own group (`trainer.use_colocated_worker=false`) checkpoints only its engine
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hybridflow.checkpoint.remote import join_url
@@ -51,7 +52,6 @@ class CheckpointingWorker:
     cfg: Config
     _ckpt: CheckpointManager | None = None
 
-    # ------------------------------------------------------------------------------------ role interface
     def checkpoint_engines(self) -> dict[str, TrainEngine]:
         return {}
 
@@ -61,7 +61,6 @@ class CheckpointingWorker:
     def load_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
         return None
 
-    # ------------------------------------------------------------------------------------------ helpers
     def _members(self) -> list[CheckpointingWorker]:
         """Every role in this process whose engines share this process's checkpoint (self first)."""
         roles = getattr(self, "colocated_roles", None) or {}
@@ -81,14 +80,14 @@ class CheckpointingWorker:
             raise RuntimeError("call init_checkpoint() on this worker group before saving or loading checkpoints")
         return self._ckpt
 
-    def _templates(self) -> dict[str, Any]:
-        return {name: engine.state_dict() for name, engine in self._engines().items()}
+    def _apply(self, load: Callable[[dict[str, Any]], LoadedCheckpoint]) -> LoadedCheckpoint:
+        """Load through `load(templates)` into every engine of this process (they re-offload themselves)."""
+        engines = self._engines()
+        loaded = load({name: engine.state_dict() for name, engine in engines.items()})
+        for name, engine in engines.items():
+            engine.load_state_dict(loaded.components[name])
+        return loaded
 
-    def _apply(self, loaded: LoadedCheckpoint) -> None:
-        for name, engine in self._engines().items():
-            engine.load_state_dict(loaded.components[name])  # re-offloads itself when configured
-
-    # ---------------------------------------------------------------------------------- driver methods
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_checkpoint(self, subdir: str | None = None) -> None:
         """Build this process's CheckpointManager (collective). `subdir` (e.g. "critic") gives a role in its own
@@ -130,21 +129,20 @@ class CheckpointingWorker:
         found = find_resume_checkpoint(mgr, mode, path)
         if found is None:
             return None
-        loaded = mgr.load(found, templates=self._templates())
-        self._apply(loaded)
-        self._load_rank_state(loaded.rank_state)
+        loaded = self._apply(lambda templates: mgr.load(found, templates=templates))
+        for member in self._members():
+            member.load_checkpoint_rank_state(loaded.rank_state or {})
         logger.info("rank %d: loaded checkpoint %s (components %s)", getattr(self, "rank", 0), loaded.path,
                     sorted(loaded.components))
         return {"step": loaded.step, "path": str(loaded.path), "extra": loaded.extra, "payload": loaded.payload}
 
-    def _load_rank_state(self, state: dict[str, Any] | None) -> None:
-        for member in self._members():
-            member.load_checkpoint_rank_state(state or {})
-
     @register(dispatch_mode=SAVE_DISPATCH)
-    def save_checkpoint(self, step: int, extra: dict[str, Any], payload: dict[str, Any] | None = None) -> str:
+    def save_checkpoint(self, step: int, extra: dict[str, Any], protect: list[int],
+                        payload: dict[str, Any] | None = None) -> str:
         """Save every engine of this process as step `step` with the driver's JSON `extra` (async per config) and,
-        on rank 0, the driver's `payload` (tensors and JSON, pass it by keyword: the other ranks do not get it)."""
+        on rank 0, the driver's `payload` (tensors and JSON, pass it by keyword: the other ranks do not get it);
+        retention never deletes the steps in `protect` (the best checkpoint for rollback)."""
+        self._manager().protect(protect)
         engines = self._engines()
         components = {name: engine.state_dict() for name, engine in engines.items()}
         rank_state: dict[str, Any] = {}
@@ -163,17 +161,12 @@ class CheckpointingWorker:
         trained engine by `lr_scale`; returns the checkpoint's `extra`."""
         from hybridflow.checkpoint.recovery import scale_lr
 
-        loaded = self._manager().rollback_to(step, templates=self._templates())
-        self._apply(loaded)
+        loaded = self._apply(lambda templates: self._manager().rollback_to(step, templates=templates))
         if lr_scale != 1.0:
             for engine in self._engines().values():
                 if engine.optimizer is not None:
                     scale_lr(engine.optimizer, engine.lr_scheduler, lr_scale)
         return loaded.extra
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def protect_checkpoints(self, steps: list[int]) -> None:
-        self._manager().protect(steps)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def poll_checkpoint(self) -> None:
@@ -196,6 +189,5 @@ class CheckpointingGroup(RoleGroup):
     load_checkpoint = per_rank(CheckpointingWorker.load_checkpoint)
     save_checkpoint = per_rank(CheckpointingWorker.save_checkpoint)
     rollback_checkpoint = per_rank(CheckpointingWorker.rollback_checkpoint)
-    protect_checkpoints = per_rank(CheckpointingWorker.protect_checkpoints)
     poll_checkpoint = per_rank(CheckpointingWorker.poll_checkpoint)
     close_checkpoints = per_rank(CheckpointingWorker.close_checkpoints)

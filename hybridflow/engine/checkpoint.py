@@ -1,17 +1,12 @@
 """Engine state for checkpoints: the sharded model + optimizer state dicts (DCP-ready) that `TrainEngine.state_dict`
-returns and `hybridflow.checkpoint` writes, and `export_hf`, which gathers a full state dict on rank 0 and writes
-the HF format (safetensors + config + tokenizer).
-"""
+returns and `hybridflow.checkpoint` writes (and exports as an HF model, `hybridflow.checkpoint.export`)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -19,10 +14,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from transformers import PreTrainedTokenizerBase
 
 from hybridflow.engine.host_optim import HostOptimizer
-from hybridflow.models.loader import save_model
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +55,3 @@ def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict
         set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
     host.load(state["model"], state["optimizer"])
 
-
-def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None,
-              dtype: torch.dtype | None = None,
-              transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
-    """Full (unsharded) weights in HF format, written by rank 0; all ranks must call it. `transform` maps the full
-    state dict before it is written (LoRA: merge the adapters)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        if transform is not None:
-            full = transform(full)
-        config = model.config.__class__.from_dict(model.config.to_dict())
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]
-        save_model(out_dir, config, full, tokenizer, dtype)
-    dist.barrier()

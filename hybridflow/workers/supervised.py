@@ -154,8 +154,14 @@ class SupervisedWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> str:
-        """Write the full model (+ tokenizer) as an HF directory; every rank takes part, rank 0 writes."""
-        self.engine.save_hf(out_dir)
+        """Write the trained model as an HF directory (LoRA adapters merged) with the one exporter,
+        `hybridflow.checkpoint.export.write_hf`; every rank gathers its shards, rank 0 writes."""
+        from hybridflow.checkpoint.export import full_tensors, write_hf
+
+        state = full_tensors(self.engine.state_dict()["model"])
+        self.engine.to_rest()
+        if self.rank == 0:
+            write_hf(state, self.cfg.model, out_dir)
         return str(Path(out_dir))
 
 

@@ -289,10 +289,12 @@ def test_forward_logprobs_micro_batching_invariant():
     assert a["log_probs"].shape == data.batch["responses"].shape
 
 
-def test_save_hf_exports_trained_weights(tmp_path):
+def test_the_exporter_writes_the_trained_weights(tmp_path):
+    from hybridflow.checkpoint.export import full_tensors, write_hf
+
     engine = _engine()
     train_step(engine, make_batch(seed=10), nll_loss)
-    engine.save_hf(tmp_path / "hf")
+    write_hf(full_tensors(engine.state_dict()["model"]), make_config().model, tmp_path / "hf")
     cfg = make_config(f"model.path={tmp_path / 'hf'}")
     loaded = load_model(cfg.model, "actor")
     trained = _weights(engine)
