@@ -1,10 +1,13 @@
 """Engine state for checkpoints: the sharded model + optimizer state dicts (DCP-ready) that `TrainEngine.state_dict`
-returns and `hybridflow.checkpoint` writes (and exports as an HF model, `hybridflow.checkpoint.export`)."""
+returns and `hybridflow.checkpoint` writes, and the one Hugging Face writer of a model state, `write_hf` (used by
+`hybridflow export` on a checkpoint and by the supervised trainers on the live engine).
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -14,8 +17,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
 
+from hybridflow.data.templates import save_tokenizer
 from hybridflow.engine.host_optim import HostOptimizer
+from hybridflow.engine.lora import is_adapter_param, merge_adapters, save_adapter_dir, targets_from_state
+from hybridflow.models.heads import scalar_head_config
+from hybridflow.models.loader import load_module, model_config, save_model
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +70,34 @@ def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict
         set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
     host.load(state["model"], state["optimizer"])
 
+
+def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of a (DTensor-sharded) state dict; collective: every rank calls it."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+
+
+def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path, *, merge: bool = True,
+             dtype: torch.dtype | None = None, tokenizer: Any = None, chat_template: str | None = None
+             ) -> tuple[Path, str]:
+    """Write `state` as an HF directory; returns (directory, kind: "full", "merged" or "peft_adapter"). With a
+    `tokenizer`, it is saved carrying `chat_template` (`data.chat_template`, see `hybridflow.data.templates`)."""
+    adapters = {k: v for k, v in state.items() if is_adapter_param(k)}
+    scalar = "score.weight" in state
+    if adapters and not model_cfg.lora.enabled:
+        raise ValueError("the model holds LoRA adapters but model.lora.rank=0 in the config used; pass the run's "
+                         "config (with its model.lora.*) to hybridflow export")
+    if adapters and not merge:
+        out = save_adapter_dir(out_dir, state, model_cfg.lora, targets_from_state(state), model_cfg.path)
+        return out, "peft_adapter"
+    if adapters:  # the frozen base is rebuilt; trained non-adapter tensors (a scalar head) replace its own
+        base = load_module(model_cfg, "value" if scalar else "lm", dtype=torch.float32).state_dict()
+        rest = {k: v for k, v in state.items() if k not in adapters}
+        state = merge_adapters({**base, **rest}, adapters, model_cfg.lora.alpha / model_cfg.lora.rank)
+    hf_config = scalar_head_config(model_config(model_cfg)) if scalar else model_config(model_cfg)
+    names = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES if scalar else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if names.get(hf_config.model_type):
+        hf_config.architectures = [names[hf_config.model_type]]
+    out = save_model(out_dir, hf_config, state, None, dtype)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, chat_template)
+    return out, "merged" if adapters else "full"

@@ -155,8 +155,8 @@ class SupervisedWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> str:
         """Write the trained model as an HF directory (LoRA adapters merged) with the one exporter,
-        `hybridflow.checkpoint.export.write_hf`; every rank gathers its shards, rank 0 writes."""
-        from hybridflow.checkpoint.export import full_tensors, write_hf
+        `hybridflow.engine.checkpoint.write_hf`; every rank gathers its shards, rank 0 writes."""
+        from hybridflow.engine.checkpoint import full_tensors, write_hf
 
         state = full_tensors(self.engine.state_dict()["model"])
         self.engine.to_rest()

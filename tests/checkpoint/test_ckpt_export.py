@@ -49,7 +49,7 @@ def test_export_without_config_fails_clearly(tmp_path: Path, capsys) -> None:
 def test_a_lora_scalar_head_model_exports_with_its_trained_head(tmp_path: Path) -> None:
     """A LoRA reward model's state (adapters + the trained `score` head) merges onto the rebuilt base and loads back
     as the scalar-head model with the trained head, not a fresh one."""
-    from hybridflow.checkpoint.export import write_hf
+    from hybridflow.engine.checkpoint import write_hf
     from hybridflow.engine.lora import apply_lora
     from hybridflow.models.heads import scalar_head_from_pretrained
 

@@ -290,7 +290,7 @@ def test_forward_logprobs_micro_batching_invariant():
 
 
 def test_the_exporter_writes_the_trained_weights(tmp_path):
-    from hybridflow.checkpoint.export import full_tensors, write_hf
+    from hybridflow.engine.checkpoint import full_tensors, write_hf
 
     engine = _engine()
     train_step(engine, make_batch(seed=10), nll_loss)
