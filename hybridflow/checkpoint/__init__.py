@@ -6,8 +6,8 @@ from hybridflow.checkpoint.async_writer import CheckpointWriteError
 from hybridflow.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from hybridflow.checkpoint.recovery import NonFiniteError, NonFiniteGuard, RollbackDecision, RollbackTracker
 from hybridflow.checkpoint.remote import RemoteMirror, join_url
-from hybridflow.checkpoint.resume import DataPosition, find_resume_checkpoint
+from hybridflow.checkpoint.resume import find_resume_checkpoint
 
-__all__ = ["CheckpointManager", "CheckpointWriteError", "DataPosition", "LoadedCheckpoint", "NonFiniteError",
+__all__ = ["CheckpointManager", "CheckpointWriteError", "LoadedCheckpoint", "NonFiniteError",
            "NonFiniteGuard", "RemoteMirror", "RollbackDecision", "RollbackTracker", "find_resume_checkpoint",
            "join_url"]

@@ -1,17 +1,14 @@
-"""Resume: pick the checkpoint to start from (`trainer.resume_mode` auto|disable|path) and where in the data.
+"""Resume: pick the checkpoint to start from (`trainer.resume_mode` auto|disable|path).
 
 Auto takes the newest complete local checkpoint, else the newest complete remote one (downloaded into the
-local dir first, so loading has one code path). The data position is (epoch, batches consumed in it); a save
-taken after the last batch of an epoch normalises to (epoch + 1, 0), so resuming at an epoch boundary trains
-the remaining epochs instead of zero steps.
+local dir first, so loading has one code path).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hybridflow.checkpoint import atomic, collective
 from hybridflow.checkpoint.remote import RemoteMirror, is_remote_url, join_url
@@ -80,26 +77,4 @@ def _download(manager: CheckpointManager, name: str, mirror: RemoteMirror | None
     else:
         collective.phase("download", lambda: None, group)
     return target
-
-
-@dataclass(frozen=True)
-class DataPosition:
-    """Where the dataloader resumes: `batch` batches of epoch `epoch` were consumed."""
-
-    epoch: int
-    batch: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], steps_per_epoch: int) -> DataPosition:
-        return cls(int(d["epoch"]), int(d["batch"])).normalized(steps_per_epoch)
-
-    def normalized(self, steps_per_epoch: int) -> DataPosition:
-        """Carry whole epochs: (e, steps_per_epoch) → (e + 1, 0) — the epoch-boundary resume fix."""
-        if steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch={steps_per_epoch}: must be >= 1 (is the dataset empty?)")
-        extra, batch = divmod(self.batch, steps_per_epoch)
-        return DataPosition(self.epoch + extra, batch)
 

@@ -13,11 +13,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hybridflow.checkpoint import DataPosition
 from hybridflow.checkpoint.policy import CheckpointPolicy
 from hybridflow.config import Config, to_dict
 from hybridflow.config.plan import plan_line
 from hybridflow.data.contract import skipped_rows_event
+from hybridflow.data.dataloader import DataPosition
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, signals_deferred
 

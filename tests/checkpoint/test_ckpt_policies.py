@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from hybridflow.checkpoint import (
-    DataPosition,
     NonFiniteError,
     NonFiniteGuard,
     RollbackTracker,
 )
 from hybridflow.checkpoint.recovery import scale_lr
+from hybridflow.data.dataloader import DataPosition
 from hybridflow.tracking import HealthMonitor
 
 
