@@ -1,20 +1,18 @@
 """Rank bookkeeping for checkpoint saves: a dedicated gloo group and a vote after each save phase.
 
-Saves may run in a background thread, so they use their own gloo process group (never the training group,
-whose NCCL collectives must not interleave with ours). Each phase ends with an all-reduce of "ok" flags, so a
-failure on any rank raises on every rank instead of leaving the others blocked in the next collective.
+Saves may run in a background thread, so they use their own gloo group (never the training group, whose NCCL
+collectives must not interleave with ours). Each phase ends with an all-reduce of "ok" flags, so a failure on any
+rank raises on every rank instead of leaving the others blocked in the next collective.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -24,19 +22,15 @@ class RankFailure(RuntimeError):
 
 def make_group() -> dist.ProcessGroup | None:
     """A new gloo group over all ranks when torch.distributed is initialised (collective: call on every rank)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
 
 
 def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def vote(ok: bool, group: dist.ProcessGroup | None) -> bool:
-    """True iff `ok` on every rank of `group`."""
+    """True iff `ok` on every rank of `group` (also a barrier)."""
     if group is None:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)

@@ -4,7 +4,7 @@ Layout: `<local_dir>/global_step_<N>/{checkpoint.json, extra.json, <component>/.
 `<local_dir>/latest`, and `driver/` (as a component) when the driver gave a payload. `save` validates and flattens
 on the caller's thread, stages tensors to CPU when async, then writes (in a background thread when async): every
 rank its files and shards, rank 0 the marker, the rename, `latest`, retention, the mirror. `save`, `load` and
-`rollback_to` are collective: call them on every rank.
+`rollback_to` are collective: call them on every rank. `find_resume_checkpoint` picks what a run resumes from.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hybridflow.checkpoint import atomic, collective
 from hybridflow.checkpoint.async_writer import AsyncWriter, CheckpointWriteError
 from hybridflow.checkpoint.flatten import flatten_state, tensor_keys
-from hybridflow.checkpoint.remote import RemoteMirror
+from hybridflow.checkpoint.remote import RemoteMirror, is_remote_url, join_url
 from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 from hybridflow.checkpoint.storage import CpuStager, choose_format, damaged, read_component, write_component
 
@@ -295,3 +295,59 @@ def _read_json(path: Path, ckpt: Path) -> Any:
         return atomic.read_json(path)
     except (OSError, ValueError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise damaged(path, ckpt, err) from err
+
+
+def find_resume_checkpoint(manager: CheckpointManager, mode: str, resume_path: str | None = None) -> Path | None:
+    """The checkpoint directory to resume from per `trainer.resume_mode` (auto: the newest complete local one, else
+    the newest remote one; path: `resume_path`, a directory or URL), or None to start fresh. A remote checkpoint is
+    downloaded by rank 0 into the local root first, so loading has one code path. Collective when distributed."""
+    if mode == "disable":
+        return None
+    if mode == "path":
+        if not resume_path:
+            raise ValueError("trainer.resume_mode=path needs trainer.resume_path=<checkpoint dir or URL>")
+        return _resolve_explicit(manager, resume_path)
+    if mode != "auto":
+        raise ValueError(f"trainer.resume_mode={mode!r}: must be one of 'auto', 'disable', 'path'")
+    local = atomic.find_latest(manager.root)
+    if local is not None:
+        logger.info("resuming from local checkpoint %s", local)
+        return local
+    if manager.mirror is None:
+        logger.info("no checkpoint under %s; starting fresh", manager.root)
+        return None
+    name = manager.mirror.find_latest()
+    if name is None:
+        logger.info("no checkpoint under %s or %s; starting fresh", manager.root, manager.mirror.base_url)
+        return None
+    return _download(manager, name)
+
+
+def _resolve_explicit(manager: CheckpointManager, resume_path: str) -> Path:
+    if is_remote_url(resume_path):
+        base, _, name = resume_path.rstrip("/").rpartition("/")
+        mirror = RemoteMirror(base)
+        if not mirror.is_complete(name):
+            raise ValueError(f"trainer.resume_path={resume_path!r} is not a complete checkpoint (no "
+                             f"{join_url(resume_path, atomic.MARKER)})")
+        return _download(manager, name, mirror)
+    path = Path(resume_path.removeprefix("file://"))
+    if not atomic.is_complete(path):
+        latest = atomic.find_latest(path)  # a checkpoint root was given: take its latest
+        if latest is None:
+            raise ValueError(f"trainer.resume_path={resume_path!r} is neither a complete checkpoint "
+                             f"(global_step_<N> with {atomic.MARKER}) nor a directory holding one")
+        path = latest
+    logger.info("resuming from %s", path)
+    return path
+
+
+def _download(manager: CheckpointManager, name: str, mirror: RemoteMirror | None = None) -> Path:
+    mirror = mirror or manager.mirror
+    assert mirror is not None, "a download needs a mirror (the caller checked manager.mirror)"
+    target = manager.root / name
+    fetch = manager.rank == 0 and not atomic.is_complete(target)
+    if fetch:
+        logger.info("no local copy of %s; downloading from %s", name, mirror.url(name))
+    collective.phase("download", lambda: mirror.download(name, manager.root) if fetch else None, manager._group)
+    return target

@@ -13,6 +13,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from hybridflow.checkpoint import atomic
+from hybridflow.checkpoint.manager import CheckpointManager, find_resume_checkpoint
+from hybridflow.checkpoint.recovery import scale_lr
 from hybridflow.checkpoint.remote import join_url
 from hybridflow.config import Config
 from hybridflow.controller import (
@@ -26,7 +29,7 @@ from hybridflow.controller import (
 )
 
 if TYPE_CHECKING:
-    from hybridflow.checkpoint import CheckpointManager, LoadedCheckpoint
+    from hybridflow.checkpoint.manager import LoadedCheckpoint
     from hybridflow.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -92,8 +95,6 @@ class CheckpointingWorker:
     def init_checkpoint(self, subdir: str | None = None) -> None:
         """Build this process's CheckpointManager (collective). `subdir` (e.g. "critic") gives a role in its own
         group its own root under `trainer.default_local_dir` (and `default_hdfs_dir`)."""
-        from hybridflow.checkpoint import CheckpointManager
-
         t = self.cfg.trainer
         local, remote = t.default_local_dir, t.default_hdfs_dir
         if subdir:
@@ -106,8 +107,6 @@ class CheckpointingWorker:
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def checkpoint_steps(self) -> list[int]:
         """Steps of the complete checkpoints under this root, local or in the remote mirror."""
-        from hybridflow.checkpoint import atomic
-
         mgr = self._manager()
         steps = {s for s, _ in atomic.list_complete(mgr.root)}
         if mgr.mirror is not None:
@@ -119,8 +118,6 @@ class CheckpointingWorker:
         """Resume per `mode` (auto|disable|path, as `trainer.resume_mode`) or at exactly `step` (local copy, else
         downloaded from the mirror). Returns {"step", "path", "extra", "payload"} (the driver's payload: rank 0's,
         None elsewhere or when the checkpoint has none) or None when there is nothing to load."""
-        from hybridflow.checkpoint import atomic, find_resume_checkpoint
-
         mgr = self._manager()
         if step is not None:
             name = atomic.step_dirname(step)
@@ -159,8 +156,6 @@ class CheckpointingWorker:
     def rollback_checkpoint(self, step: int, lr_scale: float = 1.0) -> dict[str, Any]:
         """Discard checkpoints after `step`, reload `step` into the engines (RNG kept), scale the LR of every
         trained engine by `lr_scale`; returns the checkpoint's `extra`."""
-        from hybridflow.checkpoint.recovery import scale_lr
-
         loaded = self._apply(lambda templates: self._manager().rollback_to(step, templates=templates))
         if lr_scale != 1.0:
             for engine in self._engines().values():
