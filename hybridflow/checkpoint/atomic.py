@@ -41,21 +41,17 @@ def tmp_path_for(final: Path) -> Path:
 
 def fsync_path(path: Path) -> None:
     """fsync a file, or a directory (makes renames and creations inside it durable; some filesystems refuse)."""
+    is_dir = path.is_dir()
     try:
-        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as err:
-        if not path.is_dir():
-            raise
-        logger.debug("cannot open %s for fsync: %s", path, err)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        if not path.is_dir():
+        if not is_dir:
             raise
         logger.debug("fsync of directory %s not supported: %s", path, err)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:
@@ -179,10 +175,8 @@ def find_latest_of_run(root: Path) -> Path | None:
     """The newest complete checkpoint of a run directory: under `root` itself (one group) or under one of its role
     sub-directories (`actor/`, `critic/`: roles in their own groups save there)."""
     root = Path(root)
-    if not root.is_dir():
-        return None
-    found = [p for p in [find_latest(root), *(find_latest(sub) for sub in sorted(root.iterdir()) if sub.is_dir())]
-             if p is not None]
+    dirs = [root, *sorted(sub for sub in root.iterdir() if sub.is_dir())] if root.is_dir() else []
+    found = [p for p in map(find_latest, dirs) if p is not None]
     return max(found, key=lambda p: parse_step(p.name) or 0) if found else None
 
 

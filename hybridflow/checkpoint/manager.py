@@ -202,7 +202,7 @@ class CheckpointManager:
         self._writer.wait()
 
     def close(self) -> None:
-        self._writer.close()
+        self._writer.wait()
         self._stager.clear()
 
     def __enter__(self) -> CheckpointManager:

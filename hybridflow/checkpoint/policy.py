@@ -17,12 +17,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hybridflow.checkpoint.manager import should_save
-from hybridflow.checkpoint.recovery import NonFiniteError, NonFiniteGuard, RollbackDecision, RollbackTracker
+from hybridflow.checkpoint.recovery import RollbackDecision, RollbackTracker
 from hybridflow.checkpoint.remote import join_url
 from hybridflow.config import Config
+from hybridflow.tracking.health import NonFiniteError, NonFiniteGuard
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
@@ -117,8 +116,7 @@ class CheckpointPolicy:
         norms = [metrics[f"{r}/grad_norm"] for r in self.guarded if f"{r}/grad_norm" in metrics]
         if any(metrics.get(f"{r}/skipped", 0.0) > 0 for r in self.guarded):
             losses.append(float("nan"))  # the engine's verdict counts even where averaging hid the bad value
-        self.guard.check(loss=torch.tensor(losses) if losses else None,
-                         grad_norm=torch.tensor(norms) if norms else None, step=step)
+        self.guard.check(loss=losses or None, grad_norm=norms or None, step=step)
         if self.guard.rollback_requested:
             self.guard.rollback_requested = False
             reason = f"{self.guard.max_bad} consecutive non-finite steps"

@@ -1,17 +1,11 @@
-"""What the driver does when training goes wrong: skip non-finite steps (`NonFiniteGuard`) and roll back to the
-best checkpoint (`RollbackTracker`).
-
-The guard counts steps whose loss or grad norm is non-finite (the engines skipped their update); after
-`trainer.max_consecutive_bad_steps` in a row it raises `NonFiniteError`, or, with rollback enabled, sets
-`rollback_requested`. The rollback tracker scores each checkpoint by the last validation value seen before it was
-saved and picks the best when asked (the health monitor's `val_drop` warning, or the guard), at most
-`trainer.rollback.max_rollbacks` times. Counting validation falls is the monitor's job (`hybridflow.tracking.health`).
+"""Auto-rollback: score each checkpoint by the last validation value seen before it was saved, and pick the best
+when a health signal asks (`hybridflow.tracking.health`: the monitor's `val_drop` warning, or the non-finite
+guard's request), at most `trainer.rollback.max_rollbacks` times. Counting is the signals' job, not this one's.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,58 +15,6 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
-
-
-def _finite(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return bool(torch.isfinite(x.detach()).all().item())
-    return x is None or math.isfinite(float(x))
-
-
-class NonFiniteGuard:
-    def __init__(self, max_consecutive_bad_steps: int, rollback_enabled: bool = False) -> None:
-        if max_consecutive_bad_steps < 1:
-            raise ValueError(f"trainer.max_consecutive_bad_steps={max_consecutive_bad_steps}: must be >= 1")
-        self.max_bad, self.rollback_enabled = max_consecutive_bad_steps, rollback_enabled
-        self.consecutive = self.skipped_total = 0
-        self.rollback_requested = False
-
-    def check(self, loss: Any = None, grad_norm: Any = None, step: int | None = None) -> bool:
-        """True → a good step; False → a skipped one (counted). May raise `NonFiniteError`."""
-        if _finite(loss) and _finite(grad_norm):
-            self.consecutive = 0
-            return True
-        self.consecutive += 1
-        self.skipped_total += 1
-        logger.warning("non-finite loss=%s or grad_norm=%s at step %s: skipping the optimizer step (%d in a row, "
-                       "limit trainer.max_consecutive_bad_steps=%d)", _fmt(loss), _fmt(grad_norm), step,
-                       self.consecutive, self.max_bad)
-        if self.consecutive >= self.max_bad and self.rollback_enabled:
-            self.rollback_requested, self.consecutive = True, 0
-        elif self.consecutive >= self.max_bad:
-            raise NonFiniteError(
-                f"{self.max_bad} consecutive steps had a non-finite loss or gradient norm (last at step {step}; "
-                f"{self.skipped_total} skipped in total). Training stopped. Lower the learning rate, check the "
-                "data/rewards for inf/nan, enable trainer.rollback.enable=true to reload the best checkpoint, or "
-                "raise trainer.max_consecutive_bad_steps.")
-        return False
-
-    def metrics(self) -> dict[str, float]:
-        return {"train/skipped_steps": float(self.skipped_total), "train/consecutive_bad_steps": float(self.consecutive)}
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consecutive": self.consecutive, "skipped_total": self.skipped_total}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consecutive, self.skipped_total = int(state["consecutive"]), int(state["skipped_total"])
-
-
-def _fmt(x: Any) -> str:
-    return str(x.detach().float().cpu().reshape(-1)[:1].tolist()) if isinstance(x, torch.Tensor) else str(x)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from hybridflow.checkpoint import (
-    NonFiniteError,
-    NonFiniteGuard,
     RollbackTracker,
 )
 from hybridflow.checkpoint.recovery import scale_lr
 from hybridflow.data.dataloader import DataPosition
 from hybridflow.tracking import HealthMonitor
+from hybridflow.tracking.health import NonFiniteError, NonFiniteGuard
 
 
 def test_rollback_on_the_monitors_val_drop_targets_best_checkpoint() -> None:

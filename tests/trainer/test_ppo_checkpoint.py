@@ -14,9 +14,10 @@ import pytest
 import torch
 from ppo_testlib import SimulatedCrash, tiny_ppo_config
 
-from hybridflow.checkpoint import CheckpointManager, NonFiniteError
+from hybridflow.checkpoint import CheckpointManager
 from hybridflow.checkpoint.storage import read_flat_tensors
 from hybridflow.tracking import HealthMonitor
+from hybridflow.tracking.health import NonFiniteError
 from hybridflow.trainer.ppo import PPOTrainer
 
 
