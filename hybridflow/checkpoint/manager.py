@@ -24,11 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.checkpoint import atomic, collective
-from hybridflow.checkpoint.async_writer import AsyncWriter, CheckpointWriteError
-from hybridflow.checkpoint.flatten import flatten_state, tensor_keys
+from hybridflow.checkpoint import atomic
+from hybridflow.checkpoint.async_writer import (
+    AsyncWriter,
+    CheckpointWriteError,
+    barrier,
+    make_group,
+    phase,
+    rank_and_world,
+)
+from hybridflow.checkpoint.flatten import capture_rng_state, flatten_state, restore_rng_state, tensor_keys
 from hybridflow.checkpoint.remote import RemoteMirror, is_remote_url, join_url
-from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
 from hybridflow.checkpoint.storage import CpuStager, choose_format, damaged, read_component, write_component
 
 logger = logging.getLogger(__name__)
@@ -71,40 +77,27 @@ class CheckpointManager:
         self.atomic, self.async_save, self.keep_last_n = atomic_save, async_save, keep_last_n
         self.capture_rng = capture_rng
         self.mirror = RemoteMirror(remote_dir) if remote_dir else None
-        self._group = process_group if process_group is not None else collective.make_group()
-        self.rank, self.world_size = collective.rank_and_world(self._group)
+        self._group = process_group if process_group is not None else make_group()
+        self.rank, self.world_size = rank_and_world(self._group)
         self._writer = AsyncWriter()
         self._stager = CpuStager()
         self._protected: set[int] = set()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             atomic.clean_stale(self.root)
-        collective.barrier(self._group)
-
-    def latest(self) -> Path | None:
-        """Newest complete local checkpoint (waits for an in-flight save first)."""
-        self.wait()
-        return atomic.find_latest(self.root)
+        barrier(self._group)
 
     def protect(self, steps: Iterable[int]) -> None:
         """Steps retention must never delete (e.g. the best checkpoint for rollback); replaces the previous set."""
         self._protected = {int(s) for s in steps}
 
-    @property
-    def in_flight(self) -> bool:
-        return self._writer.busy
-
     # ------------------------------------------------------------------------------------------------- saving
     def save(self, step: int, components: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None,
              rank_state: Mapping[str, Any] | None = None, payload: Mapping[str, Any] | None = None) -> Path:
-        """Save `components` (name → nested state of tensors/DTensors and JSON scalars) as step `step`.
-
-        `extra` is JSON written once (sampler position, KL controller, config, ...); `rank_state` is JSON per rank;
-        `payload` is the driver's nested state of plain tensors and JSON (rank 0's is written, as `driver/`, inside
-        the same atomic commit; other ranks pass None). Returns the final directory (complete once `wait()`
-        returns when async). Raises `CheckpointWriteError` for a failure of this save (sync) or of the previous
-        one (async).
-        """
+        """Save `components` (name → nested state of tensors/DTensors and JSON scalars) as step `step`, with JSON
+        `extra` (written once) and `rank_state` (per rank), and rank 0's `payload` (plain tensors and JSON, as
+        `driver/`, in the same atomic commit). Returns the final directory (complete once `wait()` returns when
+        async); raises `CheckpointWriteError` for a failure of this save (sync) or of the previous one (async)."""
         self._writer.wait()
         plan = {}
         for name, state in components.items():
@@ -145,7 +138,7 @@ class CheckpointManager:
                marker: dict[str, Any], driver: tuple[dict, dict] | None) -> None:
         g, rank = self._group, self.rank
         work = atomic.tmp_path_for(final) if self.atomic else final
-        collective.phase("prepare", lambda: atomic.prepare_dir(final, self.atomic) if rank == 0 else None, g)
+        phase("prepare", lambda: atomic.prepare_dir(final, self.atomic) if rank == 0 else None, g)
 
         def write_rank_files() -> None:
             path = work / _rank_file(rank)
@@ -154,10 +147,10 @@ class CheckpointManager:
             for name in plan:
                 (work / name).mkdir(parents=True, exist_ok=True)
 
-        collective.phase("rank files", write_rank_files, g)
+        phase("rank files", write_rank_files, g)
         for name, (tensors, skeleton, fmt) in plan.items():
             write = functools.partial(write_component, work / name, tensors, skeleton, fmt, rank, g)
-            collective.phase(f"component {name}", write, g)
+            phase(f"component {name}", write, g)
 
         def finalize() -> None:
             if rank != 0:
@@ -170,8 +163,8 @@ class CheckpointManager:
             logger.info("saved checkpoint %s", final)
 
         # Every rank fsyncs its own files before the vote, so rank 0's commit covers durable shards.
-        collective.phase("fsync", lambda: atomic.fsync_tree(work) if rank != 0 else None, g)
-        collective.phase("commit", finalize, g)
+        phase("fsync", lambda: atomic.fsync_tree(work) if rank != 0 else None, g)
+        phase("commit", finalize, g)
         if rank != 0:
             return
         self._retain(atomic.list_complete(self.root), atomic.remove_dir, keep=atomic.read_latest(self.root))
@@ -194,7 +187,7 @@ class CheckpointManager:
                 remove(where)
 
     def poll(self) -> None:
-        """Non-blocking: raise `CheckpointWriteError` if the background save has failed. Call it every step."""
+        """Non-blocking: raise `CheckpointWriteError` if the background save failed (call it every step)."""
         self._writer.poll()
 
     def wait(self) -> None:
@@ -214,13 +207,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ loading
     def load(self, path: str | os.PathLike | None = None, templates: Mapping[str, Mapping[str, Any]] | None = None,
              restore_rng: bool = True, with_payload: bool = True) -> LoadedCheckpoint:
-        """Load a complete checkpoint (default: the latest local one).
-
-        `templates` maps component name → the caller's current state (e.g. engine.state_dict() with DTensor
-        shards); their tensors are filled in place (DCP reshards to the current world size). Components without
-        a template come back as full CPU tensors. Restores this rank's RNG unless `restore_rng=False`. Rank 0
-        reads the driver's payload unless `with_payload=False`.
-        """
+        """Load a complete checkpoint (default: the latest local one). `templates` (component → the caller's state,
+        e.g. DTensor shards) are filled in place, resharded; other components come back as full CPU tensors.
+        Restores this rank's RNG unless `restore_rng=False`; rank 0 reads the payload unless `with_payload=False`."""
         self.wait()
         ckpt = Path(path) if path is not None else atomic.find_latest(self.root)
         if ckpt is None:
@@ -277,7 +266,7 @@ class CheckpointManager:
             for s, name in self.mirror.list_complete() if self.mirror is not None else []:
                 if s > step:
                     self.mirror.delete(name)
-        collective.barrier(self._group)
+        barrier(self._group)
         return self.load(self.root / atomic.step_dirname(step), templates=templates, restore_rng=False,
                          with_payload=False)
 
@@ -349,5 +338,5 @@ def _download(manager: CheckpointManager, name: str, mirror: RemoteMirror | None
     fetch = manager.rank == 0 and not atomic.is_complete(target)
     if fetch:
         logger.info("no local copy of %s; downloading from %s", name, mirror.url(name))
-    collective.phase("download", lambda: mirror.download(name, manager.root) if fetch else None, manager._group)
+    phase("download", lambda: mirror.download(name, manager.root) if fetch else None, manager._group)
     return target

@@ -9,7 +9,6 @@ written once by rank 0 as safetensors. Only tensors reach DCP, so its pickled by
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,8 +25,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.checkpoint.atomic import read_json, write_json
 from hybridflow.checkpoint.flatten import unflatten_state
-
-logger = logging.getLogger(__name__)
 
 SKELETON = "skeleton.json"
 SAFETENSORS = "tensors.safetensors"
