@@ -86,11 +86,10 @@ def read_json(path: Path) -> Any:
 
 def is_complete(ckpt_dir: Path) -> bool:
     """A directory is a complete checkpoint iff its name is not temporary and its marker parses."""
-    ckpt_dir = Path(ckpt_dir)
-    if ckpt_dir.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+    if Path(ckpt_dir).name.startswith((TMP_PREFIX, TRASH_PREFIX)):
         return False
     try:
-        meta = read_json(ckpt_dir / MARKER)
+        meta = read_json(Path(ckpt_dir) / MARKER)
     except (OSError, ValueError):
         return False
     return isinstance(meta, dict) and meta.get("complete") is True
@@ -138,10 +137,8 @@ def write_latest(root: Path, name: str) -> None:
 
 
 def read_latest(root: Path) -> str | None:
-    try:
-        return (Path(root) / LATEST).read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+    path = Path(root) / LATEST
+    return (path.read_text(encoding="utf-8").strip() or None) if path.is_file() else None
 
 
 def list_complete(root: Path) -> list[tuple[int, Path]]:

@@ -22,10 +22,6 @@ logger = logging.getLogger(__name__)
 SEP = "/"
 
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}{SEP}{key}" if path else str(key)
-
-
 def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Return (tensors by path, skeleton). Raises TypeError/ValueError naming the offending path."""
     tensors: dict[str, torch.Tensor] = {}
@@ -52,11 +48,11 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise TypeError(f"checkpoint state at {path!r}: dict key {k!r} has type {type(k).__name__}; "
                                     "only str and int keys are saved")
-                items.append([k, enc(v, _join(path, k))])
+                items.append([k, enc(v, f"{path}{SEP}{k}" if path else str(k))])
             return {"d": items}
         if isinstance(node, (list, tuple)):
             kind = "l" if isinstance(node, list) else "u"
-            return {kind: [enc(v, _join(path, i)) for i, v in enumerate(node)]}
+            return {kind: [enc(v, f"{path}{SEP}{i}" if path else str(i)) for i, v in enumerate(node)]}
         if isinstance(node, np.generic):
             node = node.item()
         if node is None or isinstance(node, (bool, int, str)):
@@ -70,7 +66,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
                         "numpy arrays, dicts, lists, tuples and str/int/float/bool/None (no pickling) — convert it, "
                         "e.g. to a dict of those")
 
-    skeleton = enc(state, "")
+    skeleton = enc(state, "")  # fills `tensors`
     return tensors, skeleton
 
 
@@ -79,27 +75,20 @@ def unflatten_state(skeleton: dict[str, Any], tensors: Mapping[str, torch.Tensor
 
     def dec(node: dict[str, Any]) -> Any:
         (kind, val), = node.items()
-        if kind == "t":
-            return tensors[val]
-        if kind == "n":
-            return tensors[val].numpy()
-        if kind == "d":
-            return {k: dec(v) for k, v in val}
-        if kind == "l":
-            return [dec(v) for v in val]
-        if kind == "u":
-            return tuple(dec(v) for v in val)
-        if kind == "v":
-            return val
-        if kind == "f":
-            return float(val)
-        if kind == "dtype" and isinstance(getattr(torch, val, None), torch.dtype):
-            return getattr(torch, val)
-        if kind == "dtype":
-            raise ValueError(f"checkpoint skeleton names unknown dtype {val!r}")
-        raise ValueError(f"checkpoint skeleton has unknown node kind {kind!r} (written by a newer hybridflow?)")
+        decode = {"t": lambda: tensors[val], "n": lambda: tensors[val].numpy(), "v": lambda: val,
+                  "d": lambda: {k: dec(v) for k, v in val}, "l": lambda: [dec(v) for v in val],
+                  "u": lambda: tuple(dec(v) for v in val), "f": lambda: float(val), "dtype": lambda: _dtype(val)}
+        if kind not in decode:
+            raise ValueError(f"checkpoint skeleton has unknown node kind {kind!r} (written by a newer hybridflow?)")
+        return decode[kind]()
 
     return dec(skeleton)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"checkpoint skeleton names unknown dtype {name!r}")
+    return getattr(torch, name)
 
 
 def tensor_keys(node: dict[str, Any]) -> list[str]:
@@ -144,10 +133,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                          npst["gauss"]))
     torch.set_rng_state(_hex_to_bytes(state["torch"]))
     cuda = state.get("cuda") or []
-    if cuda:
-        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-            torch.cuda.set_rng_state_all([_hex_to_bytes(s) for s in cuda])
-        else:
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            logger.warning("checkpoint holds %d CUDA RNG states but this process sees %d GPUs; CUDA RNG not restored "
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda and n == len(cuda):
+        torch.cuda.set_rng_state_all([_hex_to_bytes(s) for s in cuda])
+    elif cuda:
+        logger.warning("checkpoint holds %d CUDA RNG states but this process sees %d GPUs; CUDA RNG not restored "
                            "(resume is not bit-exact for sampling on GPU)", len(cuda), n)

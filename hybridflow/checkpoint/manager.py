@@ -79,9 +79,7 @@ class CheckpointManager:
         self.mirror = RemoteMirror(remote_dir) if remote_dir else None
         self._group = process_group if process_group is not None else make_group()
         self.rank, self.world_size = rank_and_world(self._group)
-        self._writer = AsyncWriter()
-        self._stager = CpuStager()
-        self._protected: set[int] = set()
+        self._writer, self._stager, self._protected = AsyncWriter(), CpuStager(), set[int]()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             atomic.clean_stale(self.root)
@@ -238,20 +236,18 @@ class CheckpointManager:
                                      "DCP's get_state_dict does)")
                 flat = {k: v for k, v in flat.items() if k in need}
             components[name] = read_component(ckpt / name, info["format"], flat, self._group)
-        rank_state, rank_path = None, ckpt / _rank_file(self.rank)
-        if rank_path.exists():
-            saved = _read_json(rank_path, ckpt)
-            rank_state = saved.get("state")
-            if restore_rng and saved.get("rng") is not None:
-                restore_rng_state(saved["rng"])
-        elif meta.get("world_size", 1) != self.world_size:
+        rank_path = ckpt / _rank_file(self.rank)
+        saved = _read_json(rank_path, ckpt) if rank_path.exists() else {}
+        if restore_rng and saved.get("rng") is not None:
+            restore_rng_state(saved["rng"])
+        if not saved and meta.get("world_size", 1) != self.world_size:
             logger.warning("%s was saved by %s ranks, now %s: rank %d starts with fresh RNG/rank state", ckpt,
                            meta.get("world_size"), self.world_size, self.rank)
         driver = None
         if with_payload and self.rank == 0 and (ckpt / PAYLOAD).is_dir():
             driver = read_component(ckpt / PAYLOAD, "safetensors", None, None)
         return LoadedCheckpoint(step=int(meta["step"]), path=ckpt, components=components,
-                                extra=_read_json(ckpt / EXTRA, ckpt), rank_state=rank_state, payload=driver)
+                                extra=_read_json(ckpt / EXTRA, ckpt), rank_state=saved.get("state"), payload=driver)
 
     def rollback_to(self, step: int, templates: Mapping[str, Mapping[str, Any]] | None = None) -> LoadedCheckpoint:
         """Delete the checkpoints newer than `step` (local and remote: a crash after the rollback must not resume
@@ -275,8 +271,7 @@ def _to_json(obj: dict[str, Any], what: str) -> str:
     try:
         return json.dumps(obj, indent=1, sort_keys=True)
     except (TypeError, ValueError) as err:
-        raise TypeError(f"checkpoint {what} must be JSON-serialisable (dict of str/int/float/bool/None/lists): "
-                        f"{err}") from err
+        raise TypeError(f"checkpoint {what} must be JSON (dicts of str/int/float/bool/None/lists): {err}") from err
 
 
 def _read_json(path: Path, ckpt: Path) -> Any:

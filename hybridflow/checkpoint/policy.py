@@ -1,15 +1,8 @@
-"""The driver's checkpoint policy, the same for every trainer: which groups save, resume, a save every
-`trainer.checkpoint.save_freq` steps, the NaN guard and auto-rollback.
-
-The worker groups own the `CheckpointManager`s (one per worker process, see `hybridflow.checkpoint.worker`). The
-trainer names its groups: one (`""`) writes under `trainer.default_local_dir`; several (roles in their own groups)
-write under `<default_local_dir>/<name>` and resume from the newest step present for every one. The trainer gives
-the JSON `extra` (its data position and algorithm state) and, optionally, a `payload` of tensors (the non-sync
-modes' rollouts generated ahead) that the first group's rank 0 writes inside the same checkpoint; this policy adds
-its own (rollback, guard). A rollback
-restores weights, optimizer and LR schedule and hands the checkpoint's `extra` to `on_rollback`; the data
-position and step counter move on (no replay of the same batches).
-"""
+"""The driver's checkpoint policy, the same for every trainer: resume, a save every `trainer.checkpoint.save_freq`
+steps, the non-finite guard and auto-rollback. The worker groups own the `CheckpointManager`s; one group (`""`)
+writes under `trainer.default_local_dir`, several (roles in their own groups) under `<default_local_dir>/<name>`
+and resume from the newest step every one has. A rollback restores weights, optimizer and LR schedule and hands
+the checkpoint's `extra` to `on_rollback`; the data position and step counter move on (no replay)."""
 
 from __future__ import annotations
 
@@ -31,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointPolicy:
-    """`groups`: name → the group that checkpoints (see the module docstring); `guarded`: the metric namespaces
-    whose `<ns>/loss`, `<ns>/grad_norm` and `<ns>/skipped` the NaN guard reads (e.g. "actor", "critic")."""
+    """`groups`: name → the group that checkpoints; `guarded`: the metric namespaces whose `<ns>/loss`,
+    `<ns>/grad_norm` and `<ns>/skipped` the guard reads; `extra()` (at each save) and `payload()` (tensors, written
+    by the first group's rank 0) are the trainer's state, to which the policy adds its own."""
 
     def __init__(self, cfg: Config, groups: dict[str, CheckpointingGroup], guarded: tuple[str, ...],
                  tracker: Tracker | None = None,
@@ -40,8 +34,7 @@ class CheckpointPolicy:
                  payload: Callable[[], dict[str, Any] | None] | None = None) -> None:
         t = cfg.trainer
         self.cfg, self.guarded, self.tracker, self.on_rollback = cfg, guarded, tracker, on_rollback
-        self.payload = payload  # called after `extra()` at each save
-        self.targets = groups
+        self.payload, self.targets = payload, groups
         if t.checkpoint.save_freq == 0 and t.resume_mode == "disable":
             self.targets = {}  # checkpointing off: no managers, no directories created
             if t.rollback.enable:
@@ -60,7 +53,6 @@ class CheckpointPolicy:
         for subdir, group in self.targets.items():
             group.init_checkpoint(subdir or None)
 
-    # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> dict[str, Any] | None:
         """Load per `trainer.resume_mode` into the workers and restore the guard/rollback state; returns
         {"step", "path", "extra", "payload"} of the checkpoint (payload None when it has none), or None when
@@ -76,13 +68,10 @@ class CheckpointPolicy:
             raise ValueError(f"trainer.resume_path={t.resume_path!r} holds different steps per role {steps}; point "
                              "it at a run directory whose roles were saved together")
         info = next(iter(infos.values()))
-        extra = info["extra"]
-        if self.rollback is not None and extra.get("rollback") is not None:
-            self.rollback.load_state_dict(extra["rollback"])
-        if extra.get("guard") is not None:
-            self.guard.load_state_dict(extra["guard"])
-        if self.health is not None and extra.get("health") is not None:
-            self.health.load_val_state(extra["health"])
+        for part, load in (("rollback", self.rollback and self.rollback.load_state_dict),
+                           ("guard", self.guard.load_state_dict), ("health", self.health and self.health.load_val_state)):
+            if load and info["extra"].get(part) is not None:
+                load(info["extra"][part])
         return info
 
     def _load(self, mode: str, path: str | None) -> dict[str, dict[str, Any]] | None:
@@ -103,7 +92,6 @@ class CheckpointPolicy:
         step = max(common)
         return {name: g.load_checkpoint(mode, step=step)[0] for name, g in self.targets.items()}
 
-    # -------------------------------------------------------------------------------------------- each step
     def poll(self) -> None:
         """Raise the error of a failed background save now (CheckpointWriteError)."""
         for group in self.targets.values():
@@ -149,13 +137,13 @@ class CheckpointPolicy:
         self.guard.consecutive = 0
         if self.health is not None:
             self.health.reset_val()  # the restored model starts a new comparison
+        taken = {"target_step": decision.target_step, "lr_scale": decision.lr_scale, "reason": decision.reason}
         if self.tracker is not None:
             self.tracker.event("rollback", f"reloaded checkpoint step {decision.target_step} at step {step}: "
                                f"{decision.reason}; lr x {decision.lr_scale:g} "
                                f"[{decision.rollback_index}/{self.rollback.max_rollbacks}]", step, level="warning",
-                               target_step=decision.target_step, lr_scale=decision.lr_scale, reason=decision.reason)
-        self.rollbacks.append({"step": step, "target_step": decision.target_step, "lr_scale": decision.lr_scale,
-                               "reason": decision.reason})
+                               **taken)
+        self.rollbacks.append({"step": step, **taken})
 
     def maybe_save(self, step: int, is_last: bool, extra: Callable[[], dict[str, Any]]) -> None:
         """Save at `trainer.checkpoint.save_freq` (see `should_save`) with the trainer's `extra()` and this

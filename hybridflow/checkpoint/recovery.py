@@ -33,9 +33,8 @@ class RollbackTracker:
             raise ValueError(f"trainer.rollback.max_rollbacks={max_rollbacks}: must be >= 0")
         self.lr_scale, self.max_rollbacks, self.metric = lr_scale, max_rollbacks, metric
         self.last_value: float | None = None
-        self.rollbacks = 0
+        self.rollbacks, self._warned_exhausted = 0, False
         self.ckpt_scores: dict[int, float] = {}  # checkpoint step → metric when it was saved
-        self._warned_exhausted = False
 
     @property
     def best_step(self) -> int | None:

@@ -62,20 +62,16 @@ class RemoteMirror:
     def _path(self, *parts: str) -> str:
         return url_to_fs(self.url(*parts))[1]
 
-    # ------------------------------------------------------------------------------------------------- upload
     def upload(self, local_dir: Path) -> str:
         """Copy a complete local checkpoint to `<base>/<name>` (marker last), then point remote `latest` at it."""
         local_dir = Path(local_dir)
         if not atomic.is_complete(local_dir):
             raise AssertionError(f"refusing to mirror incomplete checkpoint {local_dir}")
         name = local_dir.name
-        dest = self._path(name)
-        if self.fs.exists(dest):
-            self.fs.rm(dest, recursive=True)  # a partial upload from a crash, or an older save of this step
+        self.delete(name)  # a partial upload from a crash, or an older save of this step
         files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != atomic.MARKER)
         for f in [*files, local_dir / atomic.MARKER]:
-            rel = f.relative_to(local_dir).as_posix()
-            target = self._path(name, rel)
+            target = self._path(name, f.relative_to(local_dir).as_posix())
             self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
             self.fs.put_file(str(f), target)
         with self.fs.open(self._path(atomic.LATEST), "w") as fh:
@@ -83,7 +79,6 @@ class RemoteMirror:
         logger.info("mirrored %s to %s", local_dir, self.url(name))
         return self.url(name)
 
-    # ----------------------------------------------------------------------------------------------- download
     def is_complete(self, name: str) -> bool:
         return self.fs.exists(self._path(name, atomic.MARKER))
 
@@ -106,17 +101,14 @@ class RemoteMirror:
             raise FileNotFoundError(f"{self.url(name)} is not a complete checkpoint (no {atomic.MARKER})")
         final = Path(local_root) / name
         tmp = atomic.tmp_path_for(final)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         src = self._path(name)
         for remote_file in self.fs.find(src):
-            rel = remote_file[len(src):].lstrip("/")
-            dst = tmp / rel
+            dst = tmp / remote_file[len(src):].lstrip("/")
             dst.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote_file, str(dst))
         atomic.fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         logger.info("downloaded %s to %s", self.url(name), final)
         return final

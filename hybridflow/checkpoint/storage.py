@@ -35,13 +35,9 @@ def choose_format(tensors: Mapping[str, torch.Tensor]) -> str:
     return "dcp" if any(isinstance(t, DTensor) for t in tensors.values()) else "safetensors"
 
 
-# ----------------------------------------------------------------------------------------------------- staging
 class CpuStager:
-    """Copies tensors to CPU for an async save, reusing (pinned, when CUDA is used) buffers between saves.
-
-    Reuse is safe because the manager waits for the previous write before staging again. DTensors keep their
-    mesh and placements (the local shard moves to CPU), as torch's own async staging does.
-    """
+    """Copies tensors to CPU for an async save into buffers (pinned for CUDA) reused between saves — safe since the
+    manager waits for the previous write first. DTensors keep mesh and placements, their local shard moves."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -79,7 +75,6 @@ def _dedup_for_safetensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
-# ------------------------------------------------------------------------------------------------- safe unpickle
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
             ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
@@ -110,7 +105,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
-# ------------------------------------------------------------------------------------------------------- io
 def write_component(comp_dir: Path, tensors: Mapping[str, torch.Tensor], skeleton: dict[str, Any], fmt: str,
                     rank: int, group: dist.ProcessGroup | None) -> None:
     """Write one component; every rank calls it (DCP is collective), rank 0 writes the replicated files."""
@@ -173,11 +167,8 @@ def damaged_file(comp_dir: Path, fmt: str) -> str:
 
 def read_component(comp_dir: Path, fmt: str, template: Mapping[str, torch.Tensor] | None,
                    group: dist.ProcessGroup | None) -> Any:
-    """Read one component back into its nested form; a damaged file is a DamagedCheckpointError naming it.
-
-    With `template` (flat tensors of the caller's current state, e.g. DTensor shards), values are loaded into
-    those tensors in place (DCP reshards); without, full CPU tensors are returned.
-    """
+    """Read one component back into its nested form, into `template`'s tensors in place when given (DCP
+    reshards), else as full CPU tensors; a damaged file is a DamagedCheckpointError naming it."""
     try:
         return _read_component(comp_dir, fmt, template, group)
     except DAMAGED_FILE_ERRORS as err:

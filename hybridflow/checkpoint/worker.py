@@ -1,10 +1,8 @@
-"""Worker-side checkpointing: the registered save/load/rollback methods of every worker with a trained engine
-(PPO actor and critic, the SFT/RM `SupervisedWorker`), and the driver-side handle `CheckpointingGroup`.
+"""The registered save/load/rollback methods of every worker with a trained engine, and their driver-side handle.
 
-Decision: one `CheckpointManager` per worker *process*, so colocated roles (actor + critic + EMA ref in one
-process) write ONE checkpoint with one component per engine. The worker the driver calls (the actor in the
-colocated layout) reaches its sibling roles through `colocated_roles`, which `ColocatedWorker` sets; a role in
-its own group (`trainer.use_colocated_worker=false`) checkpoints only its engines, under its own sub-directory.
+One `CheckpointManager` per worker *process*: colocated roles (reached through `colocated_roles`, which
+`ColocatedWorker` sets) write ONE checkpoint with one component per engine; a role in its own group
+(`trainer.use_colocated_worker=false`) checkpoints only its engines, under its own sub-directory.
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ class CheckpointingWorker:
         return engines
 
     def _manager(self) -> CheckpointManager:
-        if self._ckpt is None:
-            raise RuntimeError("call init_checkpoint() on this worker group before saving or loading checkpoints")
+        assert self._ckpt is not None, "init_checkpoint() builds the manager before any save or load"
         return self._ckpt
 
     def _apply(self, load: Callable[[dict[str, Any]], LoadedCheckpoint]) -> LoadedCheckpoint:
@@ -100,9 +97,8 @@ class CheckpointingWorker:
         if subdir:
             local = f"{local.rstrip('/')}/{subdir}"
             remote = join_url(remote, subdir) if remote else None
-        ck = t.checkpoint
-        self._ckpt = CheckpointManager(local, remote, atomic_save=ck.atomic_save, async_save=ck.async_save,
-                                       keep_last_n=ck.keep_last_n)
+        self._ckpt = CheckpointManager(local, remote, atomic_save=t.checkpoint.atomic_save,
+                                       async_save=t.checkpoint.async_save, keep_last_n=t.checkpoint.keep_last_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def checkpoint_steps(self) -> list[int]:
@@ -142,9 +138,7 @@ class CheckpointingWorker:
         self._manager().protect(protect)
         engines = self._engines()
         components = {name: engine.state_dict() for name, engine in engines.items()}
-        rank_state: dict[str, Any] = {}
-        for member in self._members():
-            rank_state |= member.checkpoint_rank_state()
+        rank_state = {k: v for member in self._members() for k, v in member.checkpoint_rank_state().items()}
         path = self._manager().save(step, components, extra=extra, rank_state=rank_state, payload=payload)
         for engine in engines.values():
             # state_dict() brings offloaded params/optimizer onto the device; async saves have already staged

@@ -130,7 +130,7 @@ def test_exports_reproduce_the_trained_policy(dist_group, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from hybridflow.checkpoint import CheckpointManager
-    from hybridflow.checkpoint.export import export_hf
+    from hybridflow.commands.export import export_hf
     from hybridflow.config import to_dict
     from hybridflow.models.loader import load_module
 
