@@ -25,7 +25,13 @@ from transformers.models.auto.modeling_auto import (
 
 from hybridflow.data.templates import save_tokenizer
 from hybridflow.engine.host_optim import HostOptimizer
-from hybridflow.engine.lora import is_adapter_param, merge_adapters, save_adapter_dir, targets_from_state
+from hybridflow.engine.lora import (
+    is_adapter_param,
+    merge_adapters,
+    merged_state_dict,
+    save_adapter_dir,
+    targets_from_state,
+)
 from hybridflow.models.heads import scalar_head_config
 from hybridflow.models.loader import load_module, model_config, save_model
 
@@ -71,9 +77,12 @@ def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict
     host.load(state["model"], state["optimizer"])
 
 
-def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of a (DTensor-sharded) state dict; collective: every rank calls it."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+def full_model_state(model: torch.nn.Module, lora_scale: float | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded CPU model state (collective: every rank calls it, with its parameters on the device); with
+    `lora_scale` (alpha / rank) the adapters are merged into the in-memory base weights, a plain model's state."""
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+             for k, v in get_model_state_dict(model).items()}
+    return state if lora_scale is None else merged_state_dict(state, lora_scale)
 
 
 def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path, *, merge: bool = True,

@@ -290,11 +290,11 @@ def test_forward_logprobs_micro_batching_invariant():
 
 
 def test_the_exporter_writes_the_trained_weights(tmp_path):
-    from hybridflow.engine.checkpoint import full_tensors, write_hf
+    from hybridflow.engine.checkpoint import full_model_state, write_hf
 
     engine = _engine()
     train_step(engine, make_batch(seed=10), nll_loss)
-    write_hf(full_tensors(engine.state_dict()["model"]), make_config().model, tmp_path / "hf")
+    write_hf(full_model_state(engine.module), make_config().model, tmp_path / "hf")
     cfg = make_config(f"model.path={tmp_path / 'hf'}")
     loaded = load_model(cfg.model, "actor")
     trained = _weights(engine)
