@@ -134,7 +134,7 @@ def evaluate(model_dir: Path, size: int | None = None, max_new_tokens: int = 10)
 # ------------------------------------------------------------------------------------------------- the two sides
 def run_ours(run_dir: Path, weak: Path, seed: int, args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     """hybridflow GRPO from `weak`; the final actor is exported as an HF directory and evaluated."""
-    from hybridflow.checkpoint.export import export_hf
+    from hybridflow.commands.export import export_hf
     from hybridflow.trainer.run import run_ppo
 
     cfg = quickstart_config([

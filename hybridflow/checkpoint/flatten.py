@@ -1,4 +1,5 @@
-"""Split a nested state into flat tensors plus a JSON skeleton, and back — the reason loading never unpickles.
+"""Split a nested state into flat tensors plus a JSON skeleton, and back; capture and restore every RNG a rank
+uses (python, numpy global, torch CPU, CUDA; byte states as hex) as JSON — the reason loading never unpickles.
 
 A state is dicts (str/int keys), lists and tuples whose leaves are tensors (DTensors too), numpy arrays or JSON
 scalars. Tensors are stored by path key (`optimizer/state/0/exp_avg`) in safetensors or DCP; everything else,
@@ -8,18 +9,17 @@ time, in the caller's thread.
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
 SEP = "/"
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}{SEP}{key}" if path else str(key)
 
 
 def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -48,11 +48,11 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise TypeError(f"checkpoint state at {path!r}: dict key {k!r} has type {type(k).__name__}; "
                                     "only str and int keys are saved")
-                items.append([k, enc(v, _join(path, k))])
+                items.append([k, enc(v, f"{path}{SEP}{k}" if path else str(k))])
             return {"d": items}
         if isinstance(node, (list, tuple)):
             kind = "l" if isinstance(node, list) else "u"
-            return {kind: [enc(v, _join(path, i)) for i, v in enumerate(node)]}
+            return {kind: [enc(v, f"{path}{SEP}{i}" if path else str(i)) for i, v in enumerate(node)]}
         if isinstance(node, np.generic):
             node = node.item()
         if node is None or isinstance(node, (bool, int, str)):
@@ -66,7 +66,7 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
                         "numpy arrays, dicts, lists, tuples and str/int/float/bool/None (no pickling) — convert it, "
                         "e.g. to a dict of those")
 
-    skeleton = enc(state, "")
+    skeleton = enc(state, "")  # fills `tensors`
     return tensors, skeleton
 
 
@@ -75,44 +75,67 @@ def unflatten_state(skeleton: dict[str, Any], tensors: Mapping[str, torch.Tensor
 
     def dec(node: dict[str, Any]) -> Any:
         (kind, val), = node.items()
-        if kind == "t":
-            return tensors[val]
-        if kind == "n":
-            return tensors[val].numpy()
-        if kind == "d":
-            return {k: dec(v) for k, v in val}
-        if kind == "l":
-            return [dec(v) for v in val]
-        if kind == "u":
-            return tuple(dec(v) for v in val)
-        if kind == "v":
-            return val
-        if kind == "f":
-            return float(val)
-        if kind == "dtype":
-            dtype = getattr(torch, val, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"checkpoint skeleton names unknown dtype {val!r}")
-            return dtype
-        raise ValueError(f"checkpoint skeleton has unknown node kind {kind!r} (written by a newer hybridflow?)")
+        decode = {"t": lambda: tensors[val], "n": lambda: tensors[val].numpy(), "v": lambda: val,
+                  "d": lambda: {k: dec(v) for k, v in val}, "l": lambda: [dec(v) for v in val],
+                  "u": lambda: tuple(dec(v) for v in val), "f": lambda: float(val), "dtype": lambda: _dtype(val)}
+        if kind not in decode:
+            raise ValueError(f"checkpoint skeleton has unknown node kind {kind!r} (written by a newer hybridflow?)")
+        return decode[kind]()
 
     return dec(skeleton)
 
 
-def tensor_keys(skeleton: dict[str, Any]) -> list[str]:
+def _dtype(name: str) -> torch.dtype:
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"checkpoint skeleton names unknown dtype {name!r}")
+    return getattr(torch, name)
+
+
+def tensor_keys(node: dict[str, Any]) -> list[str]:
     """Paths of all tensor leaves of a skeleton, in order."""
-    out: list[str] = []
+    (kind, val), = node.items()
+    if kind in ("t", "n"):
+        return [val]
+    children = [v for _k, v in val] if kind == "d" else val if kind in ("l", "u") else []
+    return [key for child in children for key in tensor_keys(child)]
 
-    def walk(node: dict[str, Any]) -> None:
-        (kind, val), = node.items()
-        if kind in ("t", "n"):
-            out.append(val)
-        elif kind == "d":
-            for _k, v in val:
-                walk(v)
-        elif kind in ("l", "u"):
-            for v in val:
-                walk(v)
 
-    walk(skeleton)
-    return out
+def _bytes_to_hex(t: torch.Tensor) -> str:
+    return t.cpu().numpy().tobytes().hex()
+
+
+def _hex_to_bytes(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray.fromhex(s), dtype=torch.uint8).clone()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """JSON-able snapshot of python `random`, numpy's global RNG, torch CPU and all CUDA generators."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": py_version, "state": list(py_state), "gauss": py_gauss},
+        "numpy": {"kind": np_kind, "keys": np_keys.tolist(), "pos": int(np_pos), "has_gauss": int(np_has_gauss),
+                  "gauss": float(np_gauss)},
+        "torch": _bytes_to_hex(torch.get_rng_state()),
+        "cuda": [],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_bytes_to_hex(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng_state`. CUDA states are restored when the device count matches, else warned."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npst = state["numpy"]
+    np.random.set_state((npst["kind"], np.asarray(npst["keys"], dtype=np.uint32), npst["pos"], npst["has_gauss"],
+                         npst["gauss"]))
+    torch.set_rng_state(_hex_to_bytes(state["torch"]))
+    cuda = state.get("cuda") or []
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda and n == len(cuda):
+        torch.cuda.set_rng_state_all([_hex_to_bytes(s) for s in cuda])
+    elif cuda:
+        logger.warning("checkpoint holds %d CUDA RNG states but this process sees %d GPUs; CUDA RNG not restored "
+                           "(resume is not bit-exact for sampling on GPU)", len(cuda), n)

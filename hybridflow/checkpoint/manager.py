@@ -1,9 +1,10 @@
-"""CheckpointManager: the one object the trainer calls to save, load, retain and mirror checkpoints.
+"""CheckpointManager: the one object a worker calls to save, load, retain, mirror and roll back checkpoints.
 
 Layout: `<local_dir>/global_step_<N>/{checkpoint.json, extra.json, <component>/..., ranks/rank_<r>.json}` plus
-`<local_dir>/latest`; `driver/` (skeleton + safetensors, as a component) when the driver gave a payload. `save` validates and flattens on the caller's thread, snapshots tensors to CPU when async,
-then writes (in a background thread when async): every rank its files/shards, rank 0 the marker, the rename,
-`latest`, local retention, the remote mirror, then remote retention. `save`/`load` are collective: call them on every rank.
+`<local_dir>/latest`, and `driver/` (as a component) when the driver gave a payload. `save` validates and flattens
+on the caller's thread, stages tensors to CPU when async, then writes (in a background thread when async): every
+rank its files and shards, rank 0 the marker, the rename, `latest`, retention, the mirror. `save`, `load` and
+`rollback_to` are collective: call them on every rank. `find_resume_checkpoint` picks what a run resumes from.
 """
 
 from __future__ import annotations
@@ -14,25 +15,27 @@ import logging
 import os
 import platform
 import re
-import shutil
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridflow.checkpoint import atomic, collective
-from hybridflow.checkpoint.async_writer import AsyncWriter, CheckpointWriteError
-from hybridflow.checkpoint.flatten import flatten_state, tensor_keys
-from hybridflow.checkpoint.remote import RemoteMirror, open_mirror
-from hybridflow.checkpoint.rng import capture_rng_state, restore_rng_state
+from hybridflow.checkpoint import atomic
+from hybridflow.checkpoint.async_writer import (
+    AsyncWriter,
+    CheckpointWriteError,
+    barrier,
+    make_group,
+    phase,
+    rank_and_world,
+)
+from hybridflow.checkpoint.flatten import capture_rng_state, flatten_state, restore_rng_state, tensor_keys
+from hybridflow.checkpoint.remote import RemoteMirror, is_remote_url, join_url
 from hybridflow.checkpoint.storage import CpuStager, choose_format, damaged, read_component, write_component
-
-if TYPE_CHECKING:
-    from hybridflow.config.schema import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,86 +53,49 @@ class LoadedCheckpoint:
     components: dict[str, Any]
     extra: dict[str, Any]
     rank_state: dict[str, Any] | None  # this rank's `rank_state` as passed to save (None if absent)
-    meta: dict[str, Any] = field(default_factory=dict)
     payload: Any = None  # the driver's payload as passed to save (rank 0 only; None if absent or not read)
 
 
 def should_save(save_freq: int, step: int, is_last_step: bool) -> bool:
     """`trainer.checkpoint.save_freq`: 0 never; -1 only at the last step; k every k steps and at the last step."""
-    if save_freq == 0:
-        return False
-    return is_last_step or (save_freq > 0 and step % save_freq == 0)
+    return save_freq != 0 and (is_last_step or (save_freq > 0 and step % save_freq == 0))
 
 
 def _rank_file(rank: int) -> str:
     return f"{RANKS}/rank_{rank:05d}.json"
 
 
-def _versions() -> dict[str, str]:
-    from hybridflow import __version__
-    return {"hybridflow": __version__, "torch": torch.__version__, "python": platform.python_version()}
-
-
 class CheckpointManager:
     """Atomic, optionally async, checkpoint saving with retention, a remote mirror and safe loading."""
 
     def __init__(self, local_dir: str | os.PathLike, remote_dir: str | None = None, *, atomic_save: bool = True,
-                 async_save: bool = True, keep_last_n: int | None = None, save_freq: int = -1,
-                 capture_rng: bool = True, process_group: dist.ProcessGroup | None = None) -> None:
+                 async_save: bool = True, keep_last_n: int | None = None, capture_rng: bool = True,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         if keep_last_n is not None and keep_last_n < 1:
             raise ValueError(f"trainer.checkpoint.keep_last_n={keep_last_n}: must be >= 1 or null")
         self.root = Path(local_dir)
-        self.atomic = atomic_save
-        self.async_save = async_save
-        self.keep_last_n = keep_last_n
-        self.save_freq = save_freq
+        self.atomic, self.async_save, self.keep_last_n = atomic_save, async_save, keep_last_n
         self.capture_rng = capture_rng
-        self.mirror: RemoteMirror | None = open_mirror(remote_dir)
-        self._group = process_group if process_group is not None else collective.make_group()
-        self.rank, self.world_size = collective.rank_and_world(self._group)
-        self._writer = AsyncWriter()
-        self._stager = CpuStager()
-        self._protected: set[int] = set()
+        self.mirror = RemoteMirror(remote_dir) if remote_dir else None
+        self._group = process_group if process_group is not None else make_group()
+        self.rank, self.world_size = rank_and_world(self._group)
+        self._writer, self._stager, self._protected = AsyncWriter(), CpuStager(), set[int]()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             atomic.clean_stale(self.root)
-        collective.barrier(self._group)
-
-    @classmethod
-    def from_config(cls, trainer_cfg: TrainerConfig, **kwargs: Any) -> CheckpointManager:
-        """Build from `Config.trainer` (default_local_dir, default_hdfs_dir, checkpoint.*)."""
-        ck = trainer_cfg.checkpoint
-        return cls(trainer_cfg.default_local_dir, trainer_cfg.default_hdfs_dir, atomic_save=ck.atomic_save,
-                   async_save=ck.async_save, keep_last_n=ck.keep_last_n, save_freq=ck.save_freq, **kwargs)
-
-    # ------------------------------------------------------------------------------------------------ queries
-    def should_save(self, step: int, is_last_step: bool) -> bool:
-        return should_save(self.save_freq, step, is_last_step)
-
-    def latest(self) -> Path | None:
-        """Newest complete local checkpoint (waits for an in-flight save first)."""
-        self.wait()
-        return atomic.find_latest(self.root)
+        barrier(self._group)
 
     def protect(self, steps: Iterable[int]) -> None:
         """Steps retention must never delete (e.g. the best checkpoint for rollback); replaces the previous set."""
         self._protected = {int(s) for s in steps}
 
-    @property
-    def in_flight(self) -> bool:
-        return self._writer.busy
-
     # ------------------------------------------------------------------------------------------------- saving
     def save(self, step: int, components: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any] | None = None,
              rank_state: Mapping[str, Any] | None = None, payload: Mapping[str, Any] | None = None) -> Path:
-        """Save `components` (name → nested state of tensors/DTensors and JSON scalars) as step `step`.
-
-        `extra` is JSON written once (sampler position, KL controller, config, ...); `rank_state` is JSON per rank;
-        `payload` is the driver's nested state of plain tensors and JSON (rank 0's is written, as `driver/`, inside
-        the same atomic commit; other ranks pass None). Returns the final directory (complete once `wait()`
-        returns when async). Raises `CheckpointWriteError` for a failure of this save (sync) or of the previous
-        one (async).
-        """
+        """Save `components` (name → nested state of tensors/DTensors and JSON scalars) as step `step`, with JSON
+        `extra` (written once) and `rank_state` (per rank), and rank 0's `payload` (plain tensors and JSON, as
+        `driver/`, in the same atomic commit). Returns the final directory (complete once `wait()` returns when
+        async); raises `CheckpointWriteError` for a failure of this save (sync) or of the previous one (async)."""
         self._writer.wait()
         plan = {}
         for name, state in components.items():
@@ -147,31 +113,30 @@ class CheckpointManager:
         extra_text = _to_json(dict(extra or {}), "extra")
         rank_text = _to_json({"rng": capture_rng_state() if self.capture_rng else None,
                               "state": dict(rank_state) if rank_state is not None else None}, "rank_state")
+        from hybridflow import __version__
         marker = {"format_version": FORMAT_VERSION, "step": int(step), "world_size": self.world_size,
-                  "components": {n: {"format": fmt} for n, (_t, _s, fmt) in plan.items()},
-                  "created_unix": time.time(), "versions": _versions()}
+                  "components": {n: {"format": fmt} for n, (_t, _s, fmt) in plan.items()}, "created_unix": time.time(),
+                  "versions": {"hybridflow": __version__, "torch": torch.__version__,
+                               "python": platform.python_version()}}
         if self.async_save:
             plan = {n: (self._stager.stage(t, prefix=n), s, f) for n, (t, s, f) in plan.items()}
         final = self.root / atomic.step_dirname(step)
-
-        def job() -> None:
-            self._write(final, plan, extra_text, rank_text, marker, driver)
-
+        job = functools.partial(self._write, final, plan, extra_text, rank_text, marker, driver)
         if self.async_save:
             self._writer.submit(job, label=f"step {step} → {final}")
-        else:
-            try:
-                job()
-            except Exception as err:
-                raise CheckpointWriteError(f"checkpoint save failed (step {step} → {final}): "
-                                           f"{type(err).__name__}: {err}") from err
+            return final
+        try:
+            job()
+        except Exception as err:
+            raise CheckpointWriteError(f"checkpoint save failed (step {step} → {final}): "
+                                       f"{type(err).__name__}: {err}") from err
         return final
 
     def _write(self, final: Path, plan: dict[str, tuple[dict, dict, str]], extra_text: str, rank_text: str,
-               marker: dict[str, Any], driver: tuple[dict, dict] | None = None) -> None:
+               marker: dict[str, Any], driver: tuple[dict, dict] | None) -> None:
         g, rank = self._group, self.rank
         work = atomic.tmp_path_for(final) if self.atomic else final
-        collective.phase("prepare", lambda: atomic.prepare_dir(final, self.atomic) if rank == 0 else None, g)
+        phase("prepare", lambda: atomic.prepare_dir(final, self.atomic) if rank == 0 else None, g)
 
         def write_rank_files() -> None:
             path = work / _rank_file(rank)
@@ -180,10 +145,10 @@ class CheckpointManager:
             for name in plan:
                 (work / name).mkdir(parents=True, exist_ok=True)
 
-        collective.phase("rank files", write_rank_files, g)
+        phase("rank files", write_rank_files, g)
         for name, (tensors, skeleton, fmt) in plan.items():
             write = functools.partial(write_component, work / name, tensors, skeleton, fmt, rank, g)
-            collective.phase(f"component {name}", write, g)
+            phase(f"component {name}", write, g)
 
         def finalize() -> None:
             if rank != 0:
@@ -196,42 +161,31 @@ class CheckpointManager:
             logger.info("saved checkpoint %s", final)
 
         # Every rank fsyncs its own files before the vote, so rank 0's commit covers durable shards.
-        collective.phase("fsync", lambda: atomic.fsync_tree(work) if rank != 0 else None, g)
-        collective.phase("commit", finalize, g)
-        if rank == 0:
-            self._apply_retention()
-            if self.mirror is not None:
-                try:
-                    self.mirror.upload(final)
-                except Exception as err:
-                    raise RuntimeError(f"the local checkpoint {final} is complete, but mirroring it to "
-                                       f"{self.mirror.base_url} failed: {err}") from err
-                self._apply_remote_retention(final.name)
+        phase("fsync", lambda: atomic.fsync_tree(work) if rank != 0 else None, g)
+        phase("commit", finalize, g)
+        if rank != 0:
+            return
+        self._retain(atomic.list_complete(self.root), atomic.remove_dir, keep=atomic.read_latest(self.root))
+        if self.mirror is not None:
+            try:
+                self.mirror.upload(final)
+            except Exception as err:
+                raise RuntimeError(f"the local checkpoint {final} is complete, but mirroring it to "
+                                   f"{self.mirror.base_url} failed: {err}") from err
+            # The mirror keeps what local retention keeps; runs only once `final` is complete remotely.
+            self._retain(self.mirror.list_complete(), self.mirror.delete, keep=final.name)
 
-    def _apply_retention(self) -> None:
+    def _retain(self, complete: list[tuple[int, Any]], remove: Callable[[Any], None], keep: str | None) -> None:
+        """Delete all but the newest `keep_last_n` steps, the protected ones and the one named `keep`."""
         if self.keep_last_n is None:
             return
-        complete = atomic.list_complete(self.root)
-        keep = {s for s, _ in complete[-self.keep_last_n:]} | self._protected
-        latest = atomic.read_latest(self.root)
-        for step, path in complete:
-            if step not in keep and path.name != latest:
-                _remove_checkpoint(path)
-
-    def _apply_remote_retention(self, newest: str) -> None:
-        """The mirror keeps what local retention keeps: the newest `keep_last_n` complete steps (the one just
-        uploaded among them) and the protected ones. Runs only after `newest` is complete remotely."""
-        if self.keep_last_n is None or self.mirror is None:
-            return
-        complete = self.mirror.list_complete()
-        keep = {s for s, _ in complete[-self.keep_last_n:]} | self._protected
-        for step, name in complete:
-            if step not in keep and name != newest:
-                self.mirror.delete(name)
-                logger.info("removed old remote checkpoint %s", self.mirror.url(name))
+        kept = {s for s, _ in complete[-self.keep_last_n:]} | self._protected
+        for step, where in complete:
+            if step not in kept and Path(str(where)).name != keep:
+                remove(where)
 
     def poll(self) -> None:
-        """Non-blocking: raise `CheckpointWriteError` if the background save has failed. Call it every step."""
+        """Non-blocking: raise `CheckpointWriteError` if the background save failed (call it every step)."""
         self._writer.poll()
 
     def wait(self) -> None:
@@ -239,7 +193,7 @@ class CheckpointManager:
         self._writer.wait()
 
     def close(self) -> None:
-        self._writer.close()
+        self._writer.wait()
         self._stager.clear()
 
     def __enter__(self) -> CheckpointManager:
@@ -251,13 +205,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ loading
     def load(self, path: str | os.PathLike | None = None, templates: Mapping[str, Mapping[str, Any]] | None = None,
              restore_rng: bool = True, with_payload: bool = True) -> LoadedCheckpoint:
-        """Load a complete checkpoint (default: the latest local one).
-
-        `templates` maps component name → the caller's current state (e.g. engine.state_dict() with DTensor
-        shards); their tensors are filled in place (DCP reshards to the current world size). Components without
-        a template come back as full CPU tensors. Restores this rank's RNG unless `restore_rng=False`. Rank 0
-        reads the driver's payload unless `with_payload=False`.
-        """
+        """Load a complete checkpoint (default: the latest local one). `templates` (component → the caller's state,
+        e.g. DTensor shards) are filled in place, resharded; other components come back as full CPU tensors.
+        Restores this rank's RNG unless `restore_rng=False`; rank 0 reads the payload unless `with_payload=False`."""
         self.wait()
         ckpt = Path(path) if path is not None else atomic.find_latest(self.root)
         if ckpt is None:
@@ -282,69 +232,46 @@ class CheckpointManager:
                 missing = sorted(need - set(flat))
                 if missing and info["format"] == "dcp":  # safetensors fills missing ones with fresh tensors
                     raise ValueError(f"{ckpt}/{name}: the template lacks tensors {missing[:5]}; build it from a "
-                                     "sharded state with the same structure (e.g. optimizer state initialised, as DCP's get_state_dict does)")
+                                     "sharded state with the same structure (e.g. optimizer state initialised, as "
+                                     "DCP's get_state_dict does)")
                 flat = {k: v for k, v in flat.items() if k in need}
             components[name] = read_component(ckpt / name, info["format"], flat, self._group)
-        extra = _read_json(ckpt / EXTRA, ckpt)
-        rank_state = None
         rank_path = ckpt / _rank_file(self.rank)
-        if rank_path.exists():
-            payload = _read_json(rank_path, ckpt)
-            rank_state = payload.get("state")
-            if restore_rng and payload.get("rng") is not None:
-                restore_rng_state(payload["rng"])
-        elif meta.get("world_size", 1) != self.world_size:
+        saved = _read_json(rank_path, ckpt) if rank_path.exists() else {}
+        if restore_rng and saved.get("rng") is not None:
+            restore_rng_state(saved["rng"])
+        if not saved and meta.get("world_size", 1) != self.world_size:
             logger.warning("%s was saved by %s ranks, now %s: rank %d starts with fresh RNG/rank state", ckpt,
                            meta.get("world_size"), self.world_size, self.rank)
         driver = None
         if with_payload and self.rank == 0 and (ckpt / PAYLOAD).is_dir():
             driver = read_component(ckpt / PAYLOAD, "safetensors", None, None)
-        return LoadedCheckpoint(step=int(meta["step"]), path=ckpt, components=components, extra=extra,
-                                rank_state=rank_state, meta=meta, payload=driver)
+        return LoadedCheckpoint(step=int(meta["step"]), path=ckpt, components=components,
+                                extra=_read_json(ckpt / EXTRA, ckpt), rank_state=saved.get("state"), payload=driver)
 
-    # ----------------------------------------------------------------------------------------------- rollback
-    def discard_after(self, step: int) -> None:
-        """Delete checkpoints newer than `step` (local and remote) and point `latest` at `step` — for rollback.
-
-        Without this, a crash after a rollback would resume from the abandoned branch's newer checkpoints.
-        """
+    def rollback_to(self, step: int, templates: Mapping[str, Mapping[str, Any]] | None = None) -> LoadedCheckpoint:
+        """Delete the checkpoints newer than `step` (local and remote: a crash after the rollback must not resume
+        the abandoned branch), point `latest` at `step`, then load it (RNG not restored, so training does not
+        replay the same samples). The caller applies the components to its engines and scales the LR if asked."""
         self.wait()
         if self.rank == 0:
             for s, path in atomic.list_complete(self.root):
                 if s > step:
-                    _remove_checkpoint(path)
+                    atomic.remove_dir(path)
             atomic.write_latest(self.root, atomic.step_dirname(step))
-            if self.mirror is not None:
-                for s, name in self.mirror.list_complete():
-                    if s > step:
-                        self.mirror.delete(name)
-        collective.barrier(self._group)
-
-
-    def rollback_to(self, step: int, templates: Mapping[str, Mapping[str, Any]] | None = None) -> LoadedCheckpoint:
-        """Discard checkpoints newer than `step`, then load `step` (RNG not restored, so training does not replay
-        the same samples). The caller applies the components to its engines and scales the LR if asked."""
-        self.discard_after(step)
+            for s, name in self.mirror.list_complete() if self.mirror is not None else []:
+                if s > step:
+                    self.mirror.delete(name)
+        barrier(self._group)
         return self.load(self.root / atomic.step_dirname(step), templates=templates, restore_rng=False,
                          with_payload=False)
-
-
-def _remove_checkpoint(path: Path) -> None:
-    # Rename first: a half-deleted directory that still holds its marker would look complete after a crash.
-    trash = path.parent / f"{atomic.TRASH_PREFIX}{path.name}"
-    if trash.exists():
-        shutil.rmtree(trash)
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-    logger.info("removed old checkpoint %s", path)
 
 
 def _to_json(obj: dict[str, Any], what: str) -> str:
     try:
         return json.dumps(obj, indent=1, sort_keys=True)
     except (TypeError, ValueError) as err:
-        raise TypeError(f"checkpoint {what} must be JSON-serialisable (dict of str/int/float/bool/None/lists): "
-                        f"{err}") from err
+        raise TypeError(f"checkpoint {what} must be JSON (dicts of str/int/float/bool/None/lists): {err}") from err
 
 
 def _read_json(path: Path, ckpt: Path) -> Any:
@@ -352,3 +279,59 @@ def _read_json(path: Path, ckpt: Path) -> Any:
         return atomic.read_json(path)
     except (OSError, ValueError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise damaged(path, ckpt, err) from err
+
+
+def find_resume_checkpoint(manager: CheckpointManager, mode: str, resume_path: str | None = None) -> Path | None:
+    """The checkpoint directory to resume from per `trainer.resume_mode` (auto: the newest complete local one, else
+    the newest remote one; path: `resume_path`, a directory or URL), or None to start fresh. A remote checkpoint is
+    downloaded by rank 0 into the local root first, so loading has one code path. Collective when distributed."""
+    if mode == "disable":
+        return None
+    if mode == "path":
+        if not resume_path:
+            raise ValueError("trainer.resume_mode=path needs trainer.resume_path=<checkpoint dir or URL>")
+        return _resolve_explicit(manager, resume_path)
+    if mode != "auto":
+        raise ValueError(f"trainer.resume_mode={mode!r}: must be one of 'auto', 'disable', 'path'")
+    local = atomic.find_latest(manager.root)
+    if local is not None:
+        logger.info("resuming from local checkpoint %s", local)
+        return local
+    if manager.mirror is None:
+        logger.info("no checkpoint under %s; starting fresh", manager.root)
+        return None
+    name = manager.mirror.find_latest()
+    if name is None:
+        logger.info("no checkpoint under %s or %s; starting fresh", manager.root, manager.mirror.base_url)
+        return None
+    return _download(manager, name)
+
+
+def _resolve_explicit(manager: CheckpointManager, resume_path: str) -> Path:
+    if is_remote_url(resume_path):
+        base, _, name = resume_path.rstrip("/").rpartition("/")
+        mirror = RemoteMirror(base)
+        if not mirror.is_complete(name):
+            raise ValueError(f"trainer.resume_path={resume_path!r} is not a complete checkpoint (no "
+                             f"{join_url(resume_path, atomic.MARKER)})")
+        return _download(manager, name, mirror)
+    path = Path(resume_path.removeprefix("file://"))
+    if not atomic.is_complete(path):
+        latest = atomic.find_latest(path)  # a checkpoint root was given: take its latest
+        if latest is None:
+            raise ValueError(f"trainer.resume_path={resume_path!r} is neither a complete checkpoint "
+                             f"(global_step_<N> with {atomic.MARKER}) nor a directory holding one")
+        path = latest
+    logger.info("resuming from %s", path)
+    return path
+
+
+def _download(manager: CheckpointManager, name: str, mirror: RemoteMirror | None = None) -> Path:
+    mirror = mirror or manager.mirror
+    assert mirror is not None, "a download needs a mirror (the caller checked manager.mirror)"
+    target = manager.root / name
+    fetch = manager.rank == 0 and not atomic.is_complete(target)
+    if fetch:
+        logger.info("no local copy of %s; downloading from %s", name, mirror.url(name))
+    phase("download", lambda: mirror.download(name, manager.root) if fetch else None, manager._group)
+    return target

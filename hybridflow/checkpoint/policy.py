@@ -1,15 +1,8 @@
-"""The driver's checkpoint policy, the same for every trainer: which groups save, resume, a save every
-`trainer.checkpoint.save_freq` steps, the NaN guard and auto-rollback.
-
-The worker groups own the `CheckpointManager`s (one per worker process, see `hybridflow.checkpoint.worker`). The
-trainer names its groups: one (`""`) writes under `trainer.default_local_dir`; several (roles in their own groups)
-write under `<default_local_dir>/<name>` and resume from the newest step present for every one. The trainer gives
-the JSON `extra` (its data position and algorithm state) and, optionally, a `payload` of tensors (the non-sync
-modes' rollouts generated ahead) that the first group's rank 0 writes inside the same checkpoint; this policy adds
-its own (rollback, guard). A rollback
-restores weights, optimizer and LR schedule and hands the checkpoint's `extra` to `on_rollback`; the data
-position and step counter move on (no replay of the same batches).
-"""
+"""The driver's checkpoint policy, the same for every trainer: resume, a save every `trainer.checkpoint.save_freq`
+steps, the non-finite guard and auto-rollback. The worker groups own the `CheckpointManager`s; one group (`""`)
+writes under `trainer.default_local_dir`, several (roles in their own groups) under `<default_local_dir>/<name>`
+and resume from the newest step every one has. A rollback restores weights, optimizer and LR schedule and hands
+the checkpoint's `extra` to `on_rollback`; the data position and step counter move on (no replay)."""
 
 from __future__ import annotations
 
@@ -17,24 +10,23 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hybridflow.checkpoint.manager import should_save
-from hybridflow.checkpoint.nan_guard import NonFiniteError, NonFiniteGuard
+from hybridflow.checkpoint.recovery import RollbackDecision, RollbackTracker
 from hybridflow.checkpoint.remote import join_url
-from hybridflow.checkpoint.rollback import RollbackDecision, RollbackTracker
 from hybridflow.config import Config
+from hybridflow.tracking.health import NonFiniteError, NonFiniteGuard
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
-    from hybridflow.tracking import Tracker
+    from hybridflow.tracking import HealthEvent, Tracker
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointPolicy:
-    """`groups`: name → the group that checkpoints (see the module docstring); `guarded`: the metric namespaces
-    whose `<ns>/loss`, `<ns>/grad_norm` and `<ns>/skipped` the NaN guard reads (e.g. "actor", "critic")."""
+    """`groups`: name → the group that checkpoints; `guarded`: the metric namespaces whose `<ns>/loss`,
+    `<ns>/grad_norm` and `<ns>/skipped` the guard reads; `extra()` (at each save) and `payload()` (tensors, written
+    by the first group's rank 0) are the trainer's state, to which the policy adds its own."""
 
     def __init__(self, cfg: Config, groups: dict[str, CheckpointingGroup], guarded: tuple[str, ...],
                  tracker: Tracker | None = None,
@@ -42,14 +34,18 @@ class CheckpointPolicy:
                  payload: Callable[[], dict[str, Any] | None] | None = None) -> None:
         t = cfg.trainer
         self.cfg, self.guarded, self.tracker, self.on_rollback = cfg, guarded, tracker, on_rollback
-        self.payload = payload  # called after `extra()` at each save
-        self.targets = groups
+        self.payload, self.targets = payload, groups
         if t.checkpoint.save_freq == 0 and t.resume_mode == "disable":
             self.targets = {}  # checkpointing off: no managers, no directories created
             if t.rollback.enable:
                 logger.warning("trainer.rollback.enable=true is ignored with trainer.checkpoint.save_freq=0: "
                                "there is no checkpoint to roll back to")
-        self.rollback = RollbackTracker.from_config(t.rollback) if t.rollback.enable else None
+        self.rollback = (RollbackTracker(t.rollback.lr_scale, t.rollback.max_rollbacks, t.rollback.metric)
+                         if t.rollback.enable else None)
+        self.health = tracker.health if tracker is not None else None  # counts the validation falls
+        if self.rollback is not None and self.health is None:
+            logger.warning("trainer.rollback.enable=true without a health monitor (no tracker): a falling "
+                           "validation metric will not roll back, only trainer.max_consecutive_bad_steps will")
         self.guard = NonFiniteGuard(t.max_consecutive_bad_steps, rollback_enabled=t.rollback.enable)
         self.save_freq = t.checkpoint.save_freq
         self.last_saved: tuple[int, str] | None = None  # (step, path) of this run's newest save
@@ -57,7 +53,6 @@ class CheckpointPolicy:
         for subdir, group in self.targets.items():
             group.init_checkpoint(subdir or None)
 
-    # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> dict[str, Any] | None:
         """Load per `trainer.resume_mode` into the workers and restore the guard/rollback state; returns
         {"step", "path", "extra", "payload"} of the checkpoint (payload None when it has none), or None when
@@ -73,11 +68,10 @@ class CheckpointPolicy:
             raise ValueError(f"trainer.resume_path={t.resume_path!r} holds different steps per role {steps}; point "
                              "it at a run directory whose roles were saved together")
         info = next(iter(infos.values()))
-        extra = info["extra"]
-        if self.rollback is not None and extra.get("rollback") is not None:
-            self.rollback.load_state_dict(extra["rollback"])
-        if extra.get("guard") is not None:
-            self.guard.load_state_dict(extra["guard"])
+        for part, load in (("rollback", self.rollback and self.rollback.load_state_dict),
+                           ("guard", self.guard.load_state_dict), ("health", self.health and self.health.load_val_state)):
+            if load and info["extra"].get(part) is not None:
+                load(info["extra"][part])
         return info
 
     def _load(self, mode: str, path: str | None) -> dict[str, dict[str, Any]] | None:
@@ -98,7 +92,6 @@ class CheckpointPolicy:
         step = max(common)
         return {name: g.load_checkpoint(mode, step=step)[0] for name, g in self.targets.items()}
 
-    # -------------------------------------------------------------------------------------------- each step
     def poll(self) -> None:
         """Raise the error of a failed background save now (CheckpointWriteError)."""
         for group in self.targets.values():
@@ -111,25 +104,29 @@ class CheckpointPolicy:
         norms = [metrics[f"{r}/grad_norm"] for r in self.guarded if f"{r}/grad_norm" in metrics]
         if any(metrics.get(f"{r}/skipped", 0.0) > 0 for r in self.guarded):
             losses.append(float("nan"))  # the engine's verdict counts even where averaging hid the bad value
-        self.guard.check(loss=torch.tensor(losses) if losses else None,
-                         grad_norm=torch.tensor(norms) if norms else None, step=step)
+        self.guard.check(loss=losses or None, grad_norm=norms or None, step=step)
         if self.guard.rollback_requested:
             self.guard.rollback_requested = False
             reason = f"{self.guard.max_bad} consecutive non-finite steps"
-            decision = self.rollback.request(reason) if self.rollback is not None else None
+            decision = self.rollback.decide(reason) if self.rollback is not None else None
             if decision is None:
                 raise NonFiniteError(f"{reason} (last at step {step}) and no checkpoint to roll back to (or "
                                      "trainer.rollback.max_rollbacks reached). Training stopped.")
             self._roll_back(decision, step)
         return self.guard.metrics()
 
-    def after_validation(self, val_metrics: dict[str, float], step: int) -> None:
-        """Feed the rollback tracker; reload the best checkpoint when the metric kept falling."""
+    def after_validation(self, val_metrics: dict[str, float], warnings: list[HealthEvent], step: int) -> None:
+        """Score the next checkpoint by this validation; on the health monitor's `val_drop` warning (the metric
+        fell `trainer.health.val_drop_patience` validations in a row) reload the best checkpoint."""
         if self.rollback is None:
             return
-        decision = self.rollback.observe(val_metrics)
-        if decision is not None:
-            self._roll_back(decision, step)
+        self.rollback.observe(val_metrics)
+        for w in warnings:
+            if w.kind == "val_drop":
+                reason = f"{w.data['metric']} fell {w.data['falls']} validations in a row (now {w.data['value']:.6g})"
+                decision = self.rollback.decide(reason)
+                if decision is not None:
+                    self._roll_back(decision, step)
 
     def _roll_back(self, decision: RollbackDecision, step: int) -> None:
         assert self.rollback is not None, "a rollback decision comes from the rollback tracker"
@@ -138,15 +135,15 @@ class CheckpointPolicy:
         if self.on_rollback is not None:
             self.on_rollback(next(iter(extras.values())))
         self.guard.consecutive = 0
+        if self.health is not None:
+            self.health.reset_val()  # the restored model starts a new comparison
+        taken = {"target_step": decision.target_step, "lr_scale": decision.lr_scale, "reason": decision.reason}
         if self.tracker is not None:
             self.tracker.event("rollback", f"reloaded checkpoint step {decision.target_step} at step {step}: "
                                f"{decision.reason}; lr x {decision.lr_scale:g} "
                                f"[{decision.rollback_index}/{self.rollback.max_rollbacks}]", step, level="warning",
-                               target_step=decision.target_step, lr_scale=decision.lr_scale, reason=decision.reason)
-            if getattr(self.tracker, "health", None) is not None:
-                self.tracker.health.reset_val()
-        self.rollbacks.append({"step": step, "target_step": decision.target_step, "lr_scale": decision.lr_scale,
-                               "reason": decision.reason})
+                               **taken)
+        self.rollbacks.append({"step": step, **taken})
 
     def maybe_save(self, step: int, is_last: bool, extra: Callable[[], dict[str, Any]]) -> None:
         """Save at `trainer.checkpoint.save_freq` (see `should_save`) with the trainer's `extra()` and this
@@ -155,9 +152,6 @@ class CheckpointPolicy:
             return
         if self.rollback is not None:
             self.rollback.on_checkpoint(step)
-            best = self.rollback.best_step
-            for group in self.targets.values():
-                group.protect_checkpoints([] if best is None else [best])
         self._save(step, extra)
 
     def save_final(self, step: int, extra: Callable[[], dict[str, Any]]) -> str | None:
@@ -171,9 +165,11 @@ class CheckpointPolicy:
 
     def _save(self, step: int, extra: Callable[[], dict[str, Any]]) -> None:
         state = {**extra(), "rollback": self.rollback.state_dict() if self.rollback is not None else None,
-                 "guard": self.guard.state_dict()}
+                 "guard": self.guard.state_dict(), "health": self.health.val_state() if self.health else None}
         payload = self.payload() if self.payload is not None else None
-        paths = [group.save_checkpoint(step, state, payload=payload if i == 0 else None)[0]
+        best = self.rollback.best_step if self.rollback is not None else None
+        protect = [] if best is None else [best]  # retention keeps the rollback target
+        paths = [group.save_checkpoint(step, state, protect, payload=payload if i == 0 else None)[0]
                  for i, group in enumerate(self.targets.values())]
         where = paths[0] if len(paths) == 1 else self.cfg.trainer.default_local_dir
         self.last_saved = (step, str(where))

@@ -15,14 +15,7 @@ from pathlib import Path
 
 from fsspec.core import url_to_fs
 
-from hybridflow.checkpoint.atomic import (
-    LATEST,
-    MARKER,
-    fsync_tree,
-    is_complete,
-    parse_step,
-    tmp_path_for,
-)
+from hybridflow.checkpoint import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -69,73 +62,53 @@ class RemoteMirror:
     def _path(self, *parts: str) -> str:
         return url_to_fs(self.url(*parts))[1]
 
-    # ------------------------------------------------------------------------------------------------- upload
     def upload(self, local_dir: Path) -> str:
         """Copy a complete local checkpoint to `<base>/<name>` (marker last), then point remote `latest` at it."""
         local_dir = Path(local_dir)
-        if not is_complete(local_dir):
+        if not atomic.is_complete(local_dir):
             raise AssertionError(f"refusing to mirror incomplete checkpoint {local_dir}")
         name = local_dir.name
-        dest = self._path(name)
-        if self.fs.exists(dest):
-            self.fs.rm(dest, recursive=True)  # a partial upload from a crash, or an older save of this step
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MARKER)
-        for f in [*files, local_dir / MARKER]:
-            rel = f.relative_to(local_dir).as_posix()
-            target = self._path(name, rel)
+        self.delete(name)  # a partial upload from a crash, or an older save of this step
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != atomic.MARKER)
+        for f in [*files, local_dir / atomic.MARKER]:
+            target = self._path(name, f.relative_to(local_dir).as_posix())
             self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
             self.fs.put_file(str(f), target)
-        with self.fs.open(self._path(LATEST), "w") as fh:
+        with self.fs.open(self._path(atomic.LATEST), "w") as fh:
             fh.write(name + "\n")
         logger.info("mirrored %s to %s", local_dir, self.url(name))
         return self.url(name)
 
-    # ----------------------------------------------------------------------------------------------- download
     def is_complete(self, name: str) -> bool:
-        return self.fs.exists(self._path(name, MARKER))
+        return self.fs.exists(self._path(name, atomic.MARKER))
 
     def list_complete(self) -> list[tuple[int, str]]:
         base = self._path()
-        if not self.fs.exists(base):
-            return []
-        out = []
-        for entry in self.fs.ls(base, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            step = parse_step(name)
-            if step is not None and self.is_complete(name):
-                out.append((step, name))
-        return sorted(out)
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(base, detail=False)] if self.fs.exists(base) else []
+        return sorted((atomic.parse_step(n), n) for n in names if atomic.parse_step(n) is not None and self.is_complete(n))
 
     def find_latest(self) -> str | None:
         """Name of the newest complete remote checkpoint (pointer first, scan as fallback)."""
-        pointer = self._path(LATEST)
         name = None
-        if self.fs.exists(pointer):
-            with self.fs.open(pointer, "r") as fh:
+        if self.fs.exists(self._path(atomic.LATEST)):
+            with self.fs.open(self._path(atomic.LATEST), "r") as fh:
                 name = fh.read().strip() or None
-        complete = self.list_complete()
-        if name is not None and self.is_complete(name):
-            newer = [n for s, n in complete if s > (parse_step(name) or -1)]
-            return newer[-1] if newer else name
-        return complete[-1][1] if complete else None
+        return atomic.newest(self.list_complete(), name, self.base_url)
 
     def download(self, name: str, local_root: Path) -> Path:
         """Fetch remote checkpoint `name` into `<local_root>/<name>` atomically (temp dir + rename)."""
         if not self.is_complete(name):
-            raise FileNotFoundError(f"{self.url(name)} is not a complete checkpoint (no {MARKER})")
+            raise FileNotFoundError(f"{self.url(name)} is not a complete checkpoint (no {atomic.MARKER})")
         final = Path(local_root) / name
-        tmp = tmp_path_for(final)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        tmp = atomic.tmp_path_for(final)
+        shutil.rmtree(tmp, ignore_errors=True)
         src = self._path(name)
         for remote_file in self.fs.find(src):
-            rel = remote_file[len(src):].lstrip("/")
-            dst = tmp / rel
+            dst = tmp / remote_file[len(src):].lstrip("/")
             dst.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote_file, str(dst))
-        fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        atomic.fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         logger.info("downloaded %s to %s", self.url(name), final)
         return final
@@ -144,9 +117,4 @@ class RemoteMirror:
         path = self._path(name)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
-
-
-def open_mirror(url: str | None) -> RemoteMirror | None:
-    return RemoteMirror(url) if url else None
-
-
+            logger.info("removed remote checkpoint %s", self.url(name))

@@ -1,17 +1,19 @@
-"""Worker-side checkpointing: the registered save/load/rollback methods of every worker with a trained engine
-(PPO actor and critic, the SFT/RM `SupervisedWorker`), and the driver-side handle `CheckpointingGroup`.
+"""The registered save/load/rollback methods of every worker with a trained engine, and their driver-side handle.
 
-Decision: one `CheckpointManager` per worker *process*, so colocated roles (actor + critic + EMA ref in one
-process) write ONE checkpoint with one component per engine. The worker the driver calls (the actor in the
-colocated layout) reaches its sibling roles through `colocated_roles`, which `ColocatedWorker` sets; a role in
-its own group (`trainer.use_colocated_worker=false`) checkpoints only its engines, under its own sub-directory.
+One `CheckpointManager` per worker *process*: colocated roles (reached through `colocated_roles`, which
+`ColocatedWorker` sets) write ONE checkpoint with one component per engine; a role in its own group
+(`trainer.use_colocated_worker=false`) checkpoints only its engines, under its own sub-directory.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from hybridflow.checkpoint import atomic
+from hybridflow.checkpoint.manager import CheckpointManager, find_resume_checkpoint
+from hybridflow.checkpoint.recovery import scale_lr
 from hybridflow.checkpoint.remote import join_url
 from hybridflow.config import Config
 from hybridflow.controller import (
@@ -25,7 +27,7 @@ from hybridflow.controller import (
 )
 
 if TYPE_CHECKING:
-    from hybridflow.checkpoint import CheckpointManager, LoadedCheckpoint
+    from hybridflow.checkpoint.manager import LoadedCheckpoint
     from hybridflow.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,6 @@ class CheckpointingWorker:
     cfg: Config
     _ckpt: CheckpointManager | None = None
 
-    # ------------------------------------------------------------------------------------ role interface
     def checkpoint_engines(self) -> dict[str, TrainEngine]:
         return {}
 
@@ -61,7 +62,6 @@ class CheckpointingWorker:
     def load_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
         return None
 
-    # ------------------------------------------------------------------------------------------ helpers
     def _members(self) -> list[CheckpointingWorker]:
         """Every role in this process whose engines share this process's checkpoint (self first)."""
         roles = getattr(self, "colocated_roles", None) or {}
@@ -77,38 +77,32 @@ class CheckpointingWorker:
         return engines
 
     def _manager(self) -> CheckpointManager:
-        if self._ckpt is None:
-            raise RuntimeError("call init_checkpoint() on this worker group before saving or loading checkpoints")
+        assert self._ckpt is not None, "init_checkpoint() builds the manager before any save or load"
         return self._ckpt
 
-    def _templates(self) -> dict[str, Any]:
-        return {name: engine.state_dict() for name, engine in self._engines().items()}
+    def _apply(self, load: Callable[[dict[str, Any]], LoadedCheckpoint]) -> LoadedCheckpoint:
+        """Load through `load(templates)` into every engine of this process (they re-offload themselves)."""
+        engines = self._engines()
+        loaded = load({name: engine.state_dict() for name, engine in engines.items()})
+        for name, engine in engines.items():
+            engine.load_state_dict(loaded.components[name])
+        return loaded
 
-    def _apply(self, loaded: LoadedCheckpoint) -> None:
-        for name, engine in self._engines().items():
-            engine.load_state_dict(loaded.components[name])  # re-offloads itself when configured
-
-    # ---------------------------------------------------------------------------------- driver methods
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_checkpoint(self, subdir: str | None = None) -> None:
         """Build this process's CheckpointManager (collective). `subdir` (e.g. "critic") gives a role in its own
         group its own root under `trainer.default_local_dir` (and `default_hdfs_dir`)."""
-        from hybridflow.checkpoint import CheckpointManager
-
         t = self.cfg.trainer
         local, remote = t.default_local_dir, t.default_hdfs_dir
         if subdir:
             local = f"{local.rstrip('/')}/{subdir}"
             remote = join_url(remote, subdir) if remote else None
-        ck = t.checkpoint
-        self._ckpt = CheckpointManager(local, remote, atomic_save=ck.atomic_save, async_save=ck.async_save,
-                                       keep_last_n=ck.keep_last_n, save_freq=ck.save_freq)
+        self._ckpt = CheckpointManager(local, remote, atomic_save=t.checkpoint.atomic_save,
+                                       async_save=t.checkpoint.async_save, keep_last_n=t.checkpoint.keep_last_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def checkpoint_steps(self) -> list[int]:
         """Steps of the complete checkpoints under this root, local or in the remote mirror."""
-        from hybridflow.checkpoint import atomic
-
         mgr = self._manager()
         steps = {s for s, _ in atomic.list_complete(mgr.root)}
         if mgr.mirror is not None:
@@ -120,8 +114,6 @@ class CheckpointingWorker:
         """Resume per `mode` (auto|disable|path, as `trainer.resume_mode`) or at exactly `step` (local copy, else
         downloaded from the mirror). Returns {"step", "path", "extra", "payload"} (the driver's payload: rank 0's,
         None elsewhere or when the checkpoint has none) or None when there is nothing to load."""
-        from hybridflow.checkpoint import atomic, find_resume_checkpoint
-
         mgr = self._manager()
         if step is not None:
             name = atomic.step_dirname(step)
@@ -130,26 +122,23 @@ class CheckpointingWorker:
         found = find_resume_checkpoint(mgr, mode, path)
         if found is None:
             return None
-        loaded = mgr.load(found, templates=self._templates())
-        self._apply(loaded)
-        self._load_rank_state(loaded.rank_state)
+        loaded = self._apply(lambda templates: mgr.load(found, templates=templates))
+        for member in self._members():
+            member.load_checkpoint_rank_state(loaded.rank_state or {})
         logger.info("rank %d: loaded checkpoint %s (components %s)", getattr(self, "rank", 0), loaded.path,
                     sorted(loaded.components))
         return {"step": loaded.step, "path": str(loaded.path), "extra": loaded.extra, "payload": loaded.payload}
 
-    def _load_rank_state(self, state: dict[str, Any] | None) -> None:
-        for member in self._members():
-            member.load_checkpoint_rank_state(state or {})
-
     @register(dispatch_mode=SAVE_DISPATCH)
-    def save_checkpoint(self, step: int, extra: dict[str, Any], payload: dict[str, Any] | None = None) -> str:
+    def save_checkpoint(self, step: int, extra: dict[str, Any], protect: list[int],
+                        payload: dict[str, Any] | None = None) -> str:
         """Save every engine of this process as step `step` with the driver's JSON `extra` (async per config) and,
-        on rank 0, the driver's `payload` (tensors and JSON, pass it by keyword: the other ranks do not get it)."""
+        on rank 0, the driver's `payload` (tensors and JSON, pass it by keyword: the other ranks do not get it);
+        retention never deletes the steps in `protect` (the best checkpoint for rollback)."""
+        self._manager().protect(protect)
         engines = self._engines()
         components = {name: engine.state_dict() for name, engine in engines.items()}
-        rank_state: dict[str, Any] = {}
-        for member in self._members():
-            rank_state |= member.checkpoint_rank_state()
+        rank_state = {k: v for member in self._members() for k, v in member.checkpoint_rank_state().items()}
         path = self._manager().save(step, components, extra=extra, rank_state=rank_state, payload=payload)
         for engine in engines.values():
             # state_dict() brings offloaded params/optimizer onto the device; async saves have already staged
@@ -161,19 +150,12 @@ class CheckpointingWorker:
     def rollback_checkpoint(self, step: int, lr_scale: float = 1.0) -> dict[str, Any]:
         """Discard checkpoints after `step`, reload `step` into the engines (RNG kept), scale the LR of every
         trained engine by `lr_scale`; returns the checkpoint's `extra`."""
-        from hybridflow.checkpoint import scale_lr
-
-        loaded = self._manager().rollback_to(step, templates=self._templates())
-        self._apply(loaded)
+        loaded = self._apply(lambda templates: self._manager().rollback_to(step, templates=templates))
         if lr_scale != 1.0:
             for engine in self._engines().values():
                 if engine.optimizer is not None:
                     scale_lr(engine.optimizer, engine.lr_scheduler, lr_scale)
         return loaded.extra
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def protect_checkpoints(self, steps: list[int]) -> None:
-        self._manager().protect(steps)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def poll_checkpoint(self) -> None:
@@ -196,6 +178,5 @@ class CheckpointingGroup(RoleGroup):
     load_checkpoint = per_rank(CheckpointingWorker.load_checkpoint)
     save_checkpoint = per_rank(CheckpointingWorker.save_checkpoint)
     rollback_checkpoint = per_rank(CheckpointingWorker.rollback_checkpoint)
-    protect_checkpoints = per_rank(CheckpointingWorker.protect_checkpoints)
     poll_checkpoint = per_rank(CheckpointingWorker.poll_checkpoint)
     close_checkpoints = per_rank(CheckpointingWorker.close_checkpoints)

@@ -41,6 +41,8 @@ MAX_YAML_NODES = 200_000  # values in a document with its aliases expanded (defa
 REMOVED_KEYS: dict[str, str] = {
     "rollout.block_size": "the rollout KV cache is per-slot static buffers, not paged blocks, so it never had an "
                           "effect",
+    "trainer.rollback.patience": "rollback acts on the health monitor's val_drop warning: set "
+                                 "trainer.health.val_drop_patience",
 }
 
 

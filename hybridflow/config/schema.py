@@ -540,8 +540,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RollbackConfig:
-    enable: bool
-    patience: int  # validations in a row with a falling metric
+    enable: bool  # reload the best checkpoint on the health monitor's val_drop (trainer.health.val_drop_patience)
     metric: str
     lr_scale: float
     max_rollbacks: int

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -130,3 +131,27 @@ def make_dataloader(dataset: Dataset, data_cfg: Any, batch_size: int | None, shu
                               seed=data_cfg.seed if seed is None else seed, num_workers=data_cfg.num_workers,
                               prefetch_factor=data_cfg.prefetch_factor,
                               persistent_workers=data_cfg.persistent_workers, name=name)
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the dataloader resumes: `batch` batches of epoch `epoch` were consumed. A save taken after the last
+    batch of an epoch normalises to (epoch + 1, 0), so resuming at an epoch boundary trains the remaining epochs."""
+
+    epoch: int
+    batch: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], steps_per_epoch: int) -> DataPosition:
+        return cls(int(d["epoch"]), int(d["batch"])).normalized(steps_per_epoch)
+
+    def normalized(self, steps_per_epoch: int) -> DataPosition:
+        """Carry whole epochs: (e, steps_per_epoch) → (e + 1, 0) — the epoch-boundary resume fix."""
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch}: must be >= 1 (is the dataset empty?)")
+        extra, batch = divmod(self.batch, steps_per_epoch)
+        return DataPosition(self.epoch + extra, batch)
+

@@ -1,21 +1,15 @@
-"""Engine state for checkpoints: sharded model + optimizer via torch.distributed.checkpoint, extras as JSON.
-
-Decision: tensors go through DCP (each rank writes its shards; any world size can load them); the small
-non-tensor extras (step counter, LR-scheduler counters) are a JSON file written by rank 0 — nothing is pickled.
-`export_hf` gathers a full state dict on rank 0 and writes the HF format (safetensors + config + tokenizer).
+"""Engine state for checkpoints: the sharded model + optimizer state dicts (DCP-ready) that `TrainEngine.state_dict`
+returns and `hybridflow.checkpoint` writes, and the one Hugging Face writer of a model state, `write_hf` (used by
+`hybridflow export` on a checkpoint and by the supervised trainers on the live engine).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,14 +17,28 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from transformers import PreTrainedTokenizerBase
+from torch.distributed.tensor import DTensor
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
 
+from hybridflow.data.templates import save_tokenizer
 from hybridflow.engine.host_optim import HostOptimizer
-from hybridflow.models.loader import save_model
+from hybridflow.engine.lora import (
+    is_adapter_param,
+    merge_adapters,
+    merged_state_dict,
+    save_adapter_dir,
+    targets_from_state,
+)
+from hybridflow.models.heads import scalar_head_config
+from hybridflow.models.loader import load_module, model_config, save_model
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-EXTRA_FILE = "engine_extra.json"
 
 
 def get_engine_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -69,34 +77,36 @@ def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict
     host.load(state["model"], state["optimizer"])
 
 
-def save_dir(path: str | Path, state: dict[str, Any], extra: dict[str, Any]) -> None:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path))
-    if dist.get_rank() == 0:
-        (path / EXTRA_FILE).write_text(json.dumps(extra, indent=2))
-    dist.barrier()
+def full_model_state(model: torch.nn.Module, lora_scale: float | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded CPU model state (collective: every rank calls it, with its parameters on the device); with
+    `lora_scale` (alpha / rank) the adapters are merged into the in-memory base weights, a plain model's state."""
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+             for k, v in get_model_state_dict(model).items()}
+    return state if lora_scale is None else merged_state_dict(state, lora_scale)
 
 
-def load_dir(path: str | Path, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load into `template` (the current engine state, which fixes shapes and sharding); returns (state, extra)."""
-    path = Path(path)
-    if not (path / EXTRA_FILE).is_file():
-        raise ValueError(f"{path} is not an engine checkpoint (no {EXTRA_FILE}); give a directory from engine.save")
-    dcp.load(template, checkpoint_id=str(path))
-    return template, json.loads((path / EXTRA_FILE).read_text())
-
-
-def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None,
-              dtype: torch.dtype | None = None,
-              transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
-    """Full (unsharded) weights in HF format, written by rank 0; all ranks must call it. `transform` maps the full
-    state dict before it is written (LoRA: merge the adapters)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        if transform is not None:
-            full = transform(full)
-        config = model.config.__class__.from_dict(model.config.to_dict())
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]
-        save_model(out_dir, config, full, tokenizer, dtype)
-    dist.barrier()
+def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path, *, merge: bool = True,
+             dtype: torch.dtype | None = None, tokenizer: Any = None, chat_template: str | None = None
+             ) -> tuple[Path, str]:
+    """Write `state` as an HF directory; returns (directory, kind: "full", "merged" or "peft_adapter"). With a
+    `tokenizer`, it is saved carrying `chat_template` (`data.chat_template`, see `hybridflow.data.templates`)."""
+    adapters = {k: v for k, v in state.items() if is_adapter_param(k)}
+    scalar = "score.weight" in state
+    if adapters and not model_cfg.lora.enabled:
+        raise ValueError("the model holds LoRA adapters but model.lora.rank=0 in the config used; pass the run's "
+                         "config (with its model.lora.*) to hybridflow export")
+    if adapters and not merge:
+        out = save_adapter_dir(out_dir, state, model_cfg.lora, targets_from_state(state), model_cfg.path)
+        return out, "peft_adapter"
+    if adapters:  # the frozen base is rebuilt; trained non-adapter tensors (a scalar head) replace its own
+        base = load_module(model_cfg, "value" if scalar else "lm", dtype=torch.float32).state_dict()
+        rest = {k: v for k, v in state.items() if k not in adapters}
+        state = merge_adapters({**base, **rest}, adapters, model_cfg.lora.alpha / model_cfg.lora.rank)
+    hf_config = scalar_head_config(model_config(model_cfg)) if scalar else model_config(model_cfg)
+    names = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES if scalar else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if names.get(hf_config.model_type):
+        hf_config.architectures = [names[hf_config.model_type]]
+    out = save_model(out_dir, hf_config, state, None, dtype)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, chat_template)
+    return out, "merged" if adapters else "full"

@@ -17,7 +17,6 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -40,7 +39,7 @@ from hybridflow.engine.fsdp import (
     resolve_dtype,
 )
 from hybridflow.engine.host_optim import HostOptimizer, cast_params, cut_masters
-from hybridflow.engine.lora import adapters_disabled, apply_lora, merged_state_dict
+from hybridflow.engine.lora import adapters_disabled, apply_lora
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, is_fused
@@ -502,31 +501,6 @@ class TrainEngine:
         self.global_step = int(extra.get("global_step", 0))
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        self.to_rest()
-
-    def save(self, path: str | Path) -> None:
-        """Sharded checkpoint into directory `path` (all ranks call it)."""
-        state = self.state_dict()
-        extra = state.pop("extra")
-        ckpt.save_dir(path, state, extra)
-        self.to_rest()
-
-    def load(self, path: str | Path) -> None:
-        state = self.state_dict()
-        state.pop("extra")
-        state, extra = ckpt.load_dir(path, state)
-        state["extra"] = extra
-        self.load_state_dict(state)
-
-    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Export full weights + config + tokenizer in HF format (all ranks call it; rank 0 writes); with LoRA the
-        adapters are merged into the weights (a plain HF model)."""
-        self._enter(optim=False)
-        merge = None
-        if self.lora_targets is not None:
-            lora = self.spec.lora
-            merge = lambda state: merged_state_dict(state, lora.alpha / lora.rank)  # noqa: E731
-        ckpt.export_hf(self.module, path, self.tokenizer, dtype, transform=merge)
         self.to_rest()
 
 

@@ -1,5 +1,6 @@
-"""Health watermarks over the metric stream (the seed's MLOps advice): slow generation, unstable update time,
-a validation metric falling several times in a row, memory close to the device limit.
+"""Health signals over the metric stream: watermarks (slow generation, unstable update time, a validation metric
+falling or NaN several times in a row, memory close to the device limit) and the non-finite step guard. The
+`val_drop` warning and the guard's rollback request are the counts auto-rollback acts on.
 
 Each check is a condition evaluated per step. A warning fires on the first unhealthy step of an *episode* and not
 again until the condition has been healthy once (re-armed), so a persistent problem is one event, not one per step.
@@ -9,11 +10,14 @@ checks: it carries one-off warm-up (compilation, CUDA graph capture, cache alloc
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 CHECKS = ("gen_time", "update_jitter", "val_drop", "memory")
 
@@ -83,6 +87,14 @@ class HealthMonitor:
         self._val_drops = 0
         self._armed["val_drop"] = True
 
+    def val_state(self) -> dict[str, Any]:
+        """The validation streak (JSON), saved with each checkpoint so a resumed run keeps counting."""
+        return {"history": self._val_history, "drops": self._val_drops, "armed": self._armed["val_drop"]}
+
+    def load_val_state(self, state: dict[str, Any]) -> None:
+        self._val_history, self._val_drops = [float(v) for v in state["history"]], int(state["drops"])
+        self._armed["val_drop"] = bool(state["armed"])
+
     # Each check returns None (not evaluated), False (healthy) or a HealthEvent (unhealthy).
     def _warmed_up(self, key: str, metrics: dict[str, float]) -> float | None:
         value = metrics.get(key)
@@ -125,13 +137,13 @@ class HealthMonitor:
 
     def _val_drop(self, metrics: dict[str, float], step: int) -> HealthEvent | bool | None:
         value = metrics.get(self.val_metric)
-        if value is None or not math.isfinite(value):
+        if value is None:
             return None
-        if self._val_history and value < self._val_history[-1]:
+        if math.isnan(value) or (self._val_history and value < self._val_history[-1]):
             self._val_drops += 1
         else:
             self._val_drops = 0
-        self._val_history.append(value)
+        self._val_history = [*self._val_history[-self.val_drop_patience:], value]
         if self._val_drops < self.val_drop_patience:
             return False
         recent = self._val_history[-(self.val_drop_patience + 1):]
@@ -139,7 +151,7 @@ class HealthMonitor:
         return HealthEvent("val_drop", (
             f"{self.val_metric} fell {self._val_drops} validations in a row ({trail}); "
             "rollback takes over when trainer.rollback.enable=true."), step,
-            {"value": value, "history": recent, "metric": self.val_metric})
+            {"value": value, "history": recent, "metric": self.val_metric, "falls": self._val_drops})
 
     def _memory(self, metrics: dict[str, float], step: int) -> HealthEvent | bool | None:
         value = metrics.get("perf/max_memory_allocated_gb")
@@ -166,3 +178,61 @@ def detect_device_memory_gb() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+def _finite(x: Any) -> bool:
+    """None, or a number, sequence or tensor of numbers that are all finite."""
+    if x is None:
+        return True
+    flat = x.reshape(-1).tolist() if hasattr(x, "reshape") else list(x) if isinstance(x, (list, tuple)) else [x]
+    return all(math.isfinite(float(v)) for v in flat)
+
+
+class NonFiniteGuard:
+    """Counts steps whose loss or grad norm is non-finite (the engines skipped their update); after
+    `trainer.max_consecutive_bad_steps` in a row raises `NonFiniteError`, or, with rollback enabled, sets
+    `rollback_requested` for the checkpoint policy to act on."""
+
+    def __init__(self, max_consecutive_bad_steps: int, rollback_enabled: bool = False) -> None:
+        if max_consecutive_bad_steps < 1:
+            raise ValueError(f"trainer.max_consecutive_bad_steps={max_consecutive_bad_steps}: must be >= 1")
+        self.max_bad, self.rollback_enabled = max_consecutive_bad_steps, rollback_enabled
+        self.consecutive = self.skipped_total = 0
+        self.rollback_requested = False
+
+    def check(self, loss: Any = None, grad_norm: Any = None, step: int | None = None) -> bool:
+        """True → a good step; False → a skipped one (counted). May raise `NonFiniteError`."""
+        if _finite(loss) and _finite(grad_norm):
+            self.consecutive = 0
+            return True
+        self.consecutive += 1
+        self.skipped_total += 1
+        logger.warning("non-finite loss=%s or grad_norm=%s at step %s: skipping the optimizer step (%d in a row, "
+                       "limit trainer.max_consecutive_bad_steps=%d)", _fmt(loss), _fmt(grad_norm), step,
+                       self.consecutive, self.max_bad)
+        if self.consecutive >= self.max_bad and self.rollback_enabled:
+            self.rollback_requested, self.consecutive = True, 0
+        elif self.consecutive >= self.max_bad:
+            raise NonFiniteError(
+                f"{self.max_bad} consecutive steps had a non-finite loss or gradient norm (last at step {step}; "
+                f"{self.skipped_total} skipped in total). Training stopped. Lower the learning rate, check the "
+                "data/rewards for inf/nan, enable trainer.rollback.enable=true to reload the best checkpoint, or "
+                "raise trainer.max_consecutive_bad_steps.")
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        return {"train/skipped_steps": float(self.skipped_total), "train/consecutive_bad_steps": float(self.consecutive)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consecutive": self.consecutive, "skipped_total": self.skipped_total}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consecutive, self.skipped_total = int(state["consecutive"]), int(state["skipped_total"])
+
+
+def _fmt(x: Any) -> str:
+    return str(x.reshape(-1)[:1].tolist() if hasattr(x, "reshape") else x)

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridflow.checkpoint import DataPosition
 from hybridflow.controller import GroupFuture, WorkerError, WorkerTimeoutError
+from hybridflow.data.dataloader import DataPosition
 from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.async_resume import Pipeline, SavedRequest, from_payload, to_payload
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics

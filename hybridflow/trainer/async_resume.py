@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.checkpoint import DataPosition
+from hybridflow.data.dataloader import DataPosition
 from hybridflow.protocol import DataProto, keys
 
 logger = logging.getLogger(__name__)

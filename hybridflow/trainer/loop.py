@@ -13,11 +13,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hybridflow.checkpoint import DataPosition
 from hybridflow.checkpoint.policy import CheckpointPolicy
 from hybridflow.config import Config, to_dict
 from hybridflow.config.plan import plan_line
 from hybridflow.data.contract import skipped_rows_event
+from hybridflow.data.dataloader import DataPosition
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, signals_deferred
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
     from hybridflow.data.contract import SkipReport
     from hybridflow.data.dataloader import StatefulDataLoader
-    from hybridflow.tracking import Tracker
+    from hybridflow.tracking import HealthEvent, Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,8 @@ class Trainer:
         if self.validator is not None and (is_last or (test_freq > 0 and self.global_step % test_freq == 0)):
             val = self.validate()
         done = bool(val) and self.algorithm.reached_target(metrics | val)
-        self._log(metrics | val, step=self.global_step)
-        self.ckpt.after_validation(val, self.global_step)  # may roll back to the best checkpoint
+        warnings = self._log(metrics | val, step=self.global_step)
+        self.ckpt.after_validation(val, warnings, self.global_step)  # may roll back to the best checkpoint
         self.ckpt.maybe_save(self.global_step, is_last or done, self._extra)
         if self.tracker is not None:
             self.tracker.advance(self.global_step)
@@ -231,15 +231,16 @@ class Trainer:
             yield from self.loader
             self.epoch += 1
 
-    def _log(self, metrics: dict[str, float], step: int) -> None:
+    def _log(self, metrics: dict[str, float], step: int) -> list[HealthEvent]:
+        """Log (history, tracker); returns the health monitor's warnings of this step."""
         metrics = {"training/global_step": float(step), "training/epoch": float(self.epoch), **self._once_metrics,
                    **metrics}
         self._once_metrics = {}
         self.history.append(metrics)
         if self.tracker is not None:
-            self.tracker.log(metrics, step=step)
-        else:
-            logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            return self.tracker.log(metrics, step=step)
+        logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return []
 
     def _report_skipped_rows(self) -> None:
         """Rows left out at load (malformed, empty prompt, over-long): one `data_skipped` event with counts,

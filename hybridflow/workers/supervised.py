@@ -154,8 +154,16 @@ class SupervisedWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> str:
-        """Write the full model (+ tokenizer) as an HF directory; every rank takes part, rank 0 writes."""
-        self.engine.save_hf(out_dir)
+        """Write the trained model as an HF directory (LoRA adapters merged into the in-memory base) with the one
+        exporter, `hybridflow.engine.checkpoint.write_hf`; every rank gathers its shards, rank 0 writes."""
+        from hybridflow.engine.checkpoint import full_model_state, write_hf
+
+        lora = self.engine.spec.lora if self.engine.lora_targets is not None else None
+        self.engine.state_dict()  # brings offloaded parameters onto the device
+        state = full_model_state(self.engine.module, None if lora is None else lora.alpha / lora.rank)
+        self.engine.to_rest()
+        if self.rank == 0:
+            write_hf(state, self.cfg.model, out_dir)
         return str(Path(out_dir))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -43,3 +44,21 @@ def test_export_without_config_fails_clearly(tmp_path: Path, capsys) -> None:
         mgr.save(1, {"actor": {"model": {"w": torch.ones(1)}}})
     assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 2
     assert "has no 'config'" in capsys.readouterr().err
+
+
+def test_a_lora_scalar_head_model_exports_with_its_trained_head(tmp_path: Path) -> None:
+    """A LoRA reward model's state (adapters + the trained `score` head) merges onto the rebuilt base and loads back
+    as the scalar-head model with the trained head, not a fresh one."""
+    from hybridflow.engine.checkpoint import write_hf
+    from hybridflow.engine.lora import apply_lora
+    from hybridflow.models.heads import scalar_head_from_pretrained
+
+    cfg = load_config([], ["model.preset=tiny", "model.lora.rank=4", "model.lora.alpha=8"])
+    model = load_model(cfg.model, "reward")
+    apply_lora(model, cfg.model.lora, seed=0)
+    trained = {k: v.detach() + 0.1 for k, v in model.state_dict().items() if "lora_" in k or k.startswith("score.")}
+    out, kind = write_hf(trained, cfg.model, tmp_path / "rm")
+    loaded = scalar_head_from_pretrained(str(out))
+    arch = json.loads((out / "config.json").read_text())["architectures"]
+    assert kind == "merged" and arch[0].endswith("ForTokenClassification")
+    assert torch.equal(loaded.score.weight, trained["score.weight"])

@@ -16,6 +16,7 @@ import torch
 
 from hybridflow.checkpoint import CheckpointManager, CheckpointWriteError, atomic
 from hybridflow.checkpoint.flatten import flatten_state, unflatten_state
+from hybridflow.checkpoint.manager import should_save
 from hybridflow.checkpoint.storage import SafeFileSystemReader
 
 
@@ -190,7 +191,7 @@ def test_non_json_extra_fails_in_caller(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(TypeError, match="JSON"):
             mgr.save(1, {"m": {"w": torch.ones(1)}}, extra={"bad": object()})
-        assert not mgr.in_flight
+        assert not mgr._writer.busy
 
 
 def test_retention_keeps_last_n_and_protected(tmp_path: Path) -> None:
@@ -204,19 +205,18 @@ def test_retention_keeps_last_n_and_protected(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_5", "global_step_6", "latest"]
 
 
-def test_should_save_frequency(tmp_path: Path) -> None:
-    m = CheckpointManager(tmp_path, save_freq=3)
-    assert [s for s in range(1, 8) if m.should_save(s, s == 7)] == [3, 6, 7]
-    assert not CheckpointManager(tmp_path, save_freq=0).should_save(5, True)
-    assert [s for s in range(1, 5) if CheckpointManager(tmp_path, save_freq=-1).should_save(s, s == 4)] == [4]
+def test_should_save_frequency() -> None:
+    assert [s for s in range(1, 8) if should_save(3, s, s == 7)] == [3, 6, 7]
+    assert not should_save(0, 5, True)
+    assert [s for s in range(1, 5) if should_save(-1, s, s == 4)] == [4]
 
 
-def test_discard_after_rewinds_latest(tmp_path: Path) -> None:
+def test_rollback_to_rewinds_latest(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"m": {"w": torch.ones(1) * step}})
-        mgr.discard_after(2)
-        assert mgr.latest() == tmp_path / "global_step_2"
+        assert mgr.rollback_to(2).step == 2
+        assert atomic.find_latest(tmp_path) == tmp_path / "global_step_2"
         assert [s for s, _ in atomic.list_complete(tmp_path)] == [1, 2]
         loaded = mgr.rollback_to(1)
         assert loaded.step == 1 and torch.equal(loaded.components["m"]["w"], torch.ones(1))

@@ -1,32 +1,38 @@
-"""Rollback decisions on a synthetic metric, NaN guard counting, epoch-boundary data positions."""
+"""Rollback decisions on the health monitor's val_drop, NaN guard counting, epoch-boundary data positions."""
 
 from __future__ import annotations
 
+import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridflow.checkpoint import (
-    DataPosition,
-    NonFiniteError,
-    NonFiniteGuard,
     RollbackTracker,
-    position_from_step,
-    remaining_batches,
-    scale_lr,
 )
+from hybridflow.checkpoint.recovery import scale_lr
+from hybridflow.data.dataloader import DataPosition
+from hybridflow.tracking import HealthMonitor
+from hybridflow.tracking.health import NonFiniteError, NonFiniteGuard
 
 
-def test_rollback_triggers_after_patience_falls_and_targets_best() -> None:
-    tr = RollbackTracker(patience=3, lr_scale=0.5, max_rollbacks=2)
+def test_rollback_on_the_monitors_val_drop_targets_best_checkpoint() -> None:
+    """The health monitor counts the falls; the tracker scores checkpoints and decides on the monitor's warning."""
+    mon = HealthMonitor(SimpleNamespace(gen_time_warn_s=1.0, update_jitter_warn_s=0.1, jitter_window=5,
+                                        val_drop_patience=3, memory_warn_frac=0.95))
+    tr = RollbackTracker(lr_scale=0.5, max_rollbacks=2)
     # validation every step, checkpoint every step; metric rises to a peak at step 3 then falls
     values = [0.1, 0.3, 0.5, 0.45, 0.44, 0.40, 0.39]
     decisions = []
     for step, v in enumerate(values, start=1):
-        d = tr.observe({"val/reward": v})
+        tr.observe({"val/reward": v})
+        drops = [e for e in mon.check({"val/reward": v}, step) if e.kind == "val_drop"]
+        d = tr.decide(drops[0].message) if drops else None
         decisions.append(d)
         if d is not None:
+            mon.reset_val()
             break  # the trainer reloads d.target_step instead of saving this step
         tr.on_checkpoint(step)
     assert decisions[:5] == [None] * 5  # two falls are within patience
@@ -34,46 +40,32 @@ def test_rollback_triggers_after_patience_falls_and_targets_best() -> None:
     assert d is not None and d.target_step == 3 and d.lr_scale == 0.5 and d.rollback_index == 1
     assert "fell 3" in d.reason
     assert sorted(tr.ckpt_scores) == [1, 2, 3]  # the abandoned branch (4, 5) is forgotten
-    # training resumes from step 3; a fresh falling streak is needed for the next rollback
-    assert tr.observe({"val/reward": 0.49}) is None
+    assert mon.check({"val/reward": 0.3}, 7) == []  # a fresh falling streak is needed for the next rollback
+    tr.observe({"val/reward": 0.3})
     tr.on_checkpoint(4)
     assert tr.best_step == 3
 
 
-def test_rollback_flat_or_rising_metric_never_triggers() -> None:
-    tr = RollbackTracker(patience=2)
-    for step, v in enumerate([0.5, 0.5, 0.6, 0.5, 0.55, 0.5, 0.7], start=1):
-        assert tr.observe({"val/reward": v}) is None
-        tr.on_checkpoint(step)
-
-
 def test_rollback_bounded_by_max_rollbacks_and_state_roundtrip() -> None:
-    tr = RollbackTracker(patience=1, max_rollbacks=1)
+    tr = RollbackTracker(max_rollbacks=1)
     tr.observe({"val/reward": 1.0})
     tr.on_checkpoint(1)
-    assert tr.observe({"val/reward": 0.5}).target_step == 1
-    tr2 = RollbackTracker(patience=1, max_rollbacks=1)
+    assert tr.decide("fell").target_step == 1
+    tr2 = RollbackTracker(max_rollbacks=1)
     tr2.load_state_dict(tr.state_dict())
-    assert tr2.observe({"val/reward": 0.2}) is None  # max reached, even after a resume
+    assert tr2.decide("fell again") is None  # max reached, even after a resume
     assert tr2.rollbacks == 1 and tr2.ckpt_scores == {1: 1.0}
+    assert RollbackTracker().decide("no checkpoint yet") is None
 
 
-def test_rollback_lower_is_better_and_nan_counts_as_fall() -> None:
-    tr = RollbackTracker(patience=2, metric="val/loss", higher_is_better=False)
-    tr.observe({"val/loss": 1.0})
-    tr.on_checkpoint(10)
-    assert tr.observe({"val/loss": 1.2}) is None
-    assert tr.observe({"val/loss": math.nan}).target_step == 10
-    assert tr.observe({"other": 1.0}) is None
-
-
-def test_rollback_forget_after_drops_abandoned_branch() -> None:
-    tr = RollbackTracker(patience=5)
-    for step, v in [(1, 0.2), (2, 0.9), (3, 0.1)]:
-        tr.observe({"val/reward": v})
-        tr.on_checkpoint(step)
-    tr.forget_after(1)
-    assert tr.best_step == 1
+def test_nan_validation_counts_as_a_fall_and_the_streak_survives_a_resume() -> None:
+    cfg = SimpleNamespace(gen_time_warn_s=1.0, update_jitter_warn_s=0.1, jitter_window=5, val_drop_patience=2,
+                          memory_warn_frac=0.95)
+    mon = HealthMonitor(cfg)
+    assert mon.check({"val/reward": 1.0}, 1) == [] and mon.check({"val/reward": 0.5}, 2) == []
+    resumed = HealthMonitor(cfg)
+    resumed.load_val_state(json.loads(json.dumps(mon.val_state())))
+    assert [e.kind for e in resumed.check({"val/reward": math.nan}, 3)] == ["val_drop"]
 
 
 def test_nan_guard_skips_counts_and_raises() -> None:
@@ -103,19 +95,14 @@ def test_nan_guard_requests_rollback_when_enabled() -> None:
 
 def test_data_position_at_epoch_boundary_trains_remaining_epochs() -> None:
     spe = 4
-    assert position_from_step(8, spe) == DataPosition(2, 0)  # after 2 full epochs → start of epoch 2
-    assert position_from_step(9, spe) == DataPosition(2, 1)
     saved = DataPosition(epoch=1, batch=4)  # sampler state taken right after the last batch of epoch 1
     assert DataPosition.from_dict(saved.to_dict(), spe) == DataPosition(2, 0)
-    assert remaining_batches(saved, spe, total_epochs=3) == 4
-    assert remaining_batches(DataPosition(2, 0), spe, total_epochs=2) == 0
     # naive reference: enumerate (epoch, batch) pairs of a full run and skip the first `step` of them
-    for step in range(0, 13):
-        order = [(e, b) for e in range(3) for b in range(spe)][step:]
-        pos = position_from_step(step, spe)
-        assert remaining_batches(pos, spe, 3) == len(order)
-        if order:
-            assert (pos.epoch, pos.batch) == order[0]
+    for step in range(0, 12):
+        pos = DataPosition(0, step).normalized(spe)
+        assert (pos.epoch, pos.batch) == [(e, b) for e in range(3) for b in range(spe)][step]
+    with pytest.raises(ValueError, match="steps_per_epoch=0"):
+        saved.normalized(0)
 
 
 def test_scale_lr_survives_lambda_scheduler_steps() -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.checkpoint import CheckpointManager, DataPosition, find_resume_checkpoint
+from hybridflow.checkpoint import CheckpointManager, find_resume_checkpoint
+from hybridflow.data.dataloader import DataPosition
 
 STEPS_PER_EPOCH = 2
 

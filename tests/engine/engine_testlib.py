@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.algorithms.aggregation import agg_loss
+from hybridflow.checkpoint import CheckpointManager
 from hybridflow.config import load_config
 from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, train_update
 from hybridflow.protocol import DataProto
@@ -51,6 +52,19 @@ def make_engine(*overrides: str, role: str = "actor", total_training_steps: int 
     cfg = make_config(*overrides)
     spec = critic_spec(cfg, total_training_steps) if role == "critic" else actor_spec(cfg, total_training_steps)
     return TrainEngine(spec, device="cpu")
+
+
+def save_engine(engine: TrainEngine, root) -> None:
+    """Write `engine` the trainer's way (one `actor` component of a `CheckpointManager` checkpoint)."""
+    with CheckpointManager(root, async_save=False, capture_rng=False) as mgr:
+        mgr.save(engine.global_step, {"actor": engine.state_dict()})
+    engine.to_rest()
+
+
+def load_engine(engine: TrainEngine, root) -> None:
+    """Load the latest checkpoint under `root` into `engine`, as a resuming worker does."""
+    loaded = CheckpointManager(root, capture_rng=False).load(templates={"actor": engine.state_dict()})
+    engine.load_state_dict(loaded.components["actor"])
 
 
 def head_of(engine: TrainEngine, temperature: float = 1.0, entropy: bool = False) -> HeadRequest:

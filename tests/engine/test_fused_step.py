@@ -4,7 +4,7 @@ the multi-tensor (foreach) optimizer the CPU uses, up to rounding."""
 
 import pytest
 import torch
-from engine_testlib import make_batch, make_engine, nan_loss, nll_loss, train_step
+from engine_testlib import load_engine, make_batch, make_engine, nan_loss, nll_loss, save_engine, train_step
 from torch.distributed.tensor import DTensor
 
 import hybridflow.engine.train_engine as train_engine
@@ -118,12 +118,12 @@ def test_a_checkpoint_of_the_other_optimizer_kind_loads_and_steps(saved_fused, m
     monkeypatch.setattr(train_engine, "_wants_fused_optimizer", lambda device: saved_fused)
     saver = make_engine()
     train_step(saver, data, nll_loss)
-    saver.save(tmp_path / "ckpt")
+    save_engine(saver, tmp_path / "ckpt")
     saved = _state(saver)
 
     monkeypatch.setattr(train_engine, "_wants_fused_optimizer", lambda device: not saved_fused)
     engine = make_engine()
-    engine.load(tmp_path / "ckpt")
+    load_engine(engine, tmp_path / "ckpt")
     assert is_fused(engine.optimizer) == (not saved_fused)
     assert all((g["fused"], g["foreach"]) == ((True, None) if not saved_fused else (None, True))
                for g in engine.optimizer.param_groups)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from engine_testlib import make_batch, make_engine, nan_loss, nll_loss, train_step
+from engine_testlib import load_engine, make_batch, make_engine, nan_loss, nll_loss, save_engine, train_step
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
@@ -94,9 +94,9 @@ def test_host_step_resumes_bitwise_from_a_checkpoint(tmp_path, dist_group):
     _train(straight, 4)
     first = make_engine(*cosine, CPU_STEP, total_training_steps=6)
     _train(first, 2)
-    first.save(tmp_path / "ckpt")
+    save_engine(first, tmp_path / "ckpt")
     resumed = make_engine(*cosine, CPU_STEP, total_training_steps=6)
-    resumed.load(tmp_path / "ckpt")
+    load_engine(resumed, tmp_path / "ckpt")
     assert resumed.global_step == 2
     _train(resumed, 2)
     _assert_bitwise(_snapshot(straight), _snapshot(resumed))

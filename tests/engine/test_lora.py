@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testlib import head_of, logprobs, make_batch, make_config, make_engine, nll_loss, train_step
+from engine_testlib import (
+    head_of,
+    load_engine,
+    logprobs,
+    make_batch,
+    make_config,
+    make_engine,
+    nll_loss,
+    save_engine,
+    train_step,
+)
 
 from hybridflow.config import ConfigError
 from hybridflow.engine.lora import is_adapter_param
@@ -98,10 +108,10 @@ def test_checkpoint_holds_trained_parameters_only_and_round_trips(dist_group, tm
     state = engine.state_dict()
     assert state["model"] and all(is_adapter_param(k) for k in state["model"])
     assert set(state["optimizer"]["state"]) == set(state["model"])  # Adam moments of the adapters only
-    engine.save(tmp_path / "ckpt")
+    save_engine(engine, tmp_path / "ckpt")
 
     fresh = make_engine(*LORA)
-    fresh.load(tmp_path / "ckpt")
+    load_engine(fresh, tmp_path / "ckpt")
     assert torch.equal(logprobs(fresh, data)["log_probs"], logprobs(engine, data)["log_probs"])
     # the same next update: optimizer moments and step counters came back too
     a, b = train_step(engine, data, nll_loss), train_step(fresh, data, nll_loss)
@@ -120,8 +130,9 @@ def test_exports_reproduce_the_trained_policy(dist_group, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     from hybridflow.checkpoint import CheckpointManager
-    from hybridflow.checkpoint.export import export_hf
+    from hybridflow.commands.export import export_hf
     from hybridflow.config import to_dict
+    from hybridflow.engine.checkpoint import full_model_state, write_hf
     from hybridflow.models.loader import load_module
 
     cfg = make_config(*LORA)
@@ -136,15 +147,19 @@ def test_exports_reproduce_the_trained_policy(dist_group, tmp_path) -> None:
         mgr.save(3, {"actor": engine.state_dict()}, extra={"config": to_dict(cfg)})
     adapter_dir = export_hf(tmp_path / "ckpt", tmp_path / "adapter")
     merged_dir = export_hf(tmp_path / "ckpt", tmp_path / "merged", merge=True)
+    # the supervised trainers' hand-off: the live engine, merged onto its in-memory base, through the same writer
+    live_dir, kind = write_hf(full_model_state(engine.module, 8 / 4), cfg.model, tmp_path / "live")
 
     peft_model = PeftModel.from_pretrained(load_module(cfg.model, "lm"), str(adapter_dir)).eval()
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    live = AutoModelForCausalLM.from_pretrained(str(live_dir), dtype=torch.float32).eval()
+    assert kind == "full"
     params = {n: _local(p) for n, p in engine.module.named_parameters()}
     exported = merged.state_dict()
     for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):  # W + (alpha/r)·B·A, naively
         w, a, b = (params[f"{layer}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
         torch.testing.assert_close(exported[f"{layer}.weight"], w + (8 / 4) * b @ a, atol=1e-6, rtol=0)
-    for name, model in (("PeftModel.from_pretrained", peft_model), ("merged export", merged)):
+    for name, model in (("PeftModel.from_pretrained", peft_model), ("merged export", merged), ("live export", live)):
         torch.testing.assert_close(_hf_response_logprobs(model, data), policy, atol=2e-5, rtol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")
 

@@ -5,7 +5,17 @@ import math
 
 import pytest
 import torch
-from engine_testlib import logprobs, make_batch, make_config, make_engine, nan_loss, nll_loss, train_step
+from engine_testlib import (
+    load_engine,
+    logprobs,
+    make_batch,
+    make_config,
+    make_engine,
+    nan_loss,
+    nll_loss,
+    save_engine,
+    train_step,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -195,10 +205,10 @@ def test_save_load_gives_identical_next_step(tmp_path):
     data, data2 = make_batch(seed=3), make_batch(seed=4)
     a = _engine("actor.optim.lr_warmup_steps=3")
     train_step(a, data, nll_loss)
-    a.save(tmp_path / "ckpt")
+    save_engine(a, tmp_path / "ckpt")
     m_a = train_step(a, data2, nll_loss)
     b = _engine("actor.optim.lr_warmup_steps=3")
-    b.load(tmp_path / "ckpt")
+    load_engine(b, tmp_path / "ckpt")
     assert b.global_step == 1
     m_b = train_step(b, data2, nll_loss)
     assert m_a["loss"] == m_b["loss"] and m_a["lr"] == m_b["lr"]
@@ -279,10 +289,12 @@ def test_forward_logprobs_micro_batching_invariant():
     assert a["log_probs"].shape == data.batch["responses"].shape
 
 
-def test_save_hf_exports_trained_weights(tmp_path):
+def test_the_exporter_writes_the_trained_weights(tmp_path):
+    from hybridflow.engine.checkpoint import full_model_state, write_hf
+
     engine = _engine()
     train_step(engine, make_batch(seed=10), nll_loss)
-    engine.save_hf(tmp_path / "hf")
+    write_hf(full_model_state(engine.module), make_config().model, tmp_path / "hf")
     cfg = make_config(f"model.path={tmp_path / 'hf'}")
     loaded = load_model(cfg.model, "actor")
     trained = _weights(engine)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from ppo_testlib import SimulatedCrash, deterministic_metrics, tiny_ppo_config
 
-from hybridflow.checkpoint import DataPosition
 from hybridflow.checkpoint.storage import read_flat_tensors
+from hybridflow.data.dataloader import DataPosition
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.async_driver import OneStepOffDriver
 from hybridflow.trainer.async_resume import Pipeline, SavedRequest, from_payload, to_payload

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from hybridflow.checkpoint import NonFiniteError
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
+from hybridflow.tracking.health import NonFiniteError
 from hybridflow.trainer.loop import Algorithm, Trainer
 
 

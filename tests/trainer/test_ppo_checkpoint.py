@@ -14,21 +14,22 @@ import pytest
 import torch
 from ppo_testlib import SimulatedCrash, tiny_ppo_config
 
-from hybridflow.checkpoint import CheckpointManager, NonFiniteError
+from hybridflow.checkpoint import CheckpointManager
 from hybridflow.checkpoint.storage import read_flat_tensors
+from hybridflow.tracking import HealthMonitor
+from hybridflow.tracking.health import NonFiniteError
 from hybridflow.trainer.ppo import PPOTrainer
 
 
 class RecordingTracker:
     """The slice of `hybridflow.tracking.Tracker` the trainer uses, keeping the events."""
 
-    health = None
-
-    def __init__(self) -> None:
+    def __init__(self, health: HealthMonitor | None = None) -> None:
         self.events: list[dict[str, Any]] = []
+        self.health = health
 
     def log(self, metrics: dict[str, float], step: int) -> list[Any]:
-        return []
+        return self.health.check(metrics, step) if self.health is not None else []
 
     def event(self, kind: str, message: str, step: int, level: str = "info", **data: Any) -> None:
         self.events.append({"kind": kind, "message": message, "step": step, **data})
@@ -111,8 +112,8 @@ def test_resume_at_epoch_boundary_trains_the_remaining_epoch(tmp_path: Path) -> 
 
 def test_rollback_on_falling_val_metric_reloads_best_and_scales_lr(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "trainer.total_training_steps=4", "trainer.test_freq=1", "trainer.checkpoint.save_freq=1",
-               "trainer.rollback.enable=true", "trainer.rollback.patience=2", "trainer.rollback.lr_scale=0.5")
-    tracker = RecordingTracker()
+               "trainer.rollback.enable=true", "trainer.health.val_drop_patience=2", "trainer.rollback.lr_scale=0.5")
+    tracker = RecordingTracker(HealthMonitor(cfg.trainer.health))
     trainer = PPOTrainer(cfg, tracker=tracker)
     trainer.validator = ScriptedValidator({1: 0.5, 2: 0.9, 3: 0.7, 4: 0.4})  # best at 2, then falls twice
     history = _fit(trainer)

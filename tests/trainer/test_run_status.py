@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from ppo_testlib import SimulatedCrash, tiny_ppo_config
 
-from hybridflow.checkpoint import NonFiniteError
 from hybridflow.config import load_config
+from hybridflow.tracking.health import NonFiniteError
 from hybridflow.tracking.jsonl import read_events, read_jsonl
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.run import run_cleanups, run_ppo

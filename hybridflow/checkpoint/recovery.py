@@ -1,14 +1,11 @@
-"""Auto-rollback: track the best checkpoint by a validation metric and decide when to reload it.
-
-Each checkpoint is scored by the last validation value seen before it was saved. When the metric falls
-(strictly worse than the previous validation) `patience` validations in a row, the tracker returns a
-`RollbackDecision` for the best checkpoint, at most `max_rollbacks` times. The state is JSON for `extra`.
+"""Auto-rollback: score each checkpoint by the last validation value seen before it was saved, and pick the best
+when a health signal asks (`hybridflow.tracking.health`: the monitor's `val_drop` warning, or the non-finite
+guard's request), at most `trainer.rollback.max_rollbacks` times. Counting is the signals' job, not this one's.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +13,6 @@ import torch
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
-
-    from hybridflow.config.schema import RollbackConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,65 +26,37 @@ class RollbackDecision:
 
 
 class RollbackTracker:
-    def __init__(self, patience: int = 3, lr_scale: float = 1.0, max_rollbacks: int = 3,
-                 metric: str = "val/reward", higher_is_better: bool = True) -> None:
-        if patience < 1:
-            raise ValueError(f"trainer.rollback.patience={patience}: must be >= 1")
+    def __init__(self, lr_scale: float = 1.0, max_rollbacks: int = 3, metric: str = "val/reward") -> None:
         if not lr_scale > 0:
             raise ValueError(f"trainer.rollback.lr_scale={lr_scale}: must be > 0")
         if max_rollbacks < 0:
             raise ValueError(f"trainer.rollback.max_rollbacks={max_rollbacks}: must be >= 0")
-        self.patience, self.lr_scale, self.max_rollbacks = patience, lr_scale, max_rollbacks
-        self.metric, self.higher_is_better = metric, higher_is_better
+        self.lr_scale, self.max_rollbacks, self.metric = lr_scale, max_rollbacks, metric
         self.last_value: float | None = None
-        self.falls = 0
-        self.rollbacks = 0
+        self.rollbacks, self._warned_exhausted = 0, False
         self.ckpt_scores: dict[int, float] = {}  # checkpoint step → metric when it was saved
-        self._warned_exhausted = False
-
-    @classmethod
-    def from_config(cls, rollback_cfg: RollbackConfig, higher_is_better: bool = True) -> RollbackTracker:
-        return cls(rollback_cfg.patience, rollback_cfg.lr_scale, rollback_cfg.max_rollbacks, rollback_cfg.metric,
-                   higher_is_better)
-
-    def _better(self, a: float, b: float) -> bool:
-        return a > b if self.higher_is_better else a < b
 
     @property
     def best_step(self) -> int | None:
-        """Step of the best-scoring checkpoint (latest among ties), or None."""
+        """Step of the best-scoring checkpoint (latest among ties; higher is better), or None."""
         best: tuple[float, int] | None = None
         for step, score in sorted(self.ckpt_scores.items()):
-            if best is None or not self._better(best[0], score):
+            if best is None or not best[0] > score:
                 best = (score, step)
         return None if best is None else best[1]
+
+    def observe(self, metrics: dict[str, Any]) -> None:
+        """Remember this validation's value of the metric (it scores the next checkpoint)."""
+        if self.metric in metrics:
+            self.last_value = float(metrics[self.metric])
 
     def on_checkpoint(self, step: int) -> None:
         """Record that a checkpoint was saved at `step` (scored by the latest validation value)."""
         if self.last_value is not None:
             self.ckpt_scores[int(step)] = self.last_value
 
-    def forget_after(self, step: int) -> None:
-        """Drop checkpoints newer than `step` (they are deleted by `CheckpointManager.discard_after`)."""
-        self.ckpt_scores = {s: v for s, v in self.ckpt_scores.items() if s <= step}
-
-    def observe(self, metrics: dict[str, Any]) -> RollbackDecision | None:
-        """Feed one validation's metrics; returns a decision when a rollback should happen now."""
-        if self.metric not in metrics:
-            return None
-        value = float(metrics[self.metric])
-        fell = math.isnan(value) or (self.last_value is not None and self._better(self.last_value, value))
-        self.falls = self.falls + 1 if fell else 0
-        self.last_value = value
-        if self.falls < self.patience:
-            return None
-        return self._decide(f"{self.metric} fell {self.falls} validations in a row (now {value:.6g})")
-
-    def request(self, reason: str) -> RollbackDecision | None:
-        """Ask for a rollback for another reason (e.g. too many non-finite steps); None if not possible."""
-        return self._decide(reason)
-
-    def _decide(self, reason: str) -> RollbackDecision | None:
+    def decide(self, reason: str) -> RollbackDecision | None:
+        """The checkpoint to reload now, or None (no scored checkpoint, or `max_rollbacks` reached)."""
         target = self.best_step
         if target is None:
             logger.warning("rollback wanted (%s) but no scored checkpoint exists; continuing", reason)
@@ -101,21 +68,18 @@ class RollbackTracker:
                 self._warned_exhausted = True
             return None
         self.rollbacks += 1
-        self.falls = 0
         self.last_value = self.ckpt_scores[target]
-        self.forget_after(target)
+        self.ckpt_scores = {s: v for s, v in self.ckpt_scores.items() if s <= target}  # the abandoned branch
         logger.warning("rolling back to checkpoint step %d (%s); lr x %g [%d/%d]", target, reason, self.lr_scale,
                        self.rollbacks, self.max_rollbacks)
         return RollbackDecision(target, self.lr_scale, reason, self.rollbacks)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_value": self.last_value, "falls": self.falls, "rollbacks": self.rollbacks,
+        return {"last_value": self.last_value, "rollbacks": self.rollbacks,
                 "ckpt_scores": {str(k): v for k, v in self.ckpt_scores.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_value = state["last_value"]
-        self.falls = int(state["falls"])
-        self.rollbacks = int(state["rollbacks"])
+        self.last_value, self.rollbacks = state["last_value"], int(state["rollbacks"])
         self.ckpt_scores = {int(k): float(v) for k, v in state["ckpt_scores"].items()}
 
 
