@@ -48,6 +48,8 @@ class RolloutEngine:
         self.cfg = rollout_cfg
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
+        self.agent = _agent_rollout(rollout_cfg, tokenizer, chat_template, pad_token_id, max_prompt_length,
+                                    max_response_length)
         self.eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.pad_id, self.P, self.R = int(pad_token_id), int(max_prompt_length), int(max_response_length)
         self.device = torch.device(device) if device is not None else _module_device(module)
@@ -69,6 +71,9 @@ class RolloutEngine:
         reason = "rollout.name=hf" if self.cfg.name == "hf" else unsupported_reason(module, self.P + self.R)
         self._fallback = HFGenerate(module, reason, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                     max_new_tokens=self.R) if reason else None
+        if self._fallback is not None and self.agent is not None:
+            raise ValueError(f"rollout.agent.mode=server needs our engine, but it falls back to HF generate "
+                             f"({reason}); use a supported (Llama-family) model")
         if self._fallback is not None and self.session is not None:
             raise ValueError(f"rollout.multi_turn.enable=true needs our engine, but it falls back to HF generate "
                              f"({reason}); disable multi_turn or use a supported (Llama-family) model")
@@ -108,6 +113,12 @@ class RolloutEngine:
             self._view.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Stop the agent endpoint (rollout.agent.mode=server) and free the cache."""
+        if self.agent is not None:
+            self.agent.close()
+        self.release_cache()
 
     def _prepare(self) -> ModelRunner:
         if self._weights is None:
@@ -190,6 +201,14 @@ class RolloutEngine:
             res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new)
             if version is not None:
                 res.versions = torch.full_like(res.tokens, version)
+        elif self.agent is not None:
+            out, metrics = self.agent.generate(self._prepare(), prompts, params, eos_ids=self.eos_ids,
+                                               check_every=self.check_every)
+            self.timing["timing/generate"] = time.perf_counter() - t0
+            out.meta_info = {**meta, "metrics": {**self.timing, **metrics}}
+            if self.cfg.free_cache_engine:
+                self.release_cache()
+            return out.to(dev_in)
         else:
             runner = self._prepare()
             runner.set_sampling(params, self.eos_ids)
@@ -286,6 +305,15 @@ def _tool_session(rollout_cfg: Any, tokenizer: Any, chat_template: str | None = 
     from hybridflow.agentic.session import ToolSession
 
     return ToolSession.from_config(mt, tokenizer, chat_template)
+
+
+def _agent_rollout(rollout_cfg: Any, tokenizer: Any, chat_template: str | None, pad_id: int, P: int, R: int):
+    agent = getattr(rollout_cfg, "agent", None)
+    if agent is None or agent.mode != "server":
+        return None
+    from hybridflow.rollout.agent_rollout import AgentRollout  # imports openai and aiohttp, only when used
+
+    return AgentRollout(agent, tokenizer, chat_template, pad_id=int(pad_id), P=int(P), R=int(R))
 
 
 def build_rollout(module: nn.Module, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:
