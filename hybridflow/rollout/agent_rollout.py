@@ -39,6 +39,7 @@ class AgentRollout:
         self.agent = load_agent(agent_cfg.path, agent_cfg.name)
         self.server: OpenAIServer | None = None
         self.calls = 0
+        self.last_sessions: dict[str, Session] = {}
 
     def start(self) -> OpenAIServer:
         """The endpoint, started on first use and kept for the run (`close` stops it)."""
@@ -69,6 +70,7 @@ class AgentRollout:
         finally:
             server.serving.clear()
         outcomes: list[Outcome] = tasks.result()
+        self.last_sessions = sched.sessions  # for inspection (tests, debugging)
         failed = [o for o in outcomes if o.kind != "ok"]
         if len(failed) == len(outcomes):
             raise RuntimeError(f"every agent task failed ({len(outcomes)}); the first: session {failed[0].session}: "

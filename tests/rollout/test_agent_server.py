@@ -1,0 +1,153 @@
+"""rollout.agent.mode=server: agents with the real `openai` client against the real endpoint over a tiny random
+model — several turns in parallel sessions batched together, KV extension, token-exact trajectories (also where
+re-tokenising the chat would give other ids), history edits, failures counted, the environment adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+from rollout_helpers import make_model, rollout_cfg
+from test_rollout_engine import hf_logprobs
+
+from hybridflow.agentic.agent_session import Session, as_dict, normalize
+from hybridflow.agentic.agents import AgentResult, Environment, EnvStep
+from hybridflow.agentic.openai_api import split_tool_calls
+from hybridflow.config import load_config
+from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutEngine
+
+P, R = 24, 160
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+SEEN: dict[str, list[dict]] = {}  # session -> what the agent got back, per request
+
+
+def _sid(client) -> str:
+    return str(client.base_url).rstrip("/").split("/")[-2]
+
+
+async def _ask(client, messages, **kw):
+    r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=kw.pop("max_tokens", 5),
+                                             **kw)
+    SEEN.setdefault(_sid(client), []).append({"ids": [c.model_extra["token_ids"] for c in r.choices],
+                                              "logprobs": [[t.logprob for t in c.logprobs.content]
+                                                           if c.logprobs else None for c in r.choices]})
+    return r
+
+
+async def chat_agent(client, sample):
+    """Three turns with tools offered; each answer is followed by a tool result (with trailing spaces)."""
+    messages = [{"role": "user", "content": f"q{sample['idx']}"}]
+    for turn in range(3):
+        r = await _ask(client, messages, tools=TOOLS, logprobs=True)
+        messages.append(r.choices[0].message.model_dump(exclude_none=True))
+        if turn < 2:
+            messages.append({"role": "tool", "tool_call_id": "x", "content": f"{turn}   "})
+    return AgentResult(reward=1.0, turn_rewards=[0.1, 0.2, 0.3], messages=messages)
+
+
+def _engine(model, chat_template=None, timeout_s=30.0, **kw):
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=__file__, name="chat_agent",
+                                timeout_s=timeout_s)
+    cfg = rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False, **kw)
+    eng = RolloutEngine(model, cfg, eos_token_id=1, pad_token_id=0, max_prompt_length=P, max_response_length=R,
+                        tokenizer=builtin_tokenizer(), chat_template=chat_template)
+    assert eng.agent.agent.__qualname__ == "chat_agent"  # loaded from rollout.agent.path (a copy of this module)
+    eng.agent.agent = chat_agent  # this module's, so SEEN is the dict the tests read
+    return eng
+
+
+def _prompts(B: int, n: int = 1) -> DataProto:
+    ids = torch.full((B, 4), 5)
+    out = DataProto.from_single_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    out.non_tensor_batch = {"idx": np.arange(B, dtype=object)}
+    out.meta_info = {"n": n}
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    torch.set_num_threads(1)
+    eng = _engine(model, max_num_seqs=16)
+    yield eng
+    eng.close()
+
+
+def _sampled(out: DataProto, row: int) -> list[int]:
+    b = out.batch
+    return b["responses"][row][b["response_mask"][row].bool()].tolist()
+
+
+def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model):
+    SEEN.clear()
+    out = engine.generate(_prompts(3, n=2))
+    m = out.meta_info["metrics"]
+    assert m["agent/tasks"] == 6 and m["agent/errors"] == 0 and m["agent/requests"] == 18, m
+    # every later turn extended its session's cached tokens: one prefill per session, the rest appended
+    assert m["rollout/prefills"] == 6 and m["agent/extended_requests"] == 12, m
+    assert m["rollout/decode_steps"] < 18 * 5 / 2, m  # the sessions decoded together, not one after another
+    b = out.batch
+    for row in range(6):
+        sid = f"r{engine.agent.calls}-{row // 2}-{row % 2}"
+        got = [x for req in SEEN[sid] for x in req["ids"][0]]
+        assert _sampled(out, row) == got  # the trajectory trains on exactly what was sampled
+        served_lp = [x for req in SEEN[sid] for x in req["logprobs"][0]]
+        assert torch.allclose(b["rollout_log_probs"][row][b["response_mask"][row].bool()],
+                              torch.tensor(served_lp), atol=1e-6)
+        ends = b["turn_rewards"][row].nonzero().flatten().tolist()
+        assert len(ends) == 3 and all(b["response_mask"][row, e] == 1 for e in ends)
+        assert torch.allclose(b["turn_rewards"][row][ends], torch.tensor([0.1, 0.2, 1.3]))
+    # the KV reused across turns gives the log-probs of one plain forward over the whole trajectory
+    assert torch.allclose(hf_logprobs(model, out, 1.0), b["rollout_log_probs"], atol=2e-4)
+
+
+async def edit_agent(client, sample):
+    """Turn 2 resends the conversation with turn 1's answer edited: the session cannot be extended."""
+    messages = [{"role": "user", "content": "hello"}]
+    r = await _ask(client, messages)
+    messages += [{"role": "assistant", "content": r.choices[0].message.content + "!"},
+                 {"role": "user", "content": "and?"}]
+    await _ask(client, messages)
+    return AgentResult(messages=messages)
+
+
+def test_token_exact_where_retokenising_differs(model):
+    """A template that strips whitespace: re-rendering the chat would drop the tool result's trailing spaces
+    and re-split the turns; the trajectory keeps the ids that were sampled and appended."""
+    template = builtin_tokenizer().chat_template.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    eng = _engine(model, chat_template=template, max_num_seqs=4)
+    try:
+        SEEN.clear()
+        out = eng.generate(_prompts(1))
+        sid = f"r{eng.agent.calls}-0-0"
+        session = next(iter(eng.agent.last_sessions.values()))
+        branch = session.branches[0]
+        msgs = [as_dict(m) for m in branch.messages]
+        retok = builtin_tokenizer().apply_chat_template(msgs, chat_template=template, tokenize=True)
+        b = out.batch
+        traj = b["input_ids"][0][b["attention_mask"][0].bool()].tolist()
+        assert traj == branch.prompt + branch.resp
+        assert retok != traj[: len(retok)]  # re-tokenising would have changed the ids...
+        assert _sampled(out, 0) == [x for req in SEEN[sid] for x in req["ids"][0]]  # ...we train on the sampled
+        assert "<tool_response>0</tool_response>" in builtin_tokenizer().decode(traj)  # appended via the template
+
+        eng.agent.agent = edit_agent
+        SEEN.clear()
+        out = eng.generate(_prompts(1))
+        m = out.meta_info["metrics"]
+        assert m["agent/rewritten_sessions"] == 1 and m["agent/extended_requests"] == 0, m
+        first, second = SEEN[f"r{eng.agent.calls}-0-0"]
+        assert m["agent/dropped_tokens"] == len(first["ids"][0])
+        assert _sampled(out, 0) == second["ids"][0]  # the edited history is context; only sampled ids train
+    finally:
+        eng.close()
