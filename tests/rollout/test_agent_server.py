@@ -151,3 +151,127 @@ def test_token_exact_where_retokenising_differs(model):
         assert _sampled(out, 0) == second["ids"][0]  # the edited history is context; only sampled ids train
     finally:
         eng.close()
+
+
+async def flaky_agent(client, sample):
+    i = sample["idx"]
+    if i == 0:
+        raise RuntimeError("agent bug")
+    if i == 1:
+        await _ask(client, [{"role": "user", "content": "hi"}])
+        await asyncio.sleep(60)
+    if i == 2:
+        await _ask(client, [{"role": "user", "content": "x" * (P + R)}])  # longer than the context: HTTP 400
+    await _ask(client, [{"role": "user", "content": "hi"}])
+    return 0.5
+
+
+async def broken_agent(client, sample):
+    raise ValueError(f"broken on {sample['idx']}")
+
+
+def test_failures_are_counted_and_never_hang(engine):
+    engine.agent.cfg = dataclasses.replace(engine.agent.cfg, timeout_s=2.0)
+    try:
+        engine.agent.agent = flaky_agent
+        t0 = time.perf_counter()
+        out = engine.generate(_prompts(4))
+        assert time.perf_counter() - t0 < 20
+        m = out.meta_info["metrics"]
+        assert (m["agent/errors"], m["agent/timeouts"]) == (2, 1), m
+        b = out.batch
+        assert (b["response_mask"][:3] == 0).all()  # failed tasks train on nothing
+        assert b["response_mask"][3].sum() > 0 and b["turn_rewards"][3].sum() == 0.5
+        engine.agent.agent = broken_agent
+        with pytest.raises(RuntimeError, match="every agent task failed.*ValueError: broken on 0"):
+            engine.generate(_prompts(2))
+    finally:
+        engine.agent.cfg = dataclasses.replace(engine.agent.cfg, timeout_s=30.0)
+        engine.agent.agent = chat_agent
+
+
+async def completions_agent(client, sample):
+    """/v1/completions: n, stop, logprobs; greedy twice gives the same ids; a token-id prompt extends."""
+    r = await client.completions.create(model="policy", prompt="User: hi\nAssistant:", n=3, max_tokens=8,
+                                        logprobs=1, stop=["a", "e"])
+    assert len(r.choices) == 3 and all(len(c.logprobs.token_logprobs) == len(c.model_extra["token_ids"])
+                                       for c in r.choices)
+    assert not any("a" in c.text or "e" in c.text for c in r.choices)
+    g1 = await client.completions.create(model="policy", prompt="User: x\nAssistant:", max_tokens=6, temperature=0)
+    g2 = await client.completions.create(model="policy", prompt="User: x\nAssistant:", max_tokens=6, temperature=0)
+    assert g1.choices[0].model_extra["token_ids"] == g2.choices[0].model_extra["token_ids"]
+    ids = builtin_tokenizer().encode("User: x\nAssistant:") + g2.choices[0].model_extra["token_ids"] + [5, 6]
+    r = await client.completions.create(model="policy", prompt=ids, max_tokens=4)
+    SEEN["last"] = [ids, r.choices[0].model_extra["token_ids"]]
+    return None
+
+
+def test_completions_endpoint(engine):
+    engine.agent.agent = completions_agent
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m  # the token-id prompt extended
+    ids, sampled = SEEN["last"]
+    b = out.batch
+    assert b["input_ids"][0][b["attention_mask"][0].bool()].tolist() == ids + sampled
+
+
+def test_eviction_keeps_trajectories_exact(model):
+    """4 sessions on 2 KV slots: idle sessions are evicted and re-prefilled from their recorded ids."""
+    eng = _engine(model, max_num_seqs=2)
+    try:
+        SEEN.clear()
+        out = eng.generate(_prompts(4))
+    finally:
+        eng.close()
+    m = out.meta_info["metrics"]
+    assert m["agent/kv_evictions"] > 0 and m["agent/errors"] == 0, m
+    for row in range(4):
+        assert _sampled(out, row) == [x for req in SEEN[f"r1-{row}-0"] for x in req["ids"][0]]
+    assert torch.allclose(hf_logprobs(model, out, 1.0), out.batch["rollout_log_probs"], atol=2e-4)
+
+
+class CountdownEnv(Environment):
+    """Two turns; each answer gets a tool result and reward 1 on the second."""
+
+    tools = TOOLS
+
+    def reset(self, sample):
+        self.turn = 0
+        return [{"role": "user", "content": f"go {sample['idx']}"}]
+
+    def step(self, message):
+        self.turn += 1
+        return EnvStep([{"role": "tool", "content": "7"}], reward=float(self.turn == 2), done=self.turn == 2)
+
+
+def test_environment_adapter(engine):
+    from hybridflow.agentic.agents import EnvironmentAgent
+
+    engine.agent.agent = EnvironmentAgent(CountdownEnv, max_tokens=4).run
+    try:
+        out = engine.generate(_prompts(2))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/requests"] == 4 and m["agent/extended_requests"] == 2, m
+    rewards = out.batch["turn_rewards"]
+    assert (rewards.sum(-1) == 1.0).all() and ((rewards != 0).sum(-1) == 1).all()
+
+
+def test_tool_calls_and_message_matching():
+    content, calls, bad = split_tool_calls('ok <tool_call>{"name": "calculator", "arguments": {"e": "1+2"}}'
+                                           '</tool_call>')
+    assert (content, bad, calls[0]["function"]["name"]) == ("ok", False, "calculator")
+    assert split_tool_calls("<tool_call>{oops</tool_call>")[1:] == (None, True)
+    # a client echoes the call with its own id and arguments as a string: same message
+    sent = {"role": "assistant", "content": "ok", "tool_calls": calls}
+    echoed = {"role": "assistant", "content": "ok", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "calculator", "arguments": '{"e":"1+2"}'}}]}
+    assert normalize(sent) == normalize(echoed)
+    s = Session()
+    plan = s.plan_chat((normalize({"role": "user", "content": "q"}),), None, lambda m: [1, 2])
+    assert plan.parent is None and s.rewrites == 0
