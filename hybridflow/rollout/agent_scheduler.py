@@ -150,7 +150,8 @@ class AgentScheduler:
             else:
                 raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)")
             plan = session.plan_ids(ids)
-        temperature = float(body.get("temperature", self.base.temperature))
+        # no temperature given: the rollout's own sampling (validation's greedy default included)
+        temperature = float(body.get("temperature", self.base.temperature if self.base.do_sample else 0.0))
         params = SamplingParams(n=n, temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0,
                                 top_p=float(body.get("top_p", self.base.top_p)),
                                 top_k=int(body.get("top_k", self.base.top_k)), ignore_eos=self.base.ignore_eos,
