@@ -38,6 +38,7 @@ from hybridflow.agentic.openai_api import (
 )
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.sampling import SamplingParams, row_seed
+from hybridflow.utils.progress import beat
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class AgentScheduler:
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
         """Serve until `finished()` (every agent task is over); requests still in flight then are answered 503."""
         while not finished() or self.live or self.waiting:
+            beat()  # for the hang watchdog: waiting on agents (bounded by rollout.agent.timeout_s) is progress too
             if finished():
                 self._abort("the rollout ended (this agent task was stopped)")
                 break

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -275,3 +277,22 @@ def test_tool_calls_and_message_matching():
     s = Session()
     plan = s.plan_chat((normalize({"role": "user", "content": "q"}),), None, lambda m: [1, 2])
     assert plan.parent is None and s.rewrites == 0
+
+
+def test_readme_agent_example_runs(model, tmp_path):
+    """README "Train your own agent": the ~20-line agent loads from rollout.agent.path and runs against the endpoint."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "rollout.agent.path" in b)
+    assert len(example.strip().splitlines()) <= 25
+    (tmp_path / "my_agent.py").write_text(example)
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=str(tmp_path / "my_agent.py"))
+    eng = RolloutEngine(model, rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False),
+                        eos_token_id=1, pad_token_id=0, max_prompt_length=P, max_response_length=R,
+                        tokenizer=builtin_tokenizer())
+    prompts = _prompts(2)
+    prompts.non_tensor_batch["raw_prompt"] = np.array([[{"role": "user", "content": "1+2?"}]] * 2, dtype=object)
+    try:
+        m = eng.generate(prompts).meta_info["metrics"]
+    finally:
+        eng.close()
+    assert m["agent/errors"] == 0 and m["agent/tasks"] == 2, m
