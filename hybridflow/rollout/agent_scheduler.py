@@ -91,9 +91,10 @@ class AgentScheduler:
         self.free = list(range(runner.cache.slots))
         heapq.heapify(self.free)
         self._key: tuple | None = None
+        self._warned_tool_choice = False
         self._clock = itertools.count()
         self._seeds = itertools.count()
-        self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefill_tokens",
+        self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefilled", "prefill_tokens",
                                     "evictions", "decode_steps", "bad_requests"), 0)
 
     # ------------------------------------------------------------------------------------------------- serving
@@ -129,6 +130,13 @@ class AgentScheduler:
 
     def _job(self, call: Call) -> Job:
         body = call.body
+        if body.get("stream"):
+            raise ApiError("stream=true is not supported: the endpoint answers whole completions")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none") and not self._warned_tool_choice:
+            self._warned_tool_choice = True
+            logger.warning("tool_choice=%r is not enforced (decoding is unconstrained): tool calls are parsed from "
+                           "what the model writes, as with 'auto'", choice)
         session = self.sessions.setdefault(call.session, Session())
         session.requests += 1
         self.stats["requests"] += 1
@@ -178,6 +186,7 @@ class AgentScheduler:
     # ----------------------------------------------------------------------------------------------- admission
     def _admit(self) -> None:
         extend: list[tuple[Job, int, list[int], int]] = []  # (job, slot, new ids, slot step)
+        prefill: dict[int, dict[tuple[int, int], list[tuple[Job, list[int]]]]] = {}  # n -> (width, room) -> jobs
         for job in list(self.waiting):
             if job.key != self._key:
                 if self.live:
@@ -197,8 +206,11 @@ class AgentScheduler:
                     self.live[slot] = job  # reserved: no prefill below may evict it
                     extend.append((job, slot, job.plan.new_ids, step))
                     continue
-            if self._prefill(job, start):
+            if self._reserve(job, start, prefill.setdefault(job.params.n, {})):
                 self.waiting.remove(job)
+        for n_groups in prefill.values():
+            for (width, room), group in n_groups.items():
+                self._prefill(width, room, group)
         if extend:
             self._extend(extend)
 
@@ -218,7 +230,9 @@ class AgentScheduler:
             info.owner.slot = None
         heapq.heappush(self.free, s)
 
-    def _prefill(self, job: Job, start: Branch) -> bool:
+    def _reserve(self, job: Job, start: Branch, prefill: dict[tuple[int, int], list]) -> bool:
+        """Take KV slots for `job` (prefilled from scratch) and queue it in `prefill`, grouped by (prompt width,
+        max new tokens): each group is one batched forward."""
         ids = start.prompt + start.resp
         width = max(self.P, len(ids))
         room = min(self.R, self.r.cache.max_len - width, job.max_tokens)
@@ -231,15 +245,6 @@ class AgentScheduler:
         slots = self._take_slots(job.params.n)
         if slots is None:
             return False
-        dev = self.r.device
-        ids_t = torch.full((1, width), self.r.pad_id, dtype=torch.long)
-        ids_t[0, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        mask = torch.zeros(1, width, dtype=torch.long)
-        mask[0, width - len(ids):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        self.r.admit(slots, ids_t.to(dev), mask.to(dev), pos.to(dev), job.params.n, job.seeds, room)
-        self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += len(ids)
         job.branches = [start] + [Branch(list(start.prompt), list(start.resp), list(start.mask), list(start.logp),
                                          (), start.gen_start, list(start.turn_ends), start.root)
                                   for _ in range(job.params.n - 1)]
@@ -247,7 +252,23 @@ class AgentScheduler:
         for s in slots:
             self.info[s] = SlotInfo(width, len(start.resp), len(ids), None, next(self._clock))
             self.live[s], self.host_steps[s], self.cap[s], job.start[s] = job, 1, room, 0
+        prefill.setdefault((width, room), []).append((job, ids))
         return True
+
+    def _prefill(self, width: int, room: int, group: list[tuple[Job, list[int]]]) -> None:
+        ids_t = torch.full((len(group), width), self.r.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for i, (_, ids) in enumerate(group):
+            ids_t[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            mask[i, width - len(ids):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        n = group[0][0].params.n
+        dev = self.r.device
+        self.r.admit([s for job, _ in group for s in job.slots], ids_t.to(dev), mask.to(dev), pos.to(dev), n,
+                     [x for job, _ in group for x in job.seeds], room)
+        self.stats["prefills"] += 1
+        self.stats["prefilled"] += len(group)
+        self.stats["prefill_tokens"] += sum(len(ids) for _, ids in group)
 
     def _extend(self, items: list[tuple[Job, int, list[int], int]]) -> None:
         by_width: dict[int, list[tuple[Job, int, list[int], int]]] = {}
@@ -352,6 +373,7 @@ class AgentScheduler:
     def metrics(self) -> dict[str, float]:
         st = self.stats
         return {"agent/requests": st["requests"], "agent/extended_requests": st["extended"],
-                "agent/extend_tokens": st["extend_tokens"], "agent/prefill_tokens": st["prefill_tokens"],
+                "agent/extend_tokens": st["extend_tokens"], "agent/prefilled_requests": st["prefilled"],
+                "agent/prefill_tokens": st["prefill_tokens"],
                 "agent/kv_evictions": st["evictions"], "agent/bad_requests": st["bad_requests"],
                 "rollout/decode_steps": st["decode_steps"], "rollout/prefills": st["prefills"]}

@@ -96,7 +96,8 @@ def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model)
     m = out.meta_info["metrics"]
     assert m["agent/tasks"] == 6 and m["agent/errors"] == 0 and m["agent/requests"] == 18, m
     # every later turn extended its session's cached tokens: one prefill per session, the rest appended
-    assert m["rollout/prefills"] == 6 and m["agent/extended_requests"] == 12, m
+    assert m["agent/prefilled_requests"] == 6 and m["agent/extended_requests"] == 12, m
+    assert m["rollout/prefills"] <= 6, m  # first requests arriving together share one forward
     assert m["rollout/decode_steps"] < 18 * 5 / 2, m  # the sessions decoded together, not one after another
     b = out.batch
     for row in range(6):
