@@ -113,6 +113,7 @@ class Session:
     malformed_tool_calls: int = 0
     last_malformed: bool = False  # the latest completion had a malformed tool call
     extended: int = 0  # requests served by extending cached tokens
+    overflowed: bool = False  # a request was refused for the context length (the trajectory ran out of budget)
 
     def plan_chat(self, messages: tuple[Message, ...], render_new: Any, render_prompt: Any) -> Plan:
         """`render_new(new_messages, last_id) -> ids` (the delta after an assistant turn); `render_prompt(messages)

@@ -4,7 +4,8 @@ the engine serves them (`AgentScheduler`), then each task's session becomes one 
 A row is its session's final branch, token for token: the prompt (its first `data.max_prompt_length` ids, left
 padded; a longer one continues as context at the start of the response), then the sampled and appended ids, with
 `response_mask` on the sampled ones only and their sampling log-probs. A task that failed (raised or timed out)
-keeps its tokens as context but trains on none of them; if every task failed, the step stops with the first error.
+keeps its tokens as context but trains on none of them — unless it failed because its session outgrew the context
+(then it trains, as a response cut at max length does); if every task failed, the step stops with the first error.
 Agent rewards go to `turn_rewards` (per turn on each completion's last sampled id, the final one on the last).
 """
 
@@ -90,7 +91,9 @@ class AgentRollout:
         full = branch.prompt + branch.resp
         cut = min(len(branch.prompt), self.P)
         resp = full[cut:][: self.R]
-        ok = o.kind == "ok"
+        # out of context budget: the agent got HTTP 400, but its ids are real samples, trained like a response cut
+        # at max length in the single-turn rollout (the reward function scores what is there)
+        ok = o.kind == "ok" or (o.kind == "error" and session.overflowed)
         mask = ([0] * (len(branch.prompt) - cut) + branch.mask)[: self.R] if ok else [0] * len(resp)
         logp = ([0.0] * (len(branch.prompt) - cut) + branch.logp)[: self.R]
         rewards = [0.0] * len(resp)
@@ -135,6 +138,7 @@ class AgentRollout:
         out = sched.metrics() | {
             "agent/tasks": float(len(outcomes)),
             "agent/errors": float(sum(o.kind == "error" for o in outcomes)),
+            "agent/context_overflows": float(sum(s.overflowed for s in sessions)),
             "agent/timeouts": float(sum(o.kind == "timeout" for o in outcomes)),
             "agent/malformed_tool_calls": float(sum(s.malformed_tool_calls for s in sessions)),
             "agent/ended_on_malformed_call": float(sum(s.last_malformed for s in sessions)),

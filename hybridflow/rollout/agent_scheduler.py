@@ -238,6 +238,7 @@ class AgentScheduler:
         room = min(self.R, self.r.cache.max_len - width, job.max_tokens)
         if room < 1:
             self.waiting.remove(job)
+            job.session.overflowed = True
             job.call.reply(ApiError(f"the session is {len(ids)} tokens long; with the {self.R}-token response "
                                     f"budget the engine holds {self.r.cache.max_len - 1}: context length exceeded "
                                     "(raise data.max_prompt_length / data.max_response_length)"))

@@ -164,7 +164,9 @@ async def flaky_agent(client, sample):
         await _ask(client, [{"role": "user", "content": "hi"}])
         await asyncio.sleep(60)
     if i == 2:
-        await _ask(client, [{"role": "user", "content": "x" * (P + R)}])  # longer than the context: HTTP 400
+        r = await _ask(client, [{"role": "user", "content": "hi"}])
+        await _ask(client, [{"role": "user", "content": "hi"}, r.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "user", "content": "x" * R}])  # outgrows the context: HTTP 400
     await _ask(client, [{"role": "user", "content": "hi"}])
     return 0.5
 
@@ -176,6 +178,7 @@ async def broken_agent(client, sample):
 def test_failures_are_counted_and_never_hang(engine):
     engine.agent.cfg = dataclasses.replace(engine.agent.cfg, timeout_s=2.0)
     try:
+        SEEN.clear()
         engine.agent.agent = flaky_agent
         t0 = time.perf_counter()
         out = engine.generate(_prompts(4))
@@ -183,7 +186,9 @@ def test_failures_are_counted_and_never_hang(engine):
         m = out.meta_info["metrics"]
         assert (m["agent/errors"], m["agent/timeouts"]) == (2, 1), m
         b = out.batch
-        assert (b["response_mask"][:3] == 0).all()  # failed tasks train on nothing
+        assert (b["response_mask"][:2] == 0).all()  # failed tasks train on nothing...
+        # ...but a session that outgrew the context trains on what it sampled
+        assert m["agent/context_overflows"] == 1 and _sampled(out, 2) == SEEN[f"r{engine.agent.calls}-2-0"][0]["ids"][0]
         assert b["response_mask"][3].sum() > 0 and b["turn_rewards"][3].sum() == 0.5
         engine.agent.agent = broken_agent
         with pytest.raises(RuntimeError, match="every agent task failed.*ValueError: broken on 0"):
