@@ -302,3 +302,33 @@ def test_readme_agent_example_runs(model, tmp_path):
     finally:
         eng.close()
     assert m["agent/errors"] == 0 and m["agent/tasks"] == 2, m
+
+
+def test_tool_calculator_agent_calls_the_tool():
+    """The example agent with the committed SFT checkpoint: the model's Hermes calls come back as `tool_calls`, the
+    agent runs them, the results extend the sessions, and the greedy answers copy them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    ckpt = root / "tests" / "assets" / "sft_tool_calculator"
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server",
+                                path=str(root / "examples" / "agents" / "tool_calculator.py"))
+    eng = RolloutEngine(AutoModelForCausalLM.from_pretrained(ckpt).eval(),
+                        rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False, do_sample=False),
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_prompt_length=32,
+                        max_response_length=240, tokenizer=tok)
+    questions = {"What is 408*99?": 40392, "What is 731*52?": 38012, "What is 250*64?": 16000}
+    prompts = _prompts(len(questions))
+    prompts.non_tensor_batch["raw_prompt"] = np.array([[{"role": "user", "content": q}] for q in questions],
+                                                      dtype=object)
+    try:
+        out = eng.generate(prompts)
+    finally:
+        eng.close()
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] >= 2, m  # tool results appended to sessions
+    texts = [tok.decode(r[a.bool()]) for r, a in zip(out.batch["responses"], out.batch["attention_mask"][:, 32:])]
+    right = [f"<tool_response>{v}</tool_response>" in t and t.endswith(f"#### {v}<|endoftext|>")
+             for t, v in zip(texts, questions.values())]
+    assert sum(right) >= 2, texts
