@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -145,9 +146,9 @@ class OpenAIServer:
             app.router.add_get(prefix + "/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        sock = socket.create_server((host, port))  # bound here, so port 0 tells us the port it got
+        await web.SockSite(self._runner, sock).start()
+        return sock.getsockname()[1]
 
     def close(self) -> None:
         if self._runner is None:

@@ -68,6 +68,9 @@ class AgentRollout:
         server.serving.set()
         try:
             sched.serve(server.calls, tasks.done)
+        except BaseException:
+            tasks.cancel()  # the engine failed: stop the agents rather than let them wait for answers
+            raise
         finally:
             server.serving.clear()
         outcomes: list[Outcome] = tasks.result()

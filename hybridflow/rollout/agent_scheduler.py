@@ -100,18 +100,19 @@ class AgentScheduler:
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
         """Serve until `finished()` (every agent task is over); requests still in flight then are answered 503."""
-        while not finished() or self.live or self.waiting:
-            beat()  # for the hang watchdog: waiting on agents (bounded by rollout.agent.timeout_s) is progress too
-            if finished():
-                self._abort("the rollout ended (this agent task was stopped)")
-                break
-            self._take(calls, block=not self.live)
-            self._admit()
-            if self.live:
-                self._decode()
-        self._abort("the rollout ended")
-        while not calls.empty():
-            calls.get_nowait().reply(ApiError("the rollout ended", 503))
+        try:
+            while not finished() or self.live or self.waiting:
+                beat()  # for the hang watchdog: waiting on agents (bounded by rollout.agent.timeout_s) is progress
+                if finished():
+                    break
+                self._take(calls, block=not self.live)
+                self._admit()
+                if self.live:
+                    self._decode()
+        finally:  # every request still open gets an answer, also when the engine failed
+            self._abort("the rollout ended")
+            while not calls.empty():
+                calls.get_nowait().reply(ApiError("the rollout ended", 503))
 
     def _take(self, calls: queue.Queue[Call], block: bool) -> None:
         try:

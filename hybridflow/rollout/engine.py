@@ -202,6 +202,9 @@ class RolloutEngine:
             if version is not None:
                 res.versions = torch.full_like(res.tokens, version)
         elif self.agent is not None:
+            if weight_check is not None:
+                raise ValueError("rollout.agent.mode=server does not take new weights mid-rollout: set "
+                                 "trainer.async.partial_rollout=abort (or trainer.mode=sync / one_step_off)")
             out, metrics = self.agent.generate(self._prepare(), prompts, params, eos_ids=self.eos_ids,
                                                check_every=self.check_every)
             self.timing["timing/generate"] = time.perf_counter() - t0
