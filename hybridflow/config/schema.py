@@ -257,7 +257,7 @@ class AgentConfig:
     """Bring your own agent (`agentic/agents.py`): the engine behind an OpenAI-compatible endpoint, one agent task
     per sample x rollout.n talking to it; trajectories are the tokens the endpoint sampled."""
 
-    mode: str  # off | server
+    mode: str  # builtin (the engine drives generation) | server (an agent drives it through the endpoint)
     path: str | None  # .py file (or dotted module) defining the agent
     name: str  # its `async def run(client, sample)` function or Agent class
     max_concurrency: int  # agent tasks in flight at once
@@ -266,8 +266,8 @@ class AgentConfig:
     port: int  # 0 = any free port
 
     def __post_init__(self) -> None:
-        _one_of("rollout.agent.mode", self.mode, ("off", "server"))
-        _check(self.mode == "off" or bool(self.path), "rollout.agent.path", self.path,
+        _one_of("rollout.agent.mode", self.mode, ("builtin", "server"))
+        _check(self.mode == "builtin" or bool(self.path), "rollout.agent.path", self.path,
                "rollout.agent.mode=server needs the agent: a .py file or module defining rollout.agent.name")
         _check(self.max_concurrency >= 1, "rollout.agent.max_concurrency", self.max_concurrency, "must be >= 1")
         _check(self.timeout_s > 0, "rollout.agent.timeout_s", self.timeout_s, "must be > 0 (seconds)")

@@ -332,3 +332,19 @@ def test_tool_calculator_agent_calls_the_tool():
     right = [f"<tool_response>{v}</tool_response>" in t and t.endswith(f"#### {v}<|endoftext|>")
              for t, v in zip(texts, questions.values())]
     assert sum(right) >= 2, texts
+
+
+def test_agent_config_errors_name_the_key_and_the_fix():
+    with pytest.raises(ValueError, match=r"rollout.agent.path=None: rollout.agent.mode=server needs the agent"):
+        load_config([], ["rollout.agent.mode=server"])
+    with pytest.raises(ValueError, match=r"rollout.agent.mode='server'.*set rollout.multi_turn.enable=false"):
+        load_config([], ["rollout.agent.mode=server", "rollout.agent.path=a.py", "rollout.multi_turn.enable=true",
+                         "rollout.multi_turn.tools=[calculator]"])
+    with pytest.raises(ValueError, match=r"rollout.agent.name='nope'.*async def nope"):
+        _engine_with(make_model("tiny"), name="nope")
+
+
+def _engine_with(model, **agent_kw):
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=__file__, **agent_kw)
+    return RolloutEngine(model, rollout_cfg(agent=agent, kv_cache_tokens=8192), eos_token_id=1, pad_token_id=0,
+                         max_prompt_length=P, max_response_length=R, tokenizer=builtin_tokenizer())
