@@ -4,7 +4,8 @@ In: `input_ids`/`attention_mask`/`position_ids` [B, P], left-padded; meta_info m
 `do_sample`, `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seeds`, `validate`). Out (B*n rows, prompt i's
 samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout_log_probs`, `input_ids`,
 `attention_mask`, `position_ids`; with a `weight_check` (partial rollouts, rollout/versions.py) also
-`rollout_policy_version` [B*n, R], the policy version that sampled each token. Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
+`rollout_policy_version` [B*n, R], the policy version that sampled each token. With `rollout.agent.mode=server` the
+rows come from agents talking to an OpenAI-compatible endpoint over this engine (`agent_rollout.py`). Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
 only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training.
 """
 

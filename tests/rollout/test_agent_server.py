@@ -348,3 +348,25 @@ def _engine_with(model, **agent_kw):
     agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=__file__, **agent_kw)
     return RolloutEngine(model, rollout_cfg(agent=agent, kv_cache_tokens=8192), eos_token_id=1, pad_token_id=0,
                          max_prompt_length=P, max_response_length=R, tokenizer=builtin_tokenizer())
+
+
+async def branch_agent(client, sample):
+    """n=2, then the conversation goes on from the second choice: that branch is extended and is the row."""
+    messages = [{"role": "user", "content": "pick"}]
+    r = await _ask(client, messages, n=2)
+    messages += [r.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    r2 = await _ask(client, messages)
+    return AgentResult(messages=[*messages, r2.choices[0].message.model_dump(exclude_none=True)])
+
+
+def test_n_choices_then_continue_from_one(engine):
+    SEEN.clear()
+    engine.agent.agent = branch_agent
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m
+    first, second = SEEN[f"r{engine.agent.calls}-0-0"]
+    assert _sampled(out, 0) == first["ids"][1] + second["ids"][0]
