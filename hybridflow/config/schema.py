@@ -257,6 +257,28 @@ class MultiTurnConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Bring your own agent (`agentic/agents.py`): the engine behind an OpenAI-compatible endpoint, one agent task
+    per sample x rollout.n talking to it; trajectories are the tokens the endpoint sampled."""
+
+    mode: str  # builtin (the engine drives generation) | server (an agent drives it through the endpoint)
+    path: str | None  # .py file (or dotted module) defining the agent
+    name: str  # its `async def run(client, sample)` function or Agent class
+    max_concurrency: int  # agent tasks in flight at once
+    timeout_s: float  # per agent task; a late one ends its trajectory (agent/timeouts)
+    host: str  # the endpoint's address (this host only by default)
+    port: int  # 0 = any free port
+
+    def __post_init__(self) -> None:
+        _one_of("rollout.agent.mode", self.mode, ("builtin", "server"))
+        _check(self.mode == "builtin" or bool(self.path), "rollout.agent.path", self.path,
+               "rollout.agent.mode=server needs the agent: a .py file or module defining rollout.agent.name")
+        _check(self.max_concurrency >= 1, "rollout.agent.max_concurrency", self.max_concurrency, "must be >= 1")
+        _check(self.timeout_s > 0, "rollout.agent.timeout_s", self.timeout_s, "must be > 0 (seconds)")
+        _check(0 <= self.port < 65536, "rollout.agent.port", self.port, "must be in [0, 65535] (0 = any free port)")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str  # hybrid = our engine on the actor's weights; hf = transformers.generate (reference / fallback)
     n: int  # responses per prompt
@@ -275,6 +297,7 @@ class RolloutConfig:
     seed: int
     val_kwargs: ValSamplingConfig
     multi_turn: MultiTurnConfig
+    agent: AgentConfig
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1 (responses per prompt)")
@@ -286,6 +309,8 @@ class RolloutConfig:
         _one_of("rollout.name", self.name, ("hybrid", "hf"))
         _check(not (self.multi_turn.enable and self.name == "hf"), "rollout.multi_turn.enable", True,
                "needs our engine (rollout.name=hybrid): the hf fallback generates one turn")
+        _check(not (self.agent.mode == "server" and self.multi_turn.enable), "rollout.agent.mode", "server",
+               "replaces rollout.multi_turn (the agent runs the tools); set rollout.multi_turn.enable=false")
 
 
 @dataclass(frozen=True)

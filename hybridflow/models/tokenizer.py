@@ -22,11 +22,13 @@ from transformers import PreTrainedTokenizerFast
 PAD, EOS, BOS = "<|pad|>", "<|endoftext|>", "<|bos|>"
 SPECIAL_TOKENS = [PAD, EOS, BOS]
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
-# Plain template: what the built-in tasks and quickstart use; `add_generation_prompt` ends with "Assistant:".
+# Plain template: what the built-in tasks and quickstart use; `add_generation_prompt` ends with "Assistant:". A `tool`
+# message is a user turn of one <tool_response> block: the layout of the `hermes_plain` tool-call format.
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
     "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'tool' %}User: <tool_response>{{ m['content'] }}</tool_response>\n"
     "{% else %}Assistant: {{ m['content'] }}" + EOS + "\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"

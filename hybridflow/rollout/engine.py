@@ -4,7 +4,8 @@ In: `input_ids`/`attention_mask`/`position_ids` [B, P], left-padded; meta_info m
 `do_sample`, `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seeds`, `validate`). Out (B*n rows, prompt i's
 samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout_log_probs`, `input_ids`,
 `attention_mask`, `position_ids`; with a `weight_check` (partial rollouts, rollout/versions.py) also
-`rollout_policy_version` [B*n, R], the policy version that sampled each token. Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
+`rollout_policy_version` [B*n, R], the policy version that sampled each token. With `rollout.agent.mode=server` the
+rows come from agents talking to an OpenAI-compatible endpoint over this engine (`agent_rollout.py`). Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
 only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training.
 """
 
@@ -48,6 +49,8 @@ class RolloutEngine:
         self.cfg = rollout_cfg
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
+        self.agent = _agent_rollout(rollout_cfg, tokenizer, chat_template, pad_token_id, max_prompt_length,
+                                    max_response_length)
         self.eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.pad_id, self.P, self.R = int(pad_token_id), int(max_prompt_length), int(max_response_length)
         self.device = torch.device(device) if device is not None else _module_device(module)
@@ -69,6 +72,9 @@ class RolloutEngine:
         reason = "rollout.name=hf" if self.cfg.name == "hf" else unsupported_reason(module, self.P + self.R)
         self._fallback = HFGenerate(module, reason, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                     max_new_tokens=self.R) if reason else None
+        if self._fallback is not None and self.agent is not None:
+            raise ValueError(f"rollout.agent.mode=server needs our engine, but it falls back to HF generate "
+                             f"({reason}); use a supported (Llama-family) model")
         if self._fallback is not None and self.session is not None:
             raise ValueError(f"rollout.multi_turn.enable=true needs our engine, but it falls back to HF generate "
                              f"({reason}); disable multi_turn or use a supported (Llama-family) model")
@@ -108,6 +114,12 @@ class RolloutEngine:
             self._view.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Stop the agent endpoint (rollout.agent.mode=server) and free the cache."""
+        if self.agent is not None:
+            self.agent.close()
+        self.release_cache()
 
     def _prepare(self) -> ModelRunner:
         if self._weights is None:
@@ -192,6 +204,17 @@ class RolloutEngine:
             res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new)
             if version is not None:
                 res.versions = torch.full_like(res.tokens, version)
+        elif self.agent is not None:
+            if weight_check is not None:
+                raise ValueError("rollout.agent.mode=server does not take new weights mid-rollout: set "
+                                 "trainer.async.partial_rollout=abort (or trainer.mode=sync / one_step_off)")
+            out, metrics = self.agent.generate(self._prepare(), prompts, params, eos_ids=self.eos_ids,
+                                               check_every=self.check_every)
+            self.timing["timing/generate"] = time.perf_counter() - t0
+            out.meta_info = {**meta, "metrics": {**self.timing, **metrics}}
+            if self.cfg.free_cache_engine:
+                self.release_cache()
+            return out.to(dev_in)
         else:
             runner = self._prepare()
             runner.set_sampling(params, self.eos_ids)
@@ -288,6 +311,15 @@ def _tool_session(rollout_cfg: Any, tokenizer: Any, chat_template: str | None = 
     from hybridflow.agentic.session import ToolSession
 
     return ToolSession.from_config(mt, tokenizer, chat_template)
+
+
+def _agent_rollout(rollout_cfg: Any, tokenizer: Any, chat_template: str | None, pad_id: int, P: int, R: int):
+    agent = getattr(rollout_cfg, "agent", None)
+    if agent is None or agent.mode != "server":
+        return None
+    from hybridflow.rollout.agent_rollout import AgentRollout  # imports openai and aiohttp, only when used
+
+    return AgentRollout(agent, tokenizer, chat_template, pad_id=int(pad_id), P=int(P), R=int(R))
 
 
 def build_rollout(module: nn.Module, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:

@@ -1,0 +1,165 @@
+"""Bring your own agent: the plugin interface, its loading, and running one agent task per sample x rollout.n.
+
+An agent is `async def run(client, sample) -> AgentResult` (or an `Agent` subclass with that method), loaded from
+`rollout.agent.path` + `rollout.agent.name`. `client` is an `openai.AsyncOpenAI` bound to the engine's endpoint
+with the task's own session id in its base URL; `sample` is the dataset row (`raw_prompt`, `reward_model`,
+`extra_info`, ...). Whatever the agent does with the client is recorded token by token (`agent_session.py`).
+
+An `Environment` (`reset(sample) -> messages`, `step(assistant message) -> EnvStep`) becomes an agent through
+`EnvironmentAgent`: the loop of requests is written once, here.
+
+Failures never hang a step: an agent that raises (an HTTP error included) or runs past `rollout.agent.timeout_s`
+ends its trajectory with the reason recorded (`Outcome.kind` = error | timeout); the caller counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+logger = logging.getLogger(__name__)
+
+AgentFn = Callable[[openai.AsyncOpenAI, dict[str, Any]], Awaitable[Any]]
+
+
+@dataclass
+class AgentResult:
+    """What an agent task returns. `reward` None: the configured reward function alone scores the response;
+    otherwise it is added on the last sampled token. `turn_rewards[i]` lands on the last token of the i-th
+    completion of the trajectory. `messages`: the final conversation (picks the trajectory when the agent sampled
+    several choices)."""
+
+    reward: float | None = None
+    turn_rewards: list[float] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # averaged over tasks into agent/<key>
+
+
+class Agent:
+    """Class form of an agent: one object serves every task (keep per-task state in locals)."""
+
+    async def run(self, client: openai.AsyncOpenAI, sample: dict[str, Any]) -> AgentResult:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    messages: list[dict[str, Any]]  # appended after the assistant message (tool results, the user's reply)
+    reward: float = 0.0  # the assistant turn's reward
+    done: bool = False
+
+
+class Environment:
+    """A `reset`/`step` environment; a fresh object per trajectory. `tools`: OpenAI tool schemas sent with each
+    request (None: none). `step` may block: it runs in a worker thread."""
+
+    tools: list[dict[str, Any]] | None = None
+
+    def reset(self, sample: dict[str, Any]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def step(self, message: dict[str, Any]) -> EnvStep:
+        raise NotImplementedError
+
+
+class EnvironmentAgent(Agent):
+    """Runs an `Environment` against the endpoint: request, step, append, until done or `max_turns`."""
+
+    def __init__(self, env_cls: Callable[[], Environment], max_turns: int = 8, **request: Any) -> None:
+        self.env_cls, self.max_turns, self.request = env_cls, max_turns, request
+
+    async def run(self, client: openai.AsyncOpenAI, sample: dict[str, Any]) -> AgentResult:
+        env = self.env_cls()
+        messages = list(env.reset(sample))
+        turn_rewards: list[float] = []
+        for _ in range(self.max_turns):
+            kwargs = {"tools": env.tools} if env.tools else {}
+            r = await client.chat.completions.create(model="policy", messages=messages, **kwargs, **self.request)
+            message = r.choices[0].message.model_dump(exclude_none=True)
+            messages.append(message)
+            result = await asyncio.to_thread(env.step, message)
+            turn_rewards.append(float(result.reward))
+            if result.done:
+                break
+            messages += result.messages
+        return AgentResult(turn_rewards=turn_rewards, messages=messages)
+
+
+def load_agent(path: str, name: str) -> AgentFn:
+    """The agent `name` in `path` (a .py file or an importable module): a coroutine function, an `Agent`
+    subclass or an `Environment` subclass (wrapped in `EnvironmentAgent`)."""
+    where = f"rollout.agent.path={path!r}"
+    if path.endswith(".py"):
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise ValueError(f"{where}: no such file; point it at a .py file defining {name}")
+        spec = importlib.util.spec_from_file_location(f"hybridflow_agent_{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(path)
+        except ImportError as err:
+            raise ValueError(f"{where}: cannot import it ({err}); give a .py file or a module on PYTHONPATH") from None
+    obj = getattr(module, name, None)
+    if isinstance(obj, type) and issubclass(obj, Environment):
+        return EnvironmentAgent(obj).run
+    if isinstance(obj, type) and issubclass(obj, Agent):
+        obj = obj().run
+    if not inspect.iscoroutinefunction(obj):
+        raise ValueError(f"rollout.agent.name={name!r}: {path} must define `async def {name}(client, sample)`, an "
+                         f"Agent subclass or an Environment subclass; found {type(obj).__name__}")
+    return obj
+
+
+@dataclass
+class Outcome:
+    session: str
+    kind: str  # ok | error | timeout
+    result: AgentResult = field(default_factory=AgentResult)
+    error: str | None = None
+
+
+def as_result(value: Any) -> AgentResult:
+    if isinstance(value, AgentResult):
+        return value
+    if value is None:
+        return AgentResult()
+    if isinstance(value, (int, float)):
+        return AgentResult(reward=float(value))
+    raise TypeError(f"an agent returns AgentResult, a number (its reward) or None; got {type(value).__name__}")
+
+
+async def run_agents(agent: AgentFn, samples: list[dict[str, Any]], session_url: Callable[[str], str],
+                     sessions: list[str], *, max_concurrency: int, timeout_s: float) -> list[Outcome]:
+    """One task per sample (already repeated n times), `max_concurrency` at once, each bounded by `timeout_s`."""
+    limit = asyncio.Semaphore(max_concurrency)
+    # One small HTTP client per task: httpx's shared pool assigns requests to connections in O(connections x
+    # requests), which at hundreds of concurrent sessions costs more than the model. The TLS context (built per
+    # client otherwise, and unused on http://) is shared.
+    tls = ssl.create_default_context()
+
+    async def one(sid: str, sample: dict[str, Any]) -> Outcome:
+        async with limit, httpx.AsyncClient(verify=tls, timeout=httpx.Timeout(timeout_s + 5)) as http:
+            client = openai.AsyncOpenAI(base_url=session_url(sid), api_key="hybridflow", max_retries=0,
+                                        http_client=http)
+            try:
+                return Outcome(sid, "ok", as_result(await asyncio.wait_for(agent(client, sample), timeout_s)))
+            except asyncio.TimeoutError:
+                return Outcome(sid, "timeout", error=f"timed out after {timeout_s}s")
+            except Exception as err:  # noqa: BLE001 — a user agent may raise anything; the trajectory records it
+                logger.debug("agent task %s raised %s: %s", sid, type(err).__name__, err)
+                return Outcome(sid, "error", error=f"{type(err).__name__}: {err}")
+
+    return list(await asyncio.gather(*(one(sid, s) for sid, s in zip(sessions, samples))))

@@ -1,0 +1,191 @@
+"""The OpenAI-compatible HTTP endpoint in front of the rollout engine: `/v1/chat/completions`, `/v1/completions`,
+`/v1/models`, also under `/s/<session>/v1/...` (the session id in the base URL, so a stock `openai.AsyncOpenAI`
+client bound to it needs no extra header; `X-Session-Id` or the body's `user` work too).
+
+Decision: aiohttp. The server runs inside an asyncio loop in one background thread that we own (agent tasks run on
+the same loop), with no server process and no signal handling of its own; aiohttp is already installed with
+`ray[default]`. The handlers only parse and answer: each request goes, as a `Call`, to whoever serves (the engine's
+`AgentScheduler`, on the thread that owns the model) and the answer comes back through the loop. Between rollouts
+nobody serves and requests get 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from hybridflow.agentic.formats import TOOL_CALL_RE, HermesFormat
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered to the client with `status` (400: the request is wrong; 503: no rollout is running)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Call:
+    """One HTTP request on its way to the engine. `reply(dict | ApiError)` may be called from any thread, once."""
+
+    kind: str  # chat | completion
+    session: str
+    body: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def reply(self, result: dict[str, Any] | Exception) -> None:
+        def _set() -> None:
+            if self.future.done():  # the client went away (its agent timed out)
+                return
+            if isinstance(result, Exception):
+                self.future.set_exception(result)
+            else:
+                self.future.set_result(result)
+        self.loop.call_soon_threadsafe(_set)
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None, bool]:
+    """(content, tool_calls, malformed) of an assistant turn in the Hermes format. A malformed call leaves the
+    whole text as content and no calls (the agent sees what the model wrote)."""
+    calls = HermesFormat().parse(text)
+    if not calls:
+        return text, None, False
+    if any(c.error is not None for c in calls):
+        return text, None, True
+    out = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+    return TOOL_CALL_RE.sub("", text).strip(), out, False
+
+
+@dataclass
+class Choice:
+    text: str  # decoded sampled text, stop string cut off
+    token_ids: list[int]
+    logprobs: list[float]
+    tokens: list[str]  # each sampled id decoded alone (for `logprobs`)
+    finish_reason: str  # stop | length
+    message: dict[str, Any] | None = None  # chat: the assistant message returned
+
+
+def chat_response(model: str, choices: list[Choice], prompt_tokens: int, want_logprobs: bool) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "usage": _usage(prompt_tokens, choices),
+            "choices": [{"index": i, "message": c.message, "token_ids": c.token_ids,
+                         "finish_reason": "tool_calls" if c.message.get("tool_calls") else c.finish_reason,
+                         "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                                   "top_logprobs": []} for t, lp in zip(c.tokens, c.logprobs)]}
+                         if want_logprobs else None} for i, c in enumerate(choices)]}
+
+
+def completion_response(model: str, choices: list[Choice], prompt_tokens: int, want_logprobs: bool
+                        ) -> dict[str, Any]:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "usage": _usage(prompt_tokens, choices),
+            "choices": [{"index": i, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                         "logprobs": {"tokens": c.tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
+                                      "text_offset": None} if want_logprobs else None}
+                        for i, c in enumerate(choices)]}
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+# ------------------------------------------------------------------------------------------------------- server
+class OpenAIServer:
+    """The endpoint on `host:port` (0 = a free port), served from a background thread's asyncio loop; `calls` is
+    the queue the engine reads while `serving` is set. `run(coro)` runs a coroutine (an agent task) on that loop."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, model_name: str = "policy") -> None:
+        self.model_name = model_name
+        self.calls: queue.Queue[Call] = queue.Queue()
+        self.serving = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-openai", daemon=True)
+        self._thread.start()
+        self._runner: web.AppRunner | None = None
+        self.port = self.run(self._start(host, port)).result(timeout=30)
+        self.host = host
+        logger.info("OpenAI-compatible endpoint on http://%s:%d/v1", host, self.port)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def session_url(self, session: str) -> str:
+        """The base URL an `openai` client uses for one session."""
+        return f"{self.base_url}/s/{session}/v1"
+
+    def run(self, coro: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def _start(self, host: str, port: int) -> int:
+        app = web.Application(client_max_size=64 * 2**20)
+        for prefix in ("", "/s/{session}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completion)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        sock = socket.create_server((host, port))  # bound here, so port 0 tells us the port it got
+        await web.SockSite(self._runner, sock).start()
+        return sock.getsockname()[1]
+
+    def close(self) -> None:
+        if self._runner is None:
+            return
+        self.run(self._runner.cleanup()).result(timeout=30)
+        self._runner = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                               "owned_by": "hybridflow"}]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        return await self._serve("chat", request)
+
+    async def _completion(self, request: web.Request) -> web.Response:
+        return await self._serve("completion", request)
+
+    async def _serve(self, kind: str, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ApiError("the request body must be a JSON object")
+            session = request.match_info.get("session") or request.headers.get("X-Session-Id") \
+                or str(body.get("user") or "") or f"anon-{uuid.uuid4().hex}"
+            if not self.serving.is_set():
+                raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
+            call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+            self.calls.put(call)
+            return web.json_response(await call.future)
+        except ApiError as err:
+            return _error(str(err), err.status)
+        except json.JSONDecodeError as err:
+            return _error(f"the request body is not JSON: {err}", 400)
+
+
+def _error(message: str, status: int) -> web.Response:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)

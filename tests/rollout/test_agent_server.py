@@ -1,0 +1,372 @@
+"""rollout.agent.mode=server: agents with the real `openai` client against the real endpoint over a tiny random
+model — several turns in parallel sessions batched together, KV extension, token-exact trajectories (also where
+re-tokenising the chat would give other ids), history edits, failures counted, the environment adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rollout_helpers import make_model, rollout_cfg
+from test_rollout_engine import hf_logprobs
+
+from hybridflow.agentic.agent_session import Session, as_dict, normalize
+from hybridflow.agentic.agents import AgentResult, Environment, EnvStep
+from hybridflow.agentic.openai_api import split_tool_calls
+from hybridflow.config import load_config
+from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutEngine
+
+P, R = 24, 160
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+SEEN: dict[str, list[dict]] = {}  # session -> what the agent got back, per request
+
+
+def _sid(client) -> str:
+    return str(client.base_url).rstrip("/").split("/")[-2]
+
+
+async def _ask(client, messages, **kw):
+    r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=kw.pop("max_tokens", 5),
+                                             **kw)
+    SEEN.setdefault(_sid(client), []).append({"ids": [c.model_extra["token_ids"] for c in r.choices],
+                                              "logprobs": [[t.logprob for t in c.logprobs.content]
+                                                           if c.logprobs else None for c in r.choices]})
+    return r
+
+
+async def chat_agent(client, sample):
+    """Three turns with tools offered; each answer is followed by a tool result (with trailing spaces)."""
+    messages = [{"role": "user", "content": f"q{sample['idx']}"}]
+    for turn in range(3):
+        r = await _ask(client, messages, tools=TOOLS, logprobs=True)
+        messages.append(r.choices[0].message.model_dump(exclude_none=True))
+        if turn < 2:
+            messages.append({"role": "tool", "tool_call_id": "x", "content": f"{turn}   "})
+    return AgentResult(reward=1.0, turn_rewards=[0.1, 0.2, 0.3], messages=messages)
+
+
+def _engine(model, chat_template=None, timeout_s=30.0, **kw):
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=__file__, name="chat_agent",
+                                timeout_s=timeout_s)
+    cfg = rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False, **kw)
+    eng = RolloutEngine(model, cfg, eos_token_id=1, pad_token_id=0, max_prompt_length=P, max_response_length=R,
+                        tokenizer=builtin_tokenizer(), chat_template=chat_template)
+    assert eng.agent.agent.__qualname__ == "chat_agent"  # loaded from rollout.agent.path (a copy of this module)
+    eng.agent.agent = chat_agent  # this module's, so SEEN is the dict the tests read
+    return eng
+
+
+def _prompts(B: int, n: int = 1) -> DataProto:
+    ids = torch.full((B, 4), 5)
+    out = DataProto.from_single_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    out.non_tensor_batch = {"idx": np.arange(B, dtype=object)}
+    out.meta_info = {"n": n}
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    torch.set_num_threads(1)
+    eng = _engine(model, max_num_seqs=16)
+    yield eng
+    eng.close()
+
+
+def _sampled(out: DataProto, row: int) -> list[int]:
+    b = out.batch
+    return b["responses"][row][b["response_mask"][row].bool()].tolist()
+
+
+def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model):
+    SEEN.clear()
+    out = engine.generate(_prompts(3, n=2))
+    m = out.meta_info["metrics"]
+    assert m["agent/tasks"] == 6 and m["agent/errors"] == 0 and m["agent/requests"] == 18, m
+    # every later turn extended its session's cached tokens: one prefill per session, the rest appended
+    assert m["agent/prefilled_requests"] == 6 and m["agent/extended_requests"] == 12, m
+    assert m["rollout/prefills"] <= 6, m  # first requests arriving together share one forward
+    assert m["rollout/decode_steps"] < 18 * 5 / 2, m  # the sessions decoded together, not one after another
+    b = out.batch
+    for row in range(6):
+        sid = f"r{engine.agent.calls}-{row // 2}-{row % 2}"
+        got = [x for req in SEEN[sid] for x in req["ids"][0]]
+        assert _sampled(out, row) == got  # the trajectory trains on exactly what was sampled
+        served_lp = [x for req in SEEN[sid] for x in req["logprobs"][0]]
+        assert torch.allclose(b["rollout_log_probs"][row][b["response_mask"][row].bool()],
+                              torch.tensor(served_lp), atol=1e-6)
+        ends = b["turn_rewards"][row].nonzero().flatten().tolist()
+        assert len(ends) == 3 and all(b["response_mask"][row, e] == 1 for e in ends)
+        assert torch.allclose(b["turn_rewards"][row][ends], torch.tensor([0.1, 0.2, 1.3]))
+    # the KV reused across turns gives the log-probs of one plain forward over the whole trajectory
+    assert torch.allclose(hf_logprobs(model, out, 1.0), b["rollout_log_probs"], atol=2e-4)
+
+
+async def edit_agent(client, sample):
+    """Turn 2 resends the conversation with turn 1's answer edited: the session cannot be extended."""
+    messages = [{"role": "user", "content": "hello"}]
+    r = await _ask(client, messages)
+    messages += [{"role": "assistant", "content": r.choices[0].message.content + "!"},
+                 {"role": "user", "content": "and?"}]
+    await _ask(client, messages)
+    return AgentResult(messages=messages)
+
+
+def test_token_exact_where_retokenising_differs(model):
+    """A template that strips whitespace: re-rendering the chat would drop the tool result's trailing spaces
+    and re-split the turns; the trajectory keeps the ids that were sampled and appended."""
+    template = builtin_tokenizer().chat_template.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    eng = _engine(model, chat_template=template, max_num_seqs=4)
+    try:
+        SEEN.clear()
+        out = eng.generate(_prompts(1))
+        sid = f"r{eng.agent.calls}-0-0"
+        session = next(iter(eng.agent.last_sessions.values()))
+        branch = session.branches[0]
+        msgs = [as_dict(m) for m in branch.messages]
+        retok = builtin_tokenizer().apply_chat_template(msgs, chat_template=template, tokenize=True)
+        b = out.batch
+        traj = b["input_ids"][0][b["attention_mask"][0].bool()].tolist()
+        assert traj == branch.prompt + branch.resp
+        assert retok != traj[: len(retok)]  # re-tokenising would have changed the ids...
+        assert _sampled(out, 0) == [x for req in SEEN[sid] for x in req["ids"][0]]  # ...we train on the sampled
+        assert "<tool_response>0</tool_response>" in builtin_tokenizer().decode(traj)  # appended via the template
+
+        eng.agent.agent = edit_agent
+        SEEN.clear()
+        out = eng.generate(_prompts(1))
+        m = out.meta_info["metrics"]
+        assert m["agent/rewritten_sessions"] == 1 and m["agent/extended_requests"] == 0, m
+        first, second = SEEN[f"r{eng.agent.calls}-0-0"]
+        assert m["agent/dropped_tokens"] == len(first["ids"][0])
+        assert _sampled(out, 0) == second["ids"][0]  # the edited history is context; only sampled ids train
+    finally:
+        eng.close()
+
+
+async def flaky_agent(client, sample):
+    i = sample["idx"]
+    if i == 0:
+        raise RuntimeError("agent bug")
+    if i == 1:
+        await _ask(client, [{"role": "user", "content": "hi"}])
+        await asyncio.sleep(60)
+    if i == 2:
+        r = await _ask(client, [{"role": "user", "content": "hi"}])
+        await _ask(client, [{"role": "user", "content": "hi"}, r.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "user", "content": "x" * R}])  # outgrows the context: HTTP 400
+    await _ask(client, [{"role": "user", "content": "hi"}])
+    return 0.5
+
+
+async def broken_agent(client, sample):
+    raise ValueError(f"broken on {sample['idx']}")
+
+
+def test_failures_are_counted_and_never_hang(engine):
+    engine.agent.cfg = dataclasses.replace(engine.agent.cfg, timeout_s=2.0)
+    try:
+        SEEN.clear()
+        engine.agent.agent = flaky_agent
+        t0 = time.perf_counter()
+        out = engine.generate(_prompts(4))
+        assert time.perf_counter() - t0 < 20
+        m = out.meta_info["metrics"]
+        assert (m["agent/errors"], m["agent/timeouts"]) == (2, 1), m
+        b = out.batch
+        assert (b["response_mask"][:2] == 0).all()  # failed tasks train on nothing...
+        # ...but a session that outgrew the context trains on what it sampled
+        assert m["agent/context_overflows"] == 1 and _sampled(out, 2) == SEEN[f"r{engine.agent.calls}-2-0"][0]["ids"][0]
+        assert b["response_mask"][3].sum() > 0 and b["turn_rewards"][3].sum() == 0.5
+        engine.agent.agent = broken_agent
+        with pytest.raises(RuntimeError, match="every agent task failed.*ValueError: broken on 0"):
+            engine.generate(_prompts(2))
+    finally:
+        engine.agent.cfg = dataclasses.replace(engine.agent.cfg, timeout_s=30.0)
+        engine.agent.agent = chat_agent
+
+
+async def completions_agent(client, sample):
+    """/v1/completions: n, stop, logprobs; greedy twice gives the same ids; a token-id prompt extends."""
+    r = await client.completions.create(model="policy", prompt="User: hi\nAssistant:", n=3, max_tokens=8,
+                                        logprobs=1, stop=["a", "e"])
+    assert len(r.choices) == 3 and all(len(c.logprobs.token_logprobs) == len(c.model_extra["token_ids"])
+                                       for c in r.choices)
+    assert not any("a" in c.text or "e" in c.text for c in r.choices)
+    g1 = await client.completions.create(model="policy", prompt="User: x\nAssistant:", max_tokens=6, temperature=0)
+    g2 = await client.completions.create(model="policy", prompt="User: x\nAssistant:", max_tokens=6, temperature=0)
+    assert g1.choices[0].model_extra["token_ids"] == g2.choices[0].model_extra["token_ids"]
+    ids = builtin_tokenizer().encode("User: x\nAssistant:") + g2.choices[0].model_extra["token_ids"] + [5, 6]
+    r = await client.completions.create(model="policy", prompt=ids, max_tokens=4)
+    SEEN["last"] = [ids, r.choices[0].model_extra["token_ids"]]
+    return None
+
+
+def test_completions_endpoint(engine):
+    engine.agent.agent = completions_agent
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m  # the token-id prompt extended
+    ids, sampled = SEEN["last"]
+    b = out.batch
+    assert b["input_ids"][0][b["attention_mask"][0].bool()].tolist() == ids + sampled
+
+
+def test_eviction_keeps_trajectories_exact(model):
+    """4 sessions on 2 KV slots: idle sessions are evicted and re-prefilled from their recorded ids."""
+    eng = _engine(model, max_num_seqs=2)
+    try:
+        SEEN.clear()
+        out = eng.generate(_prompts(4))
+    finally:
+        eng.close()
+    m = out.meta_info["metrics"]
+    assert m["agent/kv_evictions"] > 0 and m["agent/errors"] == 0, m
+    for row in range(4):
+        assert _sampled(out, row) == [x for req in SEEN[f"r1-{row}-0"] for x in req["ids"][0]]
+    assert torch.allclose(hf_logprobs(model, out, 1.0), out.batch["rollout_log_probs"], atol=2e-4)
+
+
+class CountdownEnv(Environment):
+    """Two turns; each answer gets a tool result and reward 1 on the second."""
+
+    tools = TOOLS
+
+    def reset(self, sample):
+        self.turn = 0
+        return [{"role": "user", "content": f"go {sample['idx']}"}]
+
+    def step(self, message):
+        self.turn += 1
+        return EnvStep([{"role": "tool", "content": "7"}], reward=float(self.turn == 2), done=self.turn == 2)
+
+
+def test_environment_adapter(engine):
+    from hybridflow.agentic.agents import EnvironmentAgent
+
+    engine.agent.agent = EnvironmentAgent(CountdownEnv, max_tokens=4).run
+    try:
+        out = engine.generate(_prompts(2))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/requests"] == 4 and m["agent/extended_requests"] == 2, m
+    rewards = out.batch["turn_rewards"]
+    assert (rewards.sum(-1) == 1.0).all() and ((rewards != 0).sum(-1) == 1).all()
+
+
+def test_tool_calls_and_message_matching():
+    content, calls, bad = split_tool_calls('ok <tool_call>{"name": "calculator", "arguments": {"e": "1+2"}}'
+                                           '</tool_call>')
+    assert (content, bad, calls[0]["function"]["name"]) == ("ok", False, "calculator")
+    assert split_tool_calls("<tool_call>{oops</tool_call>")[1:] == (None, True)
+    # a client echoes the call with its own id and arguments as a string: same message
+    sent = {"role": "assistant", "content": "ok", "tool_calls": calls}
+    echoed = {"role": "assistant", "content": "ok", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "calculator", "arguments": '{"e":"1+2"}'}}]}
+    assert normalize(sent) == normalize(echoed)
+    s = Session()
+    plan = s.plan_chat((normalize({"role": "user", "content": "q"}),), None, lambda m: [1, 2])
+    assert plan.parent is None and s.rewrites == 0
+
+
+def test_readme_agent_example_runs(model, tmp_path):
+    """README "Train your own agent": the ~20-line agent loads from rollout.agent.path and runs against the endpoint."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "rollout.agent.path" in b)
+    assert len(example.strip().splitlines()) <= 25
+    (tmp_path / "my_agent.py").write_text(example)
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=str(tmp_path / "my_agent.py"))
+    eng = RolloutEngine(model, rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False),
+                        eos_token_id=1, pad_token_id=0, max_prompt_length=P, max_response_length=R,
+                        tokenizer=builtin_tokenizer())
+    prompts = _prompts(2)
+    prompts.non_tensor_batch["raw_prompt"] = np.array([[{"role": "user", "content": "1+2?"}]] * 2, dtype=object)
+    try:
+        m = eng.generate(prompts).meta_info["metrics"]
+    finally:
+        eng.close()
+    assert m["agent/errors"] == 0 and m["agent/tasks"] == 2, m
+
+
+def test_tool_calculator_agent_calls_the_tool():
+    """The example agent with the committed SFT checkpoint: the model's Hermes calls come back as `tool_calls`, the
+    agent runs them, the results extend the sessions, and the greedy answers copy them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    ckpt = root / "tests" / "assets" / "sft_tool_calculator"
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server",
+                                path=str(root / "examples" / "agents" / "tool_calculator.py"))
+    eng = RolloutEngine(AutoModelForCausalLM.from_pretrained(ckpt).eval(),
+                        rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False, do_sample=False),
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_prompt_length=32,
+                        max_response_length=240, tokenizer=tok)
+    questions = {"What is 408*99?": 40392, "What is 731*52?": 38012, "What is 250*64?": 16000}
+    prompts = _prompts(len(questions))
+    prompts.non_tensor_batch["raw_prompt"] = np.array([[{"role": "user", "content": q}] for q in questions],
+                                                      dtype=object)
+    try:
+        out = eng.generate(prompts)
+    finally:
+        eng.close()
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] >= 2, m  # tool results appended to sessions
+    texts = [tok.decode(r[a.bool()]) for r, a in zip(out.batch["responses"], out.batch["attention_mask"][:, 32:])]
+    right = [f"<tool_response>{v}</tool_response>" in t and t.endswith(f"#### {v}<|endoftext|>")
+             for t, v in zip(texts, questions.values())]
+    assert sum(right) >= 2, texts
+
+
+def test_agent_config_errors_name_the_key_and_the_fix():
+    with pytest.raises(ValueError, match=r"rollout.agent.path=None: rollout.agent.mode=server needs the agent"):
+        load_config([], ["rollout.agent.mode=server"])
+    with pytest.raises(ValueError, match=r"rollout.agent.mode='server'.*set rollout.multi_turn.enable=false"):
+        load_config([], ["rollout.agent.mode=server", "rollout.agent.path=a.py", "rollout.multi_turn.enable=true",
+                         "rollout.multi_turn.tools=[calculator]"])
+    with pytest.raises(ValueError, match=r"rollout.agent.name='nope'.*async def nope"):
+        _engine_with(make_model("tiny"), name="nope")
+
+
+def _engine_with(model, **agent_kw):
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=__file__, **agent_kw)
+    return RolloutEngine(model, rollout_cfg(agent=agent, kv_cache_tokens=8192), eos_token_id=1, pad_token_id=0,
+                         max_prompt_length=P, max_response_length=R, tokenizer=builtin_tokenizer())
+
+
+async def branch_agent(client, sample):
+    """n=2, then the conversation goes on from the second choice: that branch is extended and is the row."""
+    messages = [{"role": "user", "content": "pick"}]
+    r = await _ask(client, messages, n=2)
+    messages += [r.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    r2 = await _ask(client, messages)
+    return AgentResult(messages=[*messages, r2.choices[0].message.model_dump(exclude_none=True)])
+
+
+def test_n_choices_then_continue_from_one(engine):
+    SEEN.clear()
+    engine.agent.agent = branch_agent
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m
+    first, second = SEEN[f"r{engine.agent.calls}-0-0"]
+    assert _sampled(out, 0) == first["ids"][1] + second["ids"][0]
