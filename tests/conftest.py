@@ -17,8 +17,9 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 def pytest_collection_modifyitems(config, items) -> None:
     """Test files in order of expected cost: files with more `slow` tests first, then files with more tests; tests
     keep their order inside a file. `make test` hands files out in this order (`--dist loadfile
-    --no-loadscope-reorder`), so the two workers start on the long end-to-end files and end on short ones; ordered by
-    test count alone, the one-test end-to-end files came last and one worker ran them while the other sat idle."""
+    --no-loadscope-reorder`), so the two workers start on the long end-to-end files and end on short ones. Ordered
+    by test count alone (xdist's default) the one- and two-test end-to-end files came last, where a long one leaves
+    the other worker idle."""
     slow: dict[str, int] = {}
     count: dict[str, int] = {}
     for item in items:
