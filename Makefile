@@ -34,10 +34,11 @@ lint: setup
 # pytest exit code 5 = no tests collected: not a failure. One intra-op thread per process: tests start several
 # processes (gloo ranks, Ray actors, reward pools) on 2 cores, and oversubscribed OpenMP threads slow them ~10x.
 # TEST_WORKERS pytest-xdist workers (one per core of the 2-core CI box), whole files per worker (`loadfile`: a
-# module's fixtures — one Ray cluster, one trained model — are built once); TEST_WORKERS=0 runs in one process.
+# module's fixtures — one Ray cluster, one trained model — are built once), handed out longest first
+# (`--no-loadscope-reorder` keeps the order tests/conftest.py sorts them in); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: setup lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs checkpoints .pytest_cache

@@ -12,3 +12,19 @@ import tempfile
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridflow_inductor_")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Test files in order of expected cost: files with more `slow` tests first, then files with more tests; tests
+    keep their order inside a file. `make test` hands files out in this order (`--dist loadfile
+    --no-loadscope-reorder`), so the two workers start on the long end-to-end files and end on short ones. Ordered
+    by test count alone (xdist's default) the one- and two-test end-to-end files came last, where a long one leaves
+    the other worker idle."""
+    slow: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        count[path] = count.get(path, 0) + 1
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    first = {path: i for i, path in enumerate(count)}
+    items.sort(key=lambda item: (-slow[p := item.nodeid.split("::", 1)[0]], -count[p], first[p]))

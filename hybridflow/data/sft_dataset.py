@@ -80,8 +80,15 @@ class SFTDataset(Dataset):
         if not rows:
             raise ValueError(f"{name} dataset has no rows")
         self.layout = sft_layout(list(rows[0]), prompt_key, name)
-        self.samples: list[list[tuple[str, bool]]] = parse_rows(
-            rows, lambda row: _segments(row, self.layout, prompt_key, tokenizer, chat_template), name, strict)
+        by_text: dict[str, list[tuple[str, bool]]] = {}  # built-in tasks repeat problems: render each text once
+
+        def segments(row: dict[str, Any]) -> list[tuple[str, bool]]:
+            key = repr([row.get(k) for k in ("messages", "text", "response", "completion", prompt_key)])
+            if key not in by_text:  # the fields `_segments` reads
+                by_text[key] = _segments(row, self.layout, prompt_key, tokenizer, chat_template)
+            return by_text[key]
+
+        self.samples: list[list[tuple[str, bool]]] = parse_rows(rows, segments, name, strict)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> SFTDataset:

@@ -6,98 +6,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--prompts", "4", "--n", "2", "--prompt-len", "16", "--response-len", "8", "--steps", "1"]
-
-
-def _run(module: str, *args: str, timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | (env or {})
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+from bench_testlib import SMALL, run_module
 
 
 def test_grpo_step_benchmark_runs_on_cpu(tmp_path):
-    _run("benchmarks.run", "--preset", "tiny", "--device", "cpu", *SMALL, "--out", str(tmp_path), timeout=600)
+    run_module("benchmarks.run", "--preset", "tiny", "--device", "cpu", *SMALL, "--out", str(tmp_path), timeout=600)
     result = json.loads((tmp_path / "bench_tiny.json").read_text())["result"]
     assert result["step_s"] > 0 and result["median"]["timing/update_actor"] > 0
     assert "| tiny |" in (tmp_path / "bench.md").read_text()
-
-
-def test_two_gpu_benchmark_runs_on_two_gloo_ranks(tmp_path):
-    pytest.importorskip("ray")
-    _run("benchmarks.two_gpu", "--device", "cpu", "--case", "grpo:tiny:1", "--case", "grpo:tiny:2", *SMALL,
-         "--out", str(tmp_path), timeout=600)
-    cases = {c["case"]: c for c in json.loads((tmp_path / "two_gpu.json").read_text())["cases"]}
-    assert set(cases) == {"grpo:tiny:1", "grpo:tiny:2"}
-    for name, case in cases.items():
-        assert "error" not in case, (name, case.get("error"))
-    two = cases["grpo:tiny:2"]
-    assert two["collectives"]["all_gather"] and two["collectives"]["param_gather_s"] > 0 and two["kill"]["names_dead_rank"], two.get("kill")
-
-
-def test_four_rank_ppo_colocated_and_split_run_on_gloo(tmp_path):
-    """Issue 14's cases on 4 gloo ranks: PPO with a critic colocated (one process per GPU) and split (one process
-    per role), the per-process probes (RPC round trip, busy-profile path, update time outside compute), and
-    `hybridflow train` to its first step."""
-    pytest.importorskip("ray")
-    _run("benchmarks.two_gpu", "--device", "cpu", "--case", "ppo:tiny:4", "--case", "ppo:tiny:4:1:split",
-         "--cli-startup", "grpo:tiny:1", "--kill-stage", "none", "--rpc-iters", "5", *SMALL,
-         "--out", str(tmp_path), timeout=600)
-    report = json.loads((tmp_path / "two_gpu.json").read_text())
-    cases = {c["case"]: c for c in report["cases"]}
-    assert set(cases) == {"ppo:tiny:4", "ppo:tiny:4:split"}
-    for name, case in cases.items():
-        assert "error" not in case, (name, case.get("error"))
-        assert case["median"]["timing/update_critic"] > 0 and case["rpc_ms"]["p50"] > 0
-        assert case["update_critic_outside_compute_s"] is not None
-    assert len(cases["ppo:tiny:4"]["ranks_info"]) == 4
-    assert "trainer.use_colocated_worker=false" in cases["ppo:tiny:4:split"]["overrides"]
-    cli = report["cli_startup"][0]
-    assert cli["rc"] == 0 and cli["to_first_step_start_s"] > 0, cli.get("output_tail")
-
-
-def test_fault_trials_run_on_cpu(tmp_path):
-    """Issue 20's fault script with 2 kill -9 trials during async saves, 1 SIGTERM + resume of an async run and
-    (with Ray) 1 worker-kill trial."""
-    ray_trials = "1" if importlib.util.find_spec("ray") is not None else "0"
-    proc = _run("benchmarks.fault_trials", "--ckpt-trials", "2", "--ray-trials", ray_trials, "--async-trials", "1",
-                "--max-delay", "0.5", "--hang-trials", "0", "--out", str(tmp_path), timeout=600)
-    assert "| kill -9 during async save | 2 | 2/2 |" in proc.stdout, proc.stdout
-    assert "| SIGTERM + resume, trainer.mode=async | 1 | 1/1 |" in proc.stdout, proc.stdout
-    result = json.loads((tmp_path / "fault_trials.json").read_text())
-    assert result["checkpoint"]["usable"] == 2 and result["checkpoint"]["broken_checkpoints"] == 0
-    if ray_trials == "1":
-        trial = result["ray"]["rows"][0]
-        assert trial["names_dead_rank"] and trial["names_training_call"] and trial["run_end"] == "failed", trial
-
-
-def test_fault_trials_hang_trial_on_cpu(tmp_path):
-    """The hang trial: rank 1 sleeps in update_actor; the run stops soon after trainer.hang_timeout_s=5 with a
-    HangError naming the stage and rank, rank 1's stack dump names the sleeping function, run_end says failed."""
-    pytest.importorskip("ray")
-    proc = _run("benchmarks.fault_trials", "--ckpt-trials", "0", "--ray-trials", "0", "--hang-trials", "1",
-                "--hang-timeout", "5", "--out", str(tmp_path), timeout=600)
-    assert "| Ray worker hangs in update_actor (hang_timeout_s=5) | 1 | – | – | 1/1 | 1/1 |" in proc.stdout, proc.stdout
-    trial = json.loads((tmp_path / "fault_trials.json").read_text())["hang"]["rows"][0]
-    assert trial["error_type"] == "HangError" and trial["names_stage_and_rank"] and trial["dump_names_sleeper"], trial
-    assert "hang in update_actor on rank 1" in trial["run_end_message"], trial
-    assert trial["seconds_past_timeout"] < 60, trial  # stopped, not waiting for the 600 s sleep
 
 
 def test_weak_start_learning_benchmark_smoke(tmp_path):
     """Issue 19's weak-start benchmark in its smoke mode: a 4-step weak start, 2 GRPO steps of ours with the robust
     preset, the shared greedy evaluation on 16 held-out problems. The TRL side is not part of the smoke mode (TRL is
     not a dependency); the full run skips it with a message when `import trl` fails."""
-    proc = _run("benchmarks.learning", "--smoke", "--seeds", "0", "--out", str(tmp_path), timeout=600)
+    proc = run_module("benchmarks.learning", "--smoke", "--seeds", "0", "--out", str(tmp_path), timeout=600)
     rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [(r["side"], r["recipe"]) for r in rows] == [("ours", "robust")], rows
     row = rows[0]
@@ -109,7 +34,7 @@ def test_weak_start_learning_benchmark_smoke(tmp_path):
 def test_lora_gpu_benchmark_smoke(tmp_path):
     """Issue 24's device round on tiny shapes: hybridflow GRPO with LoRA (the 7B part's settings) and TRL's
     GRPOTrainer with the same PEFT config, each in its own process; rows and table as the GPU round writes them."""
-    proc = _run("benchmarks.lora_gpu", "--smoke", "--parts", "lora_7b,trl_7b", "--out", str(tmp_path), timeout=600)
+    proc = run_module("benchmarks.lora_gpu", "--smoke", "--parts", "lora_7b,trl_7b", "--out", str(tmp_path), timeout=600)
     rows = {r["part"]: r for r in map(json.loads, (tmp_path / "lora_gpu.jsonl").read_text().splitlines())}
     ours = rows["lora_7b"]
     assert ours["status"] == "ok", ours.get("error")
@@ -128,7 +53,7 @@ def test_lora_gpu_benchmark_smoke(tmp_path):
 def test_cpu_step_7b_benchmark_smoke(tmp_path):
     """The 7B full fine-tuning benchmark's code path at tiny shapes: GRPO with the reference model and the KL loss,
     the optimizer step on the host, per-stage times and host memory in the JSON, one warm-up + 3 timed steps."""
-    proc = _run("benchmarks.cpu_step_7b", "--smoke", "--out", str(tmp_path), timeout=600)
+    proc = run_module("benchmarks.cpu_step_7b", "--smoke", "--out", str(tmp_path), timeout=600)
     res = json.loads((tmp_path / "cpu_step_7b.json").read_text())
     assert "actor.fsdp.optimizer_offload=cpu_step" in res["overrides"] and res["trained_params"] > 0
     assert [s["timed"] for s in res["steps"]] == [False, True, True, True]
@@ -141,7 +66,7 @@ def test_cpu_step_7b_benchmark_smoke(tmp_path):
 def test_lora_switch_work_counts_one_merge_per_projection():
     """The CPU op/byte count of one hybrid switch (issue 24): LoRA = one base copy + one baddbmm_ per adapted
     projection (7 with all-linear), full fine-tuning = one cast copy; both report the bytes moved."""
-    proc = _run("benchmarks.lora_switch_work", "--preset", "tiny", "--layers", "3", "--rank", "4", "--full",
+    proc = run_module("benchmarks.lora_switch_work", "--preset", "tiny", "--layers", "3", "--rank", "4", "--full",
                 timeout=300)
     lora, full = proc.stdout.strip().splitlines()[-2:]
     assert lora.startswith("lora (tiny, 3 layers, rank 4):") and "baddbmm_ 7" in lora and "stack" not in lora, lora
@@ -151,7 +76,7 @@ def test_lora_switch_work_counts_one_merge_per_projection():
 def test_lora_forward_cost_reports_the_low_rank_terms_of_a_rollout():
     """The low-rank-term alternative to merging (issue 24): the script times the two GEMMs per adapted projection for
     every decode step and the prefill, and its rollout total is decode × response length + prefill."""
-    proc = _run("benchmarks.lora_forward_cost", "--device", "cpu", "--preset", "tiny", "--layers", "2", "--rank", "4",
+    proc = run_module("benchmarks.lora_forward_cost", "--device", "cpu", "--preset", "tiny", "--layers", "2", "--rank", "4",
                 "--rows", "4", "--prompt-len", "8", "--response-len", "3", "--iters", "3", timeout=300)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["adapted_pairs_per_step"] == 14 and row["decode_step_ms"] > 0 and row["prefill_ms"] > 0, row
@@ -186,7 +111,7 @@ def test_idle_gap_attribution_names_the_stage_and_host_ranges():
 def test_decode_fusion_benchmark_smoke():
     """Issue 25's decode-fusion benchmark in its CPU smoke mode: both compositions run one decode step, report
     step time and op counts, and give the same logits (eager on the CPU: the same ops in the same order)."""
-    proc = _run("benchmarks.decode_fusion", "--smoke", timeout=300)
+    proc = run_module("benchmarks.decode_fusion", "--smoke", timeout=300)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["composition"] for r in row["results"]] == ["engine", "unfused", "fused_norms", "plain_add",
                                                          "unfused+plain_add"], row
@@ -198,7 +123,6 @@ def test_decode_gemm_benchmark_smoke():
     """Issue 25's skinny-GEMM benchmark in its CPU smoke mode: the Triton GEMM (with and without split-K) runs under
     the interpreter and matches x @ w^T."""
     pytest.importorskip("triton")
-    proc = _run("benchmarks.decode_gemm", "--smoke", env={"TRITON_INTERPRET": "1"}, timeout=300)
+    proc = run_module("benchmarks.decode_gemm", "--smoke", env={"TRITON_INTERPRET": "1"}, timeout=300)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["smoke"] and row["max_abs_err"] < 1e-4, row
-

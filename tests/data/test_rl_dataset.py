@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridflow.data import RLHFDataset, collate_rl, read_rows, write_rows
-from hybridflow.data.templates import plain_template
+from hybridflow.data.templates import plain_template, render
 from hybridflow.models.tokenizer import builtin_tokenizer
 
 TOK = builtin_tokenizer()
@@ -179,3 +179,16 @@ def test_collate_left_pads_to_longest_with_naive_positions():
         assert len(batch.non_tensor_batch[key]) == 3, key
     assert batch.non_tensor_batch["raw_prompt"][0] == [{"role": "user", "content": "a"}]
     assert isinstance(batch.batch["input_ids"], torch.Tensor) and batch.batch["input_ids"].dtype == torch.long
+
+
+def test_length_check_renders_each_distinct_prompt_once(monkeypatch, caplog):
+    """Repeated prompts (built-in tasks repeat their problems) are rendered once; drops and order are as before."""
+    from hybridflow.data import rl_dataset
+
+    calls = []
+    monkeypatch.setattr(rl_dataset, "render", lambda *a, **k: calls.append(a[1]) or render(*a, **k))
+    rows = [_row(SHORT), _row(LONG), _row(SHORT), _row(SHORT)]
+    with caplog.at_level(logging.WARNING):
+        ds = RLHFDataset(rows, TOK, max_prompt_length=LIMIT, truncation="filter")
+    assert len(calls) == 2  # SHORT and LONG, once each
+    assert [ds[i]["index"] for i in range(len(ds))] == [0, 2, 3] and ds.skips.examples == {"overlong": [1]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.data import SFTDataset
+from hybridflow.data.templates import render
 from hybridflow.models.tokenizer import builtin_tokenizer
 
 TOK = builtin_tokenizer()
@@ -54,3 +55,15 @@ def test_unknown_layout_lists_the_accepted_ones() -> None:
     for layout in ("`messages`", "`prompt` + `response`", "`prompt` + `completion`", "`text`"):
         assert layout in text
     assert "['question', 'answer']" in text and "data.prompt_key=question" in text
+
+
+def test_repeated_rows_are_rendered_once_and_keep_their_own_samples(monkeypatch) -> None:
+    """Rows that differ only outside the fields a sample is built from (the index) are rendered once."""
+    from hybridflow.data import sft_dataset
+
+    calls = []
+    monkeypatch.setattr(sft_dataset, "render", lambda *a, **k: calls.append(a[1]) or render(*a, **k))
+    rows = [{"prompt": "2+2?", "response": a, "extra_info": {"index": i}} for i, a in enumerate(["4", "5", "4", "4"])]
+    ds = SFTDataset(rows, TOK, max_length=100)
+    assert len(calls) == 2  # one prompt render per distinct (prompt, response)
+    assert [_trained(ds, i) for i in range(4)] == [f"{a}{EOS}" for a in ["4", "5", "4", "4"]]
