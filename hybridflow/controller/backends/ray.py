@@ -53,8 +53,9 @@ DRIVER_THREADS = 2
 
 
 def init_ray(address: str | None = None, **kwargs: Any) -> None:
-    """Start Ray unless it is running, or join the cluster at `address` (`trainer.ray_address`; else RAY_ADDRESS;
-    "auto": the cluster `ray start` began on this machine); workers inherit WORKER_BASE_ENV."""
+    """Start a local Ray instance unless Ray is running, or join the cluster at `address` (`trainer.ray_address`;
+    else RAY_ADDRESS; "auto": the cluster `ray start` began on this machine — never joined implicitly, so a run does
+    not land on another process's cluster); workers inherit WORKER_BASE_ENV."""
     if ray.is_initialized():
         return
     runtime_env = dict(kwargs.pop("runtime_env", None) or {})
@@ -66,8 +67,8 @@ def init_ray(address: str | None = None, **kwargs: Any) -> None:
             if kwargs.pop(key, None) is not None:
                 logger.warning("ignoring %s: joining the existing Ray cluster at %s", key, address)
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
-    else:
-        ray.init(runtime_env=runtime_env, **kwargs)
+    else:  # a new local instance: never the cluster /tmp/ray/ray_current_cluster names (ray.init()'s default)
+        ray.init(address="local", runtime_env=runtime_env, **kwargs)
     logger.info("Ray resources: %s", ray.cluster_resources())
 
 
