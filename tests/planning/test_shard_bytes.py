@@ -2,6 +2,9 @@
 ranks, uneven row counts so that torch.chunk gives the last rank fewer rows): exact equality, rank by rank."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -30,8 +33,6 @@ def _held(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, int
 
 def _rank(rank: int, out: str) -> None:
     torch.set_num_threads(1)
-    if dist.is_initialized():  # forked from a test process whose earlier tests set up a one-rank group
-        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=4)
     pair = dist.new_group([0, 1])
     meshes = {4: DeviceMesh.from_group(dist.group.WORLD, "cpu")}
@@ -51,9 +52,19 @@ def _rank(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _launch(out: str) -> None:
+    """In a fresh interpreter (no process group or threads from earlier tests to fork), fork the four ranks: they
+    start with torch and transformers already imported (seconds, not a minute, on 2 busy cores)."""
+    mp.start_processes(_rank, args=(out,), nprocs=4, start_method="fork")
+
+
 def test_planner_shard_bytes_equal_fsdp2_ranks(tmp_path):
-    # fork: the ranks start with torch and transformers already imported (seconds, not a minute, on 2 busy cores)
-    mp.start_processes(_rank, args=(str(tmp_path),), nprocs=4, start_method="fork")
+    root = Path(__file__).resolve().parents[2]
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_shard_bytes as t; " \
+           f"t._launch({str(tmp_path)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     shape = ModelShape.from_hf({**HF, "model_type": "qwen2"})
     for world in (2, 4):
         for rank in range(world):
