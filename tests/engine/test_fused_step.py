@@ -156,6 +156,7 @@ def run(offload):
                        if torch.is_tensor(v) and v.dim()})
         engine.infer(data, head)  # a log-prob pass before the update: the parked state stays parked
         train_update(engine, data, nll_loss, head, UpdatePlan(len(data)))
+    torch.cuda.synchronize()  # the parked state's copy to the host is asynchronous (pinned memory)
     local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # one rank: the whole tensor
     weights = [local(p) for p in engine.module.parameters()]
     moments = [local(v) for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
