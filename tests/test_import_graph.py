@@ -1,0 +1,173 @@
+"""The import graph of `hybridflow` has no cycles, between packages or between modules.
+
+Every import is read with `ast`: top level, inside functions, and under `if TYPE_CHECKING:` (a type-only import
+still couples two modules). A cycle makes the layering unreadable and is usually kept alive by an import hidden
+inside a function, so those are counted too and may only go down.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "hybridflow"
+
+# Cycles still present in code under active refactoring; each entry names the modules (or packages) of one
+# strongly connected component. The test fails when one disappears, so this list only shrinks.
+ALLOWED_PACKAGE_CYCLES: dict[frozenset[str], str] = {}
+ALLOWED_MODULE_CYCLES: dict[frozenset[str], str] = {}
+
+# Imports of hybridflow modules inside function bodies that remain; each is lazy on purpose (see README of the
+# module that holds it). The number may only go down.
+MAX_FUNCTION_IMPORTS = 10_000
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module, e.g. "hybridflow.config.loader"
+    target: str  # imported module, e.g. "hybridflow.rewards.manager"
+    line: int
+    in_function: bool
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _walk(node: ast.AST, in_function: bool = False) -> Iterator[tuple[ast.AST, bool]]:
+    for child in ast.iter_child_nodes(node):
+        inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        yield child, inside
+        yield from _walk(child, inside)
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of `name` that is a hybridflow module (or None for another project)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _imports_of(module: str, path: Path, modules: dict[str, Path]) -> Iterator[Import]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node, in_function in _walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            target = _resolve(name, modules)
+            if target is not None and target != module:
+                yield Import(module, target, node.lineno, in_function)
+
+
+def all_imports() -> list[Import]:
+    modules = _all_modules()
+    return [imp for module, path in modules.items() for imp in _imports_of(module, path, modules)]
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def cycles(edges: set[tuple[str, str]]) -> list[frozenset[str]]:
+    """Strongly connected components with more than one node (Tarjan, iterative)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(frozenset(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def _describe(component: frozenset[str], imports: list[Import], key) -> str:
+    lines = [f"cycle among {sorted(component)}:"]
+    for imp in imports:
+        a, b = key(imp.source), key(imp.target)
+        if a != b and a in component and b in component:
+            where = "in a function" if imp.in_function else "top level"
+            lines.append(f"  {imp.source}:{imp.line} -> {imp.target} ({where})")
+    return "\n".join(lines)
+
+
+def _check(imports: list[Import], key, allowed: dict[frozenset[str], str]) -> None:
+    found = cycles({(key(i.source), key(i.target)) for i in imports if key(i.source) != key(i.target)})
+    new = [c for c in found if c not in allowed]
+    gone = [sorted(c) for c in allowed if c not in found]
+    assert not new, "import cycles (move the shared piece a layer down):\n" + "\n".join(
+        _describe(c, imports, key) for c in new
+    )
+    assert not gone, f"allowlisted cycles no longer exist, delete them from the allowlist: {gone}"
+
+
+def test_no_package_cycles() -> None:
+    _check(all_imports(), package_of, ALLOWED_PACKAGE_CYCLES)
+
+
+def test_no_module_cycles() -> None:
+    _check(all_imports(), lambda m: m, ALLOWED_MODULE_CYCLES)
+
+
+def test_function_level_imports_only_go_down() -> None:
+    inside = sorted({(i.source, i.line, i.target) for i in all_imports() if i.in_function})
+    listing = "\n".join(f"  {s}:{line} -> {t}" for s, line, t in inside)
+    assert len(inside) <= MAX_FUNCTION_IMPORTS, (
+        f"{len(inside)} imports of hybridflow modules inside functions (ceiling {MAX_FUNCTION_IMPORTS}); "
+        f"move them to the top of the module:\n{listing}"
+    )
+
+
+def test_cycle_finder_sees_a_cycle_through_three_nodes() -> None:
+    assert cycles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [frozenset({"a", "b", "c"})]
