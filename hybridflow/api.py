@@ -53,7 +53,7 @@ def train(cfg: Config | Mapping[str, Any] | None = None, *, reward_fns: Sequence
     (a `datasets.Dataset`, a pyarrow Table, a pandas DataFrame or a list of dicts) replace `data.train_files` /
     `data.val_files`. A row needs the prompt column (`data.prompt_key`: chat messages or a string) and, for
     reward functions, `ground_truth` (or verl's `reward_model.ground_truth`)."""
-    from hybridflow.config.preflight import check_before_run
+    from hybridflow.preflight import check_before_run
     from hybridflow.trainer.run import run_ppo
 
     cfg = cfg if isinstance(cfg, Config) else build_config(cfg or {})
@@ -147,7 +147,7 @@ def register_reward_fn(fn: RewardFunction, index: int = 0) -> str:
 
 def as_verl_reward(fn: RewardFunction, index: int = 0) -> RewardFunction:
     """`fn` with verl's signature: itself, or a per-response wrapper of a TRL-style `(completions, **columns)`."""
-    from hybridflow.config.preflight import signature_problem
+    from hybridflow.preflight import signature_problem
 
     try:
         params = inspect.signature(fn).parameters

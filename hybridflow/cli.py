@@ -16,9 +16,9 @@ from collections.abc import Sequence
 # instead of spinning, so a CPU run beside a busy process does not fight it for cores (hybridflow/utils/threads.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from hybridflow import __version__  # noqa: E402
 from hybridflow.commands.common import fail  # noqa: E402
 from hybridflow.config import ConfigError  # noqa: E402
+from hybridflow.version import __version__  # noqa: E402
 
 # name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
 # so `hybridflow --help` stays fast and a missing optional dependency breaks only its own command.

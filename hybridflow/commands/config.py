@@ -70,7 +70,7 @@ def infer_commands(items: list[str]) -> list[str]:
 def validate(items: list[str], command: str) -> str:
     """Check the config for `command`; the step plan line (ConfigError listing every problem otherwise)."""
     from hybridflow.config.plan import step_plan
-    from hybridflow.config.preflight import train_rows
+    from hybridflow.preflight import train_rows
 
     cfg: Config = load_from_args(items, preflight=True, command=command)
     rows = train_rows(cfg)

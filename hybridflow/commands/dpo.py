@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_from_args(items, command="dpo", runs=True)
         if not cfg.dpo.online:
-            from hybridflow.config.preflight import check_before_run
+            from hybridflow.preflight import check_before_run
             from hybridflow.trainer.dpo import dpo_model_config
 
             check_before_run(dpo_model_config(cfg), command="dpo")  # model, pair files' columns, before anything loads
@@ -59,7 +59,7 @@ def loss_name(cfg: Config) -> str:
 
 
 def _run_online(cfg: Config, args: argparse.Namespace, items: list[str]) -> int:
-    from hybridflow.config.preflight import check_before_run
+    from hybridflow.preflight import check_before_run
     from hybridflow.trainer.dpo import dpo_model_config
     from hybridflow.trainer.online_dpo import run_online_dpo
 

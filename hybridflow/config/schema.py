@@ -392,7 +392,7 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    """Caps for policy code run by code rewards (`rewards/sandbox.py`); a row's extra_info may only lower them."""
+    """Caps for policy code run by code rewards (`sandbox/__init__.py`); a row's extra_info may only lower them."""
 
     allow_unisolated: bool  # run code rewards even where no sandbox works (rlimits only: unsafe; root → uid 65534)
     timeout_s: float  # wall clock per program run

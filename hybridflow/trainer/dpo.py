@@ -37,10 +37,10 @@ from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.trainer.ref_cache import ReferenceLogps
 from hybridflow.trainer.rm import build_preference_datasets
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
-from hybridflow.trainer.supervised_batch import collate_pairs
-from hybridflow.trainer.supervised_losses import pair_logps
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.engine_specs import dpo_ref_spec, dpo_spec, sft_head
+from hybridflow.workers.supervised_batch import collate_pairs
+from hybridflow.workers.supervised_losses import pair_logps
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

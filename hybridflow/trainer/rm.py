@@ -24,9 +24,9 @@ from hybridflow.config.schema import RMConfig
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
-from hybridflow.trainer.supervised_batch import collate_pairs
-from hybridflow.trainer.supervised_losses import bradley_terry
 from hybridflow.workers.engine_specs import VALUES, rm_spec
+from hybridflow.workers.supervised_batch import collate_pairs
+from hybridflow.workers.supervised_losses import bradley_terry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -23,8 +23,8 @@ from hybridflow.config.schema import SFTConfig
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
-from hybridflow.trainer.supervised_batch import collate_sft_rows
 from hybridflow.workers.engine_specs import sft_head, sft_spec
+from hybridflow.workers.supervised_batch import collate_sft_rows
 
 if TYPE_CHECKING:
     from hybridflow.tracking import Tracker

@@ -101,7 +101,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         their `ref_log_prob` (none for SimPO); log-probs at the sampling temperature, like the reference's."""
         from hybridflow.engine import train_update
         from hybridflow.engine.update import UpdatePlan
-        from hybridflow.trainer.supervised_losses import build_loss
+        from hybridflow.workers.supervised_losses import build_loss
 
         d = self.cfg.dpo
         loss_fn = build_loss("preference", loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,

@@ -24,9 +24,9 @@ from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
 from hybridflow.engine.model_forward import HeadRequest
 from hybridflow.engine.spec import EngineSpec
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_batch import last_response_values
-from hybridflow.trainer.supervised_losses import build_loss
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
+from hybridflow.workers.supervised_batch import last_response_values
+from hybridflow.workers.supervised_losses import build_loss
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine

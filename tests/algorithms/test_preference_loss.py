@@ -12,7 +12,7 @@ import torch
 
 from hybridflow.algorithms.preference import PairLogps, dpo, ipo, preference_loss, simpo
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_losses import make_preference_loss
+from hybridflow.workers.supervised_losses import make_preference_loss
 
 
 def _log_sigmoid(z: float) -> float:

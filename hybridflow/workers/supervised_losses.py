@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from hybridflow.algorithms.preference import REFERENCE_FREE, PairLogps, PreferenceLoss, preference_loss
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_batch import last_response_values, pair_halves
 from hybridflow.utils.registry import Registry
+from hybridflow.workers.supervised_batch import last_response_values, pair_halves
 
 LossFn = Callable[[dict[str, torch.Tensor], DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
 

@@ -184,7 +184,7 @@ def _sandbox_errors(cfg: Config, scorers: set[str]) -> list[str]:
     """A `code` reward needs a working sandbox (bubblewrap or user namespaces) unless unisolated runs are allowed."""
     if "code" not in scorers or cfg.reward.sandbox.allow_unisolated:
         return []
-    from hybridflow.rewards import sandbox
+    from hybridflow import sandbox
 
     if any(sandbox.available(mode) for mode in sandbox.ISOLATED_MODES):
         return []
