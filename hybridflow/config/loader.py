@@ -27,8 +27,11 @@ from typing import Any
 import yaml
 
 from hybridflow.config.auto_sizes import resolve_auto_sizes
+from hybridflow.config.dotted import ConfigError, set_dotted
 from hybridflow.config.lr_rule import resolve_lr
 from hybridflow.config.schema import Config
+from hybridflow.config.validate import validate_config
+from hybridflow.config.verl_keys import VerlKeyError, translate_layer, translate_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,6 @@ REMOVED_KEYS: dict[str, str] = {
     "rollout.block_size": "the rollout KV cache is per-slot static buffers, not paged blocks, so it never had an "
                           "effect",
 }
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration; the message names the key, the value and the fix."""
 
 
 def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides: Iterable[str] = (),
@@ -68,15 +67,11 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
     merged = resolve_lr(resolve_auto_sizes(interpolate(merged)))
     cfg = build(Config, merged, "")
     if validate:
-        from hybridflow.config.validate import validate_config
-
         validate_config(cfg, command)
     return cfg
 
 
 def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:
-    from hybridflow.config.verl_keys import VerlKeyError, translate_layer
-
     try:
         return translate_layer(layer)
     except VerlKeyError as err:
@@ -84,8 +79,6 @@ def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _verl_overrides(parsed: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    from hybridflow.config.verl_keys import VerlKeyError, translate_overrides
-
     try:
         return translate_overrides(parsed)
     except VerlKeyError as err:
@@ -189,19 +182,6 @@ def parse_value(raw: str) -> Any:
         except ValueError:
             return value
     return value
-
-
-def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    node = tree
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {part!r} holds a value ({child!r}), not a section")
-        node = child
-    node[parts[-1]] = value
 
 
 def get_dotted(tree: Mapping[str, Any], key: str) -> Any:

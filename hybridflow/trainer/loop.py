@@ -19,7 +19,7 @@ from hybridflow.config import Config, to_dict
 from hybridflow.config.plan import plan_line
 from hybridflow.data.contract import skipped_rows_event
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, signals_deferred
+from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, run_cleanups, signals_deferred
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
@@ -303,7 +303,5 @@ class Trainer:
     def close(self) -> None:
         """Wait for the last checkpoint save (raising its error), then release the workers; each step runs even
         when an earlier one fails (a dead worker group cannot close its checkpoints but must still be released)."""
-        from hybridflow.trainer.run import run_cleanups
-
         with signals_deferred("closing the run (the last checkpoint write, the workers)"):
             run_cleanups([self.ckpt.close, *self.algorithm.cleanups()])
