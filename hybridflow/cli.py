@@ -18,6 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from hybridflow.commands.common import fail  # noqa: E402
 from hybridflow.config import ConfigError  # noqa: E402
+from hybridflow.trainer.stop import exit_code
 from hybridflow.version import __version__  # noqa: E402
 
 # name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
@@ -84,7 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:  # any command: a bad key or value is a usage error (exit 2), not a traceback
         return fail(err)
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM: the user's own stop is one line, not a traceback
-        from hybridflow.trainer.stop import exit_code
 
         print(f"stopped: {err}" if str(err) else "stopped (Ctrl-C)", file=sys.stderr)
         return exit_code(err)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.agentic.plugins import import_class, yaml_entries
+from hybridflow.sandbox import run_python
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,6 @@ class PythonTool(Tool):
                   "properties": {"code": {"type": "string", "description": "a complete Python program"}}}
 
     def execute(self, arguments: dict[str, Any], context: ToolContext) -> ToolResult:
-        from hybridflow.sandbox import run_python
-
         code = arguments.get("code")
         if not isinstance(code, str):
             return ToolResult("Error: python needs a string argument 'code'", is_error=True)

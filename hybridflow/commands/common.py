@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from hybridflow.config import Config, ConfigError, load_config
+from hybridflow.preflight import check_before_run
+from hybridflow.utils.threads import apply_cpu_threads
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +30,8 @@ def load_from_args(items: list[str], validate: bool = True, *, preflight: bool =
     files, overrides = split_args(items)
     cfg = load_config(files, overrides, validate=validate, command=command)
     if preflight:
-        from hybridflow.preflight import check_before_run
-
         check_before_run(cfg, command=command, data=data, reward=reward)
     if runs:
-        from hybridflow.utils.threads import apply_cpu_threads
-
         print(apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device), file=sys.stderr)
     return cfg
 

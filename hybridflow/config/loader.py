@@ -29,6 +29,7 @@ import yaml
 from hybridflow.config.auto_sizes import resolve_auto_sizes
 from hybridflow.config.dotted import ConfigError, set_dotted
 from hybridflow.config.lr_rule import resolve_lr
+from hybridflow.config.presets import preset_overrides
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import validate_config
 from hybridflow.config.verl_keys import VerlKeyError, translate_layer, translate_overrides
@@ -89,7 +90,6 @@ def _with_preset(merged: dict[str, Any], name: Any) -> dict[str, Any]:
     """`merged` with preset `name`'s overrides applied (unchanged for null)."""
     if name is None:
         return merged
-    from hybridflow.config.presets import preset_overrides
 
     try:
         items = preset_overrides(str(name))

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.config.presets import ALGORITHM_PRESETS
+
 logger = logging.getLogger(__name__)
 
 def _check(cond: bool, key: str, value: Any, fix: str) -> None:
@@ -519,8 +521,6 @@ class AlgorithmConfig:
     preset: str | None = None  # a named overrides list (config/presets.py), e.g. robust; applied by the loader
 
     def __post_init__(self) -> None:
-        from hybridflow.config.presets import ALGORITHM_PRESETS
-
         if self.preset is not None:
             _one_of("algorithm.preset", self.preset, tuple(sorted(ALGORITHM_PRESETS)))
 

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.loader import to_dict
 from hybridflow.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,6 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        from hybridflow.config.loader import to_dict  # YAML keys (`trainer.async`, not the field `async_`)
-
         return to_dict(config)
     if isinstance(config, dict):
         return dict(config)

@@ -32,6 +32,7 @@ from hybridflow.config import Config
 from hybridflow.config.schema import DPOConfig
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
+from hybridflow.rewards import RewardManager
 from hybridflow.trainer.dpo_validation import scored_val_prompts
 from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.trainer.ref_cache import ReferenceLogps
@@ -65,8 +66,6 @@ class DPOAlgorithm(SupervisedAlgorithm):
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None) -> None:
-        from hybridflow.rewards import RewardManager
-
         self.ref_cache: dict[str, ReferenceLogps] = {}  # "train"/"val" → precomputed reference log-probs
         self.prompt_ds: RLHFDataset | None = None  # greedy validation prompts (set by build_datasets)
         super().__init__(cfg, tokenizer=tokenizer, tracker=tracker)

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hybridflow.checkpoint import DataPosition
+from hybridflow.checkpoint import DataPosition, atomic
 from hybridflow.checkpoint.policy import CheckpointPolicy
 from hybridflow.config import Config, to_dict
 from hybridflow.config.plan import plan_line
@@ -257,8 +257,6 @@ class Trainer:
         """A checkpoint of another method in `trainer.default_local_dir` (an SFT run's, then `train` with the same
         config) cannot be resumed: say so before the workers try to load it."""
         from pathlib import Path
-
-        from hybridflow.checkpoint import atomic
 
         t = self.cfg.trainer
         if t.resume_mode != "auto" or "://" in t.default_local_dir:

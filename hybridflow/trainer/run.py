@@ -21,6 +21,8 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from hybridflow.config import Config
+from hybridflow.tracking import Tracker
+from hybridflow.tracking.run_info import collect_versions, summary
 from hybridflow.trainer.stop import Interrupted, cleaned_up, run_cleanups
 
 if TYPE_CHECKING:
@@ -40,7 +42,6 @@ class Terminated(Interrupted):
 
 def versions_line() -> str:
     """python, torch, CUDA, transformers, ray, hybridflow and the device, on one line (the seed's advice)."""
-    from hybridflow.tracking.run_info import collect_versions, summary
 
     return summary(collect_versions())
 
@@ -74,7 +75,6 @@ def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker
     own = tracker is None
     with contextlib.ExitStack() as stack:
         if own:
-            from hybridflow.tracking import Tracker
             from hybridflow.trainer.run_dir import claimed_run_dirs
 
             stack.enter_context(claimed_run_dirs(cfg))

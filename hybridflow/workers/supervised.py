@@ -21,9 +21,12 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.engine import TrainEngine, train_update
 from hybridflow.engine.model_forward import HeadRequest
 from hybridflow.engine.spec import EngineSpec
+from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.workers.engine_specs import supervised_plan
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 from hybridflow.workers.supervised_batch import last_response_values
 from hybridflow.workers.supervised_losses import build_loss
@@ -55,8 +58,6 @@ class SupervisedWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine import TrainEngine
-
         self.init_distributed()
         # A head missing from the checkpoint (RM from an SFT model) is drawn from the global RNG: seed it the same
         # on every rank so runs repeat and FSDP2 shards one model.
@@ -65,16 +66,12 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         if self.ref_spec is not None:
             self.ref = TrainEngine(self.ref_spec, device=self.device)
         if self.generates:
-            from hybridflow.models.loader import load_tokenizer
-
             self.rollout = build_engine_rollout(self.cfg, self.engine, load_tokenizer(self.cfg.model), self.device)
 
     # ------------------------------------------------------------------------------------------------ train
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def train_batch(self, data: DataProto) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch (the engine micro-batches it)."""
-        from hybridflow.engine import train_update
-        from hybridflow.workers.engine_specs import supervised_plan
 
         metrics = train_update(self.engine, data, self.loss_fn, self.train_head, supervised_plan(len(data)))
         return {k: float(v) for k, v in metrics.items()}
