@@ -26,10 +26,12 @@ from hybridflow.config.schema import DPOConfig, RMConfig, SFTConfig
 from hybridflow.controller import ResourcePool, WorkerGroup, build_backend
 from hybridflow.data.dataloader import StatefulDataLoader
 from hybridflow.data.templates import save_tokenizer
+from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.trainer.run import cleaned_up, tracked_run
+from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,8 +53,6 @@ class SupervisedAlgorithm(Algorithm):
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None) -> None:
-        from hybridflow.models.loader import load_tokenizer
-
         self.cfg, self.tracker = cfg, tracker
         self.sec: SFTConfig | RMConfig | DPOConfig = getattr(cfg, self.section)
         self.guarded = (self.section,)
@@ -121,8 +121,6 @@ class SupervisedAlgorithm(Algorithm):
                                   persistent_workers=d.persistent_workers, collate_fn=self.collate_fn())
 
     def _build_group(self) -> SupervisedGroup:
-        from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
-
         worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
                                    self.loss_kwargs(), self.ref_spec(), self.generates())
         self.pool: ResourcePool = ResourcePool.from_config(self.cfg)

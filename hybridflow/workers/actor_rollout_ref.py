@@ -23,6 +23,7 @@ from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 from hybridflow.workers.losses import make_actor_loss
+from hybridflow.workers.supervised_losses import build_loss
 from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, pack_buckets
 
@@ -98,7 +99,6 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def update_actor_preference(self, data: DataProto) -> dict[str, float]:
         """Online DPO: one optimizer step of the `dpo.loss_type` loss on interleaved (chosen, rejected) rows and
         their `ref_log_prob` (none for SimPO); log-probs at the sampling temperature, like the reference's."""
-        from hybridflow.workers.supervised_losses import build_loss
 
         d = self.cfg.dpo
         loss_fn = build_loss("preference", loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
