@@ -5,6 +5,8 @@ Why not raise from the handler as Python does by default: an exception thrown in
 worker call, an optimizer step or a checkpoint write, and the progress since the last save is lost; finishing the
 step costs one step's time and keeps everything (in `one_step_off` / `async` modes the save also waits for the
 rollouts in flight, which the checkpoint keeps: up to `max_staleness + 1` batches of generation).
+`run_cleanups` / `cleaned_up`: what runs on the way out (the last save, the workers), every step even after one
+fails.
 """
 
 from __future__ import annotations
