@@ -6,7 +6,8 @@ so that `import hybridflow` (and the CLI's start-up) stays light.
 
 from typing import Any
 
-__version__ = "0.1.0"
+from hybridflow.version import __version__
+
 __all__ = ["__version__", "build_config", "train"]
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from hybridflow.config import Config, load_config
 from hybridflow.config.schema import RewardSourceConfig
+from hybridflow.preflight import check_before_run, signature_problem
+from hybridflow.trainer.run import run_ppo
 
 RewardFunction = Callable[..., Any]
 # Columns of the verl schema; any other column of a row goes into `extra_info` (and to TRL-style functions).
@@ -53,8 +55,6 @@ def train(cfg: Config | Mapping[str, Any] | None = None, *, reward_fns: Sequence
     (a `datasets.Dataset`, a pyarrow Table, a pandas DataFrame or a list of dicts) replace `data.train_files` /
     `data.val_files`. A row needs the prompt column (`data.prompt_key`: chat messages or a string) and, for
     reward functions, `ground_truth` (or verl's `reward_model.ground_truth`)."""
-    from hybridflow.config.preflight import check_before_run
-    from hybridflow.trainer.run import run_ppo
 
     cfg = cfg if isinstance(cfg, Config) else build_config(cfg or {})
     cfg = with_datasets(cfg, train_dataset, eval_dataset)
@@ -147,7 +147,6 @@ def register_reward_fn(fn: RewardFunction, index: int = 0) -> str:
 
 def as_verl_reward(fn: RewardFunction, index: int = 0) -> RewardFunction:
     """`fn` with verl's signature: itself, or a per-response wrapper of a TRL-style `(completions, **columns)`."""
-    from hybridflow.config.preflight import signature_problem
 
     try:
         params = inspect.signature(fn).parameters

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 # instead of spinning, so a CPU run beside a busy process does not fight it for cores (hybridflow/utils/threads.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from hybridflow import __version__  # noqa: E402
 from hybridflow.commands.common import fail  # noqa: E402
 from hybridflow.config import ConfigError  # noqa: E402
+from hybridflow.trainer.stop import exit_code
+from hybridflow.version import __version__  # noqa: E402
 
 # name -> (module under hybridflow.commands, one-line help). Modules are imported only when their command runs,
 # so `hybridflow --help` stays fast and a missing optional dependency breaks only its own command.
@@ -85,7 +86,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:  # any command: a bad key or value is a usage error (exit 2), not a traceback
         return fail(err)
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM: the user's own stop is one line, not a traceback
-        from hybridflow.trainer.stop import exit_code
 
         print(f"stopped: {err}" if str(err) else "stopped (Ctrl-C)", file=sys.stderr)
         return exit_code(err)

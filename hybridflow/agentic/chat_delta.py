@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.data.templates import template_for
+from hybridflow.utils.chat_template import template_for
 
 _USER, _ASSISTANT = "hfq-user-7b1e", "hfq-assistant-4c2d"  # markers no template rewrites
 

@@ -14,7 +14,7 @@ import jinja2
 from jinja2 import meta
 
 from hybridflow.agentic.tools import build_tools
-from hybridflow.data.templates import template_for
+from hybridflow.utils.chat_template import template_for
 
 logger = logging.getLogger(__name__)
 

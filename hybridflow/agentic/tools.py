@@ -3,7 +3,7 @@
 A tool is an OpenAI function schema plus `execute(arguments, context) -> ToolResult`. Stateful tools may override
 `create`/`release` (called once per trajectory, around its calls). Built-ins: `calculator` (an AST walk over
 numbers and + - * / // % ** and parentheses: no `eval`; exponents and integer sizes are checked before each
-operation, so a call never runs long) and `python` (the reward sandbox, `rewards/sandbox.run_python`:
+operation, so a call never runs long) and `python` (the reward sandbox, `sandbox.run_python`:
 time/memory limits, no network, private tmpfs). User tools are loaded from the YAML
 named by `rollout.multi_turn.tool_config_path` (verl's layout: `tools: [{class_name, config, tool_schema}]`).
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.agentic.plugins import import_class, yaml_entries
+from hybridflow.sandbox import run_python
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,6 @@ class PythonTool(Tool):
                   "properties": {"code": {"type": "string", "description": "a complete Python program"}}}
 
     def execute(self, arguments: dict[str, Any], context: ToolContext) -> ToolResult:
-        from hybridflow.rewards.sandbox import run_python
-
         code = arguments.get("code")
         if not isinstance(code, str):
             return ToolResult("Error: python needs a string argument 'code'", is_error=True)

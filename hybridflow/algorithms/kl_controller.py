@@ -8,15 +8,26 @@ coefficient is checkpointed with the trainer; `build_kl_controller` reads `algor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from hybridflow.algorithms.kl import kl_penalty
 from hybridflow.algorithms.masked import masked_mean
 
-if TYPE_CHECKING:  # annotation only: the config checks algorithm names against these registries
-    from hybridflow.config.schema import KLCtrlConfig
+
+class KLCtrlSection(Protocol):
+    """What the controllers read from `algorithm.kl_ctrl` (config.schema.KLCtrlConfig; algorithms sit below config,
+    which checks algorithm names against their registries)."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def kl_coef(self) -> float: ...
+    @property
+    def target_kl(self) -> float: ...
+    @property
+    def horizon(self) -> int: ...
 
 ADAPTIVE_ERR_CLIP = 0.2
 
@@ -60,7 +71,7 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + err * n_steps / self.horizon
 
 
-def build_kl_controller(cfg: KLCtrlConfig) -> FixedKLController:
+def build_kl_controller(cfg: KLCtrlSection) -> FixedKLController:
     """Controller for `algorithm.kl_ctrl` (the config has checked its type and resolved the alias)."""
     if cfg.type == "fixed":
         return FixedKLController(cfg.kl_coef)

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from hybridflow.config import Config, ConfigError, load_config
+from hybridflow.preflight import check_before_run
+from hybridflow.utils.threads import apply_cpu_threads
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -23,17 +25,13 @@ def load_from_args(items: list[str], validate: bool = True, *, preflight: bool =
                    data: bool = True, reward: bool | None = None, runs: bool = False) -> Config:
     """The config of the command line; `preflight` also checks what `command` (train|sft|rm|dpo) uses of what it
     points at (model, data files and columns when `data`, reward functions when `reward`, default: the command
-    scores responses) before anything loads — see `hybridflow.config.preflight`. `runs`: the command runs a model,
+    scores responses) before anything loads — see `hybridflow.preflight`. `runs`: the command runs a model,
     so it gets its CPU thread count (`trainer.cpu_threads`, printed on stderr)."""
     files, overrides = split_args(items)
     cfg = load_config(files, overrides, validate=validate, command=command)
     if preflight:
-        from hybridflow.config.preflight import check_before_run
-
         check_before_run(cfg, command=command, data=data, reward=reward)
     if runs:
-        from hybridflow.utils.threads import apply_cpu_threads
-
         print(apply_cpu_threads(cfg.trainer.cpu_threads, cfg.trainer.device), file=sys.stderr)
     return cfg
 

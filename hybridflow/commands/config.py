@@ -17,7 +17,8 @@ import yaml
 from hybridflow.commands.common import add_config_args, load_from_args, split_args
 from hybridflow.config import Config, ConfigError, load_config, to_dict, to_yaml
 from hybridflow.config.loader import read_yaml
-from hybridflow.config.plan import COMMANDS
+from hybridflow.config.plan import COMMANDS, step_plan
+from hybridflow.preflight import train_rows
 
 # Sections only `hybridflow train` (and online DPO) reads; verl's roots count as train sections too.
 _TRAIN_SECTIONS = ("actor", "rollout", "critic", "ref", "reward", "algorithm", "actor_rollout_ref", "reward_model",
@@ -69,8 +70,6 @@ def infer_commands(items: list[str]) -> list[str]:
 
 def validate(items: list[str], command: str) -> str:
     """Check the config for `command`; the step plan line (ConfigError listing every problem otherwise)."""
-    from hybridflow.config.plan import step_plan
-    from hybridflow.config.preflight import train_rows
 
     cfg: Config = load_from_args(items, preflight=True, command=command)
     rows = train_rows(cfg)

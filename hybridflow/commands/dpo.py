@@ -14,6 +14,7 @@ from hybridflow.commands.common import add_config_args, fail, load_from_args
 from hybridflow.commands.tracked import TrackedRun, add_run_flags, next_command
 from hybridflow.commands.train import rl_next_commands
 from hybridflow.config import Config
+from hybridflow.preflight import check_before_run
 from hybridflow.tracking import Tracker
 
 
@@ -30,7 +31,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_from_args(items, command="dpo", runs=True)
         if not cfg.dpo.online:
-            from hybridflow.config.preflight import check_before_run
             from hybridflow.trainer.dpo import dpo_model_config
 
             check_before_run(dpo_model_config(cfg), command="dpo")  # model, pair files' columns, before anything loads
@@ -59,7 +59,6 @@ def loss_name(cfg: Config) -> str:
 
 
 def _run_online(cfg: Config, args: argparse.Namespace, items: list[str]) -> int:
-    from hybridflow.config.preflight import check_before_run
     from hybridflow.trainer.dpo import dpo_model_config
     from hybridflow.trainer.online_dpo import run_online_dpo
 

@@ -14,6 +14,7 @@ import time
 from hybridflow.commands.common import add_config_args, fail, load_from_args
 from hybridflow.commands.tracked import add_run_flags, print_lines, verbose
 from hybridflow.config import Config, to_dict
+from hybridflow.tracking.summary import Outcome, build_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +39,6 @@ def evaluate(cfg: Config) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridflow.tracking.summary import Outcome, build_summary
-
     cfg = load_from_args(args.args, preflight=True, runs=True)
     start = time.monotonic()
     try:

@@ -20,8 +20,10 @@ import torch
 
 from hybridflow.commands.tracked import add_run_flags, print_lines, verbose
 from hybridflow.config import Config, load_config, to_dict, to_yaml
+from hybridflow.tracking import Tracker
 from hybridflow.tracking.jsonl import read_metrics
 from hybridflow.tracking.summary import Outcome, build_summary
+from hybridflow.trainer.run import run_ppo, versions_line
 
 QUICKSTART_YAML = Path(__file__).resolve().parent.parent / "config" / "quickstart.yaml"
 # What `sft.label_noise` does to each built-in task's demonstrations (the SFT phase's heading says it).
@@ -56,8 +58,6 @@ def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | N
     """SFT warm start, then GRPO from it; both tracked under `trainer.run_dir` (`sft/` and the run itself).
     `sft_dir`: an existing warm start (HF directory) to run the GRPO phase from, skipping SFT. `verbose`: the
     console prints every metric each logged step."""
-    from hybridflow.tracking import Tracker
-    from hybridflow.trainer.run import run_ppo
     from hybridflow.trainer.sft import run_sft
 
     start = time.perf_counter()
@@ -91,8 +91,6 @@ def run_quickstart(cfg: Config, console: object | None = None, sft_dir: Path | N
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
-
-    from hybridflow.trainer.run import versions_line
 
     if "OMP_NUM_THREADS" not in os.environ:
         # A 0.8M-parameter model's kernels are too small to gain much from a second thread, and 2 intra-op threads

@@ -24,6 +24,8 @@ from hybridflow.tracking import Tracker
 from hybridflow.tracking.jsonl import read_metrics
 from hybridflow.tracking.run_info import CONFIG_FILE
 from hybridflow.tracking.summary import Outcome, build_summary
+from hybridflow.tracking.tracker import run_status
+from hybridflow.trainer.stop import exit_code
 
 if TYPE_CHECKING:
     from hybridflow.trainer.supervised import SupervisedTrainer
@@ -92,7 +94,6 @@ class TrackedRun:
 
     def run(self, train: Callable[[Tracker], Path | None]) -> int:
         from hybridflow.trainer.run_dir import claimed_run_dirs
-        from hybridflow.trainer.stop import exit_code
 
         start = time.monotonic()
         with contextlib.ExitStack() as claim:
@@ -125,8 +126,6 @@ class TrackedRun:
 
     def print_summary(self, tracker: Tracker, export: Path | None, error: BaseException | None,
                       seconds: float) -> None:
-        from hybridflow.tracking.tracker import run_status
-
         status = run_status(error)
         ckpt = latest_checkpoint(self.cfg)
         outcome = Outcome(

@@ -11,6 +11,7 @@ from hybridflow.commands.common import add_config_args, fail, load_from_args
 from hybridflow.commands.tracked import TrackedRun, add_run_flags, next_command, sibling
 from hybridflow.config import Config
 from hybridflow.tracking import Tracker
+from hybridflow.trainer.run import run_ppo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +30,6 @@ def rl_next_commands(cfg: Config, items: list[str], ckpt: Path | None) -> list[s
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridflow.trainer.run import run_ppo
-
     cfg = load_from_args(args.args, preflight=True, runs=True)
     if cfg.dpo.online:
         return fail(ValueError("dpo.online=true is online DPO, run by `hybridflow dpo` (same config); `hybridflow "

@@ -27,8 +27,12 @@ from typing import Any
 import yaml
 
 from hybridflow.config.auto_sizes import resolve_auto_sizes
+from hybridflow.config.dotted import ConfigError, set_dotted
 from hybridflow.config.lr_rule import resolve_lr
+from hybridflow.config.presets import preset_overrides
 from hybridflow.config.schema import Config
+from hybridflow.config.validate import validate_config
+from hybridflow.config.verl_keys import VerlKeyError, translate_layer, translate_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +50,6 @@ REMOVED_KEYS: dict[str, str] = {
 }
 
 
-class ConfigError(ValueError):
-    """A user error in the configuration; the message names the key, the value and the fix."""
-
-
 def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides: Iterable[str] = (),
                 validate: bool = True, command: str = "train") -> Config:
     """Build the typed config from defaults, YAML files or nested dicts shaped like one (in order, later wins)
@@ -57,8 +57,6 @@ def load_config(files: Iterable[str | Path | Mapping[str, Any]] = (), overrides:
     merged = resolve_lr(resolve_auto_sizes(merge_sources(files, overrides)))
     cfg = build(Config, merged, "")
     if validate:
-        from hybridflow.config.validate import validate_config
-
         validate_config(cfg, command)
     return cfg
 
@@ -83,8 +81,6 @@ def merge_sources(files: Iterable[str | Path | Mapping[str, Any]] = (), override
 
 
 def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:
-    from hybridflow.config.verl_keys import VerlKeyError, translate_layer
-
     try:
         return translate_layer(layer)
     except VerlKeyError as err:
@@ -92,8 +88,6 @@ def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _verl_overrides(parsed: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    from hybridflow.config.verl_keys import VerlKeyError, translate_overrides
-
     try:
         return translate_overrides(parsed)
     except VerlKeyError as err:
@@ -104,7 +98,6 @@ def _with_preset(merged: dict[str, Any], name: Any) -> dict[str, Any]:
     """`merged` with preset `name`'s overrides applied (unchanged for null)."""
     if name is None:
         return merged
-    from hybridflow.config.presets import preset_overrides
 
     try:
         items = preset_overrides(str(name))
@@ -197,19 +190,6 @@ def parse_value(raw: str) -> Any:
         except ValueError:
             return value
     return value
-
-
-def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    node = tree
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {part!r} holds a value ({child!r}), not a section")
-        node = child
-    node[parts[-1]] = value
 
 
 def get_dotted(tree: Mapping[str, Any], key: str) -> Any:

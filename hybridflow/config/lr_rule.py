@@ -13,6 +13,8 @@ import logging
 import math
 from typing import Any
 
+from hybridflow.config.auto_sizes import model_shape
+
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -69,8 +71,6 @@ def _lr(merged: dict[str, Any], section: str) -> Any:
 
 
 def _params(merged: dict[str, Any], needed: bool) -> int | None:
-    from hybridflow.config.auto_sizes import model_shape
-
     try:
         return int(model_shape(merged)["params"])
     except (OSError, KeyError, ValueError) as err:

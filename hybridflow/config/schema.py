@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.config.presets import ALGORITHM_PRESETS
+
 logger = logging.getLogger(__name__)
 
 def _check(cond: bool, key: str, value: Any, fix: str) -> None:
@@ -417,7 +419,7 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    """Caps for policy code run by code rewards (`rewards/sandbox.py`); a row's extra_info may only lower them."""
+    """Caps for policy code run by code rewards (`sandbox/__init__.py`); a row's extra_info may only lower them."""
 
     allow_unisolated: bool  # run code rewards even where no sandbox works (rlimits only: unsafe; root → uid 65534)
     timeout_s: float  # wall clock per program run
@@ -544,8 +546,6 @@ class AlgorithmConfig:
     preset: str | None = None  # a named overrides list (config/presets.py), e.g. robust; applied by the loader
 
     def __post_init__(self) -> None:
-        from hybridflow.config.presets import ALGORITHM_PRESETS
-
         if self.preset is not None:
             _one_of("algorithm.preset", self.preset, tuple(sorted(ALGORITHM_PRESETS)))
 

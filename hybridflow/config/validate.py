@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridflow.config.loader import ConfigError
+from hybridflow.config.dotted import ConfigError
 from hybridflow.config.resolved import process_on_nodes, resolve
 from hybridflow.config.schema import Config
 

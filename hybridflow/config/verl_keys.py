@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.dotted import set_dotted
+
 logger = logging.getLogger(__name__)
 
 # Top-level sections that exist only in verl: every key under them is either in VERL_KEYS or an error.
@@ -197,8 +199,6 @@ def translate_overrides(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 def translate_layer(layer: Mapping[str, Any]) -> dict[str, Any]:
     """A nested YAML layer with verl keys rewritten to hybridflow's (the result is a new dict)."""
-    from hybridflow.config.loader import set_dotted
-
     out: dict[str, Any] = {}
     pairs: list[tuple[str, Any]] = []
     for key, value in _leaves(layer, ""):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.protocol import DataProto
+
 if TYPE_CHECKING:
     from hybridflow.controller.backends.base import Backend
     from hybridflow.protocol import DataProto
@@ -38,8 +40,6 @@ class RemoteSlice:
     dp_size: int
 
     def resolve(self, get: Callable[[list[Any]], list[Any]]) -> DataProto:
-        from hybridflow.protocol import DataProto
-
         whole = DataProto.concat(get(self.refs_by_dp_rank)).unpad(self.producer_pad)
         padded, _ = whole.pad_to_divisor(self.dp_size)
         return padded.chunk(self.dp_size)[self.dp_rank]

@@ -20,6 +20,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hybridflow.rewards.registry import select_reward_fn
+
 NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
 
 
@@ -57,8 +59,6 @@ TASK_WRONG: dict[str, tuple[Callable[[str, random.Random, str], str], dict[str, 
 
 
 def _rule_correct(row: Mapping[str, Any], response: str) -> bool:
-    from hybridflow.rewards.registry import select_reward_fn
-
     fn = select_reward_fn(row["data_source"])
     out = fn(row["data_source"], response, row["reward_model"]["ground_truth"], row.get("extra_info"))
     if isinstance(out, Mapping):

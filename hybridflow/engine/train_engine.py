@@ -59,7 +59,7 @@ INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 class LossFn(Protocol):
     """What `forward_backward` calls per micro-batch, implemented by every trained role's loss: the actor's
     (`workers/losses.py` `ActorLoss`: PPO/GRPO), the critic's, and the supervised ones (SFT, reward model,
-    DPO/IPO/SimPO: `trainer/supervised_losses.py`)."""
+    DPO/IPO/SimPO: `workers/supervised_losses.py`)."""
 
     def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:

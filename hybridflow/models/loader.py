@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -28,7 +29,6 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from hybridflow.config.schema import ModelConfig
 from hybridflow.models.heads import SCALAR_HEAD_ROLES, scalar_head_from_config, scalar_head_from_pretrained
 from hybridflow.models.presets import preset_config
 from hybridflow.models.tokenizer import builtin_tokenizer
@@ -38,6 +38,18 @@ logger = logging.getLogger(__name__)
 ROLES = ("actor", "ref", "critic", "reward")
 HEADS = ("lm", "value")  # causal LM | backbone + scalar head
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+class ModelSource(Protocol):
+    """The `model.*` keys the loader reads; `config.schema.ModelConfig` is the one implementation. A protocol, not
+    an import, so that models/ sits below config/ (whose auto sizes read preset shapes from here)."""
+
+    path: str | None
+    preset: str
+    tokenizer_path: str | None
+    trust_remote_code: bool
+    override_config: dict[str, Any]
+    seed: int
 
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")  # "org/name", as the Hub spells repository ids
@@ -72,7 +84,7 @@ def _check_dir(path: str, key: str) -> Path:
     return p
 
 
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(cfg: ModelSource) -> PreTrainedTokenizerBase:
     """`model.tokenizer_path`, else `model.path`, else the built-in tokenizer (presets)."""
     path = cfg.tokenizer_path or cfg.path
     if path is None:
@@ -119,7 +131,7 @@ def _auto_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerB
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
-def model_config(cfg: ModelConfig, path: str | None = None) -> PretrainedConfig:
+def model_config(cfg: ModelSource, path: str | None = None) -> PretrainedConfig:
     """The HF config of `path` (or `cfg.path`) or of `cfg.preset`, with `cfg.override_config` applied."""
     path = path or cfg.path
     if path is None:
@@ -132,7 +144,7 @@ def model_config(cfg: ModelConfig, path: str | None = None) -> PretrainedConfig:
     return hf
 
 
-def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None,
+def load_model(cfg: ModelSource, role: str = "actor", *, path: str | None = None,
                dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
                init_device: str | torch.device = "cpu") -> PreTrainedModel:
     """The model for `role`: a causal LM (actor/ref) or backbone + scalar head (critic/reward); see `load_module`."""
@@ -143,7 +155,7 @@ def load_model(cfg: ModelConfig, role: str = "actor", *, path: str | None = None
                        init_device=init_device)
 
 
-def load_module(cfg: ModelConfig, head: str = "lm", *, path: str | None = None,
+def load_module(cfg: ModelSource, head: str = "lm", *, path: str | None = None,
                 dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
                 init_device: str | torch.device = "cpu") -> PreTrainedModel:
     """A causal LM (`head="lm"`) or backbone + scalar head (`head="value"`).

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from hybridflow.config import Config
+from hybridflow.config.auto_sizes import auto_keys, gpu_values, model_shape
+from hybridflow.config.loader import load_config, merge_sources
 from hybridflow.config.resolved import resolve
 from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.planning.memory import EngineSettings, RolloutSettings
@@ -98,9 +100,6 @@ def with_engine(inputs: PlanInputs, role: str, **changes: object) -> PlanInputs:
 def load_for_gpu(files: list[str], overrides: list[str], gpu_gib: float, gpus: int | None = None) -> Config:
     """The config as a run on `gpus` GPUs of `gpu_gib` would resolve it: every `auto` size takes its GPU value
     (config/auto_sizes.py) for that memory, whatever GPU (or none) this process sees."""
-    from hybridflow.config.auto_sizes import auto_keys, gpu_values, model_shape
-    from hybridflow.config.loader import load_config, merge_sources
-
     if gpus:
         overrides = [*overrides, "trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}"]
     merged = merge_sources(files, overrides)

@@ -1,4 +1,4 @@
-"""Reward functions (registry + built-in scorers), custom `compute_score` loading, the reward manager, sandbox."""
+"""Reward functions (registry + built-in scorers), custom `compute_score` loading, the reward manager."""
 
 from hybridflow.rewards.manager import RewardManager, RewardOutput
 from hybridflow.rewards.registry import (

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.rewards.registry import REWARD_FUNCTIONS
-from hybridflow.rewards.sandbox import SandboxResult, current_config, run_python
+from hybridflow.sandbox import SandboxResult, current_config, run_python
 
 _BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 _HARNESS = Path(__file__).with_name("code_harness.py").read_text()

@@ -30,8 +30,8 @@ from hybridflow.rewards.custom import Spec, resolve
 from hybridflow.rewards.penalties import length_penalty, overlong_penalty
 from hybridflow.rewards.pool import InlineScorer, Item, ItemResult, ScoringPool
 from hybridflow.rewards.registry import reward_fn_name
-from hybridflow.rewards.sandbox import configure as configure_sandbox
-from hybridflow.rewards.sandbox import select_mode as select_sandbox_mode
+from hybridflow.sandbox import configure as configure_sandbox
+from hybridflow.sandbox import select_mode as select_sandbox_mode
 
 logger = logging.getLogger(__name__)
 

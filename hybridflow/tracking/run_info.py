@@ -19,6 +19,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.loader import to_dict
+from hybridflow.version import __version__
+
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
@@ -62,17 +65,15 @@ def device_info() -> dict[str, Any]:
 
 def collect_versions() -> dict[str, Any]:
     """Versions of python and the relevant packages, the device, host and source commit."""
-    import hybridflow
-
     versions = {name: package_version(name) for name in PACKAGES}
-    versions["hybridflow"] = versions["hybridflow"] or hybridflow.__version__
+    versions["hybridflow"] = versions["hybridflow"] or __version__
     return {
         "python": platform.python_version(),
         "packages": versions,
         "device": device_info(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "git_commit": git_commit(Path(hybridflow.__file__).parent),
+        "git_commit": git_commit(Path(__file__).resolve().parents[1]),
         "argv": sys.argv,
         "start_time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -82,8 +83,6 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        from hybridflow.config.loader import to_dict  # YAML keys (`trainer.async`, not the field `async_`)
-
         return to_dict(config)
     if isinstance(config, dict):
         return dict(config)

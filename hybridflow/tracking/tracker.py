@@ -23,6 +23,7 @@ from hybridflow.tracking import wandb as _wandb  # noqa: F401 - registers "wandb
 from hybridflow.tracking.base import TRACKERS, Backend, Event, RunContext, clean_metrics
 from hybridflow.tracking.console import ConsoleBackend
 from hybridflow.tracking.health import HealthEvent, HealthMonitor
+from hybridflow.tracking.run_info import config_to_dict, summary, write_run_info
 from hybridflow.tracking.summary import TOTAL_STEPS
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ class Tracker:
         `trainer.health` (val metric `trainer.rollback.metric`); writes config.yaml + versions.json to the run
         directory and records a `run_start` event. `backend_kwargs` as for `build_tracker`
         (e.g. `console={"verbose": True}`)."""
-        from hybridflow.tracking.run_info import config_to_dict, summary, write_run_info
 
         t = cfg.trainer
         run_dir = Path(run_dir if run_dir is not None else t.run_dir)

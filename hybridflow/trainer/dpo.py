@@ -32,15 +32,16 @@ from hybridflow.config import Config
 from hybridflow.config.schema import DPOConfig
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
+from hybridflow.rewards import RewardManager
 from hybridflow.trainer.dpo_validation import scored_val_prompts
 from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.trainer.ref_cache import ReferenceLogps
 from hybridflow.trainer.rm import build_preference_datasets
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
-from hybridflow.trainer.supervised_batch import collate_pairs
-from hybridflow.trainer.supervised_losses import pair_logps
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.engine_specs import dpo_ref_spec, dpo_spec, sft_head
+from hybridflow.workers.supervised_batch import collate_pairs
+from hybridflow.workers.supervised_losses import pair_logps
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -65,8 +66,6 @@ class DPOAlgorithm(SupervisedAlgorithm):
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None) -> None:
-        from hybridflow.rewards import RewardManager
-
         self.ref_cache: dict[str, ReferenceLogps] = {}  # "train"/"val" → precomputed reference log-probs
         self.prompt_ds: RLHFDataset | None = None  # greedy validation prompts (set by build_datasets)
         super().__init__(cfg, tokenizer=tokenizer, tracker=tracker)

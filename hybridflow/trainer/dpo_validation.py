@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config
+from hybridflow.data import read_rows, task_splits
 from hybridflow.data.contract import REWARD_COLUMN, ground_truth_required
 from hybridflow.data.preference_columns import resolve_columns
 from hybridflow.data.rl_dataset import RLHFDataset
@@ -31,7 +32,6 @@ NAME = "dpo-val-prompts"
 
 def _val_rows(cfg: Config) -> tuple[list[dict[str, Any]], str | None, str]:
     """(rows, prompt column, why not) of the validation prompts: the task's validation rows, or the val files'."""
-    from hybridflow.data import read_rows, task_splits
 
     d = cfg.data
     if not d.train_files:

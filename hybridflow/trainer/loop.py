@@ -13,13 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hybridflow.checkpoint import atomic
 from hybridflow.checkpoint.policy import CheckpointPolicy
 from hybridflow.config import Config, to_dict
 from hybridflow.config.plan import plan_line
 from hybridflow.data.contract import skipped_rows_event
 from hybridflow.data.dataloader import DataPosition
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, signals_deferred
+from hybridflow.trainer.stop import Interrupted, StopRequest, graceful_stop, run_cleanups, signals_deferred
 
 if TYPE_CHECKING:
     from hybridflow.checkpoint.worker import CheckpointingGroup
@@ -259,8 +260,6 @@ class Trainer:
         config) cannot be resumed: say so before the workers try to load it."""
         from pathlib import Path
 
-        from hybridflow.checkpoint import atomic
-
         t = self.cfg.trainer
         if t.resume_mode != "auto" or "://" in t.default_local_dir:
             return
@@ -304,7 +303,5 @@ class Trainer:
     def close(self) -> None:
         """Wait for the last checkpoint save (raising its error), then release the workers; each step runs even
         when an earlier one fails (a dead worker group cannot close its checkpoints but must still be released)."""
-        from hybridflow.trainer.run import run_cleanups
-
         with signals_deferred("closing the run (the last checkpoint write, the workers)"):
             run_cleanups([self.ckpt.close, *self.algorithm.cleanups()])

@@ -28,6 +28,7 @@ from hybridflow.trainer.dpo import dpo_model_config
 from hybridflow.trainer.loop import Trainer
 from hybridflow.trainer.metrics import compute_data_metrics, reduce_metrics
 from hybridflow.trainer.ppo import PPOAlgorithm
+from hybridflow.trainer.run import cleaned_up, tracked_run
 from hybridflow.trainer.timing import StageTimer
 
 if TYPE_CHECKING:
@@ -116,7 +117,6 @@ class OnlineDPOTrainer(Trainer):
 
 def run_online_dpo(cfg: Config, tracker: Tracker | None = None) -> list[dict[str, float]]:
     """Train online DPO with `cfg`; returns the per-step metrics (tracker from `trainer.logger` when not given)."""
-    from hybridflow.trainer.run import cleaned_up, tracked_run
 
     with tracked_run(cfg, tracker) as tracker:
         trainer = OnlineDPOTrainer(cfg, tracker=tracker)

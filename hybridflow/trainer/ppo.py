@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.agentic.prompting import prompt_tools
 from hybridflow.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
@@ -25,7 +26,10 @@ from hybridflow.algorithms import (
 from hybridflow.config import Config, resolve, to_dict
 from hybridflow.config.lr_rule import lr_warning
 from hybridflow.config.plan import planned_steps
+from hybridflow.data import build_rl_datasets, make_dataloader
+from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto, keys
+from hybridflow.rewards import RewardManager
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
@@ -57,11 +61,6 @@ class PPOAlgorithm(Algorithm):
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None, groups: WorkerGroups | None = None) -> None:
-        from hybridflow.agentic.prompting import prompt_tools
-        from hybridflow.data import build_rl_datasets, make_dataloader
-        from hybridflow.models.loader import load_tokenizer
-        from hybridflow.rewards import RewardManager
-
         self.cfg, self.res = cfg, resolve(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         tools = prompt_tools(cfg.rollout.multi_turn, self.tokenizer, cfg.data.chat_template)
@@ -280,7 +279,6 @@ class PPOAlgorithm(Algorithm):
         """DAPO's extra prompts: a loader of their own (shuffled with data.seed + 1, uids `<name>-extra-e<epoch>-i`),
         so extras neither repeat the batches the run trains next nor move its saved data position, and a prompt
         drawn twice into one batch never merges two groups."""
-        from hybridflow.data import make_dataloader
 
         cfg = self.cfg.data
         loader = make_dataloader(self.train_ds, cfg, cfg.train_batch_size, shuffle=cfg.shuffle,

@@ -21,12 +21,14 @@ from torch.utils.data import Dataset
 
 from hybridflow.config import Config
 from hybridflow.config.schema import RMConfig
+from hybridflow.data import PreferenceDataset, task_splits
+from hybridflow.data.synthetic_pairs import preference_rows
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
-from hybridflow.trainer.supervised_batch import collate_pairs
-from hybridflow.trainer.supervised_losses import bradley_terry
 from hybridflow.workers.engine_specs import VALUES, rm_spec
+from hybridflow.workers.supervised_batch import collate_pairs
+from hybridflow.workers.supervised_losses import bradley_terry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,8 +50,6 @@ def build_preference_datasets(cfg: Config, tokenizer: PreTrainedTokenizerBase, m
     """(train, val) `PreferenceDataset`s from parquet files, or synthetic pairs of the built-in `data.task` with the
     rejected kinds weighted by `mix` (None or {}: the task's default). `command` ("rm" / "dpo") names the datasets
     (`<command>-train`, `<command>-val`) in their errors and skip reports."""
-    from hybridflow.data import PreferenceDataset, task_splits
-    from hybridflow.data.synthetic_pairs import preference_rows
 
     d = cfg.data
     kwargs = dict(max_length=d.max_prompt_length + d.max_response_length, prompt_key=d.prompt_key,

@@ -15,13 +15,15 @@ import functools
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hybridflow.config import Config
-from hybridflow.trainer.stop import Interrupted
+from hybridflow.tracking import Tracker
+from hybridflow.tracking.run_info import collect_versions, summary
+from hybridflow.trainer.stop import Interrupted, cleaned_up, run_cleanups
 
 if TYPE_CHECKING:
     from hybridflow.tracking import Tracker
@@ -40,42 +42,8 @@ class Terminated(Interrupted):
 
 def versions_line() -> str:
     """python, torch, CUDA, transformers, ray, hybridflow and the device, on one line (the seed's advice)."""
-    from hybridflow.tracking.run_info import collect_versions, summary
 
     return summary(collect_versions())
-
-
-# ------------------------------------------------------------------------------------------------------ cleanups
-def run_cleanups(cleanups: Sequence[Callable[[], Any]], error: BaseException | None = None) -> None:
-    """Call every cleanup, even after one fails. With `error` in flight, each failure becomes a note on `error`
-    (and a log line) and nothing is raised here: the caller re-raises `error`. Without, the first failure is
-    raised once all ran, later ones attached to it as notes."""
-    first: BaseException | None = None
-    for cleanup in cleanups:
-        try:
-            cleanup()
-        except Exception as err:
-            name = getattr(cleanup, "__qualname__", repr(cleanup))
-            if error is not None:
-                logger.error("cleanup %s failed after the run had failed: %s: %s", name, type(err).__name__, err)
-                error.add_note(f"cleanup {name} also failed: {type(err).__name__}: {err}")
-            elif first is None:
-                first = err
-            else:
-                first.add_note(f"cleanup {name} also failed: {type(err).__name__}: {err}")
-    if first is not None:
-        raise first
-
-
-@contextlib.contextmanager
-def cleaned_up(*cleanups: Callable[[], Any]) -> Iterator[None]:
-    """Run `cleanups` when the block ends; an error of the block stays the one raised (see `run_cleanups`)."""
-    try:
-        yield
-    except BaseException as err:
-        run_cleanups(cleanups, err)
-        raise
-    run_cleanups(cleanups)
 
 
 # ------------------------------------------------------------------------------------------------------- signals
@@ -107,7 +75,6 @@ def tracked_run(cfg: Config, tracker: Tracker | None = None) -> Iterator[Tracker
     own = tracker is None
     with contextlib.ExitStack() as stack:
         if own:
-            from hybridflow.tracking import Tracker
             from hybridflow.trainer.run_dir import claimed_run_dirs
 
             stack.enter_context(claimed_run_dirs(cfg))

@@ -20,11 +20,12 @@ from torch.utils.data import Dataset
 
 from hybridflow.config import Config
 from hybridflow.config.schema import SFTConfig
+from hybridflow.data.build import build_sft_datasets
 from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
-from hybridflow.trainer.supervised_batch import collate_sft_rows
 from hybridflow.workers.engine_specs import sft_head, sft_spec
+from hybridflow.workers.supervised_batch import collate_sft_rows
 
 if TYPE_CHECKING:
     from hybridflow.tracking import Tracker
@@ -37,8 +38,6 @@ class SFTAlgorithm(SupervisedAlgorithm):
     sec: SFTConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
-        from hybridflow.data.build import build_sft_datasets
-
         return build_sft_datasets(self.cfg.data, self.tokenizer, label_noise=self.cfg.sft.label_noise)
 
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:

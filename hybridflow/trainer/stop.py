@@ -5,6 +5,8 @@ Why not raise from the handler as Python does by default: an exception thrown in
 worker call, an optimizer step or a checkpoint write, and the progress since the last save is lost; finishing the
 step costs one step's time and keeps everything (in `one_step_off` / `async` modes the save also waits for the
 rollouts in flight, which the checkpoint keeps: up to `max_staleness + 1` batches of generation).
+`run_cleanups` / `cleaned_up`: what runs on the way out (the last save, the workers), every step even after one
+fails.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +104,36 @@ def signals_deferred(what: str) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------------------------------------ cleanups
+def run_cleanups(cleanups: Sequence[Callable[[], Any]], error: BaseException | None = None) -> None:
+    """Call every cleanup, even after one fails. With `error` in flight, each failure becomes a note on `error`
+    (and a log line) and nothing is raised here: the caller re-raises `error`. Without, the first failure is
+    raised once all ran, later ones attached to it as notes."""
+    first: BaseException | None = None
+    for cleanup in cleanups:
+        try:
+            cleanup()
+        except Exception as err:
+            name = getattr(cleanup, "__qualname__", repr(cleanup))
+            if error is not None:
+                logger.error("cleanup %s failed after the run had failed: %s: %s", name, type(err).__name__, err)
+                error.add_note(f"cleanup {name} also failed: {type(err).__name__}: {err}")
+            elif first is None:
+                first = err
+            else:
+                first.add_note(f"cleanup {name} also failed: {type(err).__name__}: {err}")
+    if first is not None:
+        raise first
+
+
+@contextlib.contextmanager
+def cleaned_up(*cleanups: Callable[[], Any]) -> Iterator[None]:
+    """Run `cleanups` when the block ends; an error of the block stays the one raised (see `run_cleanups`)."""
+    try:
+        yield
+    except BaseException as err:
+        run_cleanups(cleanups, err)
+        raise
+    run_cleanups(cleanups)

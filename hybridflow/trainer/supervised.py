@@ -21,10 +21,17 @@ from torch.utils.data import Dataset
 
 from hybridflow.config import Config
 from hybridflow.config.plan import BATCH_UNITS, planned_steps
+from hybridflow.config.resolved import process_on_nodes
 from hybridflow.config.schema import DPOConfig, RMConfig, SFTConfig
+from hybridflow.controller import ResourcePool, WorkerGroup, build_backend
+from hybridflow.data.dataloader import StatefulDataLoader
+from hybridflow.data.templates import save_tokenizer
+from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import reduce_metrics
+from hybridflow.trainer.run import cleaned_up, tracked_run
+from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,8 +53,6 @@ class SupervisedAlgorithm(Algorithm):
 
     def __init__(self, cfg: Config, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  tracker: Tracker | None = None) -> None:
-        from hybridflow.models.loader import load_tokenizer
-
         self.cfg, self.tracker = cfg, tracker
         self.sec: SFTConfig | RMConfig | DPOConfig = getattr(cfg, self.section)
         self.guarded = (self.section,)
@@ -101,8 +106,6 @@ class SupervisedAlgorithm(Algorithm):
 
     # ----------------------------------------------------------------------------------------------- build
     def _world_size(self) -> int:
-        from hybridflow.config.resolved import process_on_nodes
-
         return sum(process_on_nodes(self.cfg))
 
     def _check_batch_size(self) -> None:
@@ -112,17 +115,12 @@ class SupervisedAlgorithm(Algorithm):
                              f"(trainer.nnodes × trainer.n_gpus_per_node); use e.g. {max(w, b // w * w)}")
 
     def make_loader(self, ds: Dataset, shuffle: bool, drop_last: bool) -> StatefulDataLoader:
-        from hybridflow.data.dataloader import StatefulDataLoader
-
         d = self.cfg.data
         return StatefulDataLoader(ds, self.sec.batch_size, shuffle=shuffle, drop_last=drop_last, seed=d.seed,
                                   num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
                                   persistent_workers=d.persistent_workers, collate_fn=self.collate_fn())
 
     def _build_group(self) -> SupervisedGroup:
-        from hybridflow.controller import ResourcePool, WorkerGroup, build_backend
-        from hybridflow.workers.supervised import SupervisedGroup, SupervisedWorker
-
         worker = functools.partial(SupervisedWorker, self.cfg, self.engine_spec(), self.train_head(), self.loss,
                                    self.loss_kwargs(), self.ref_spec(), self.generates())
         self.pool: ResourcePool = ResourcePool.from_config(self.cfg)
@@ -158,7 +156,6 @@ class SupervisedAlgorithm(Algorithm):
     def export(self) -> Path:
         """Write the trained model as an HF directory (`<section>.export_dir`, default `<run_dir>/hf`); its
         tokenizer carries the chat template the prompts were built with (`data.chat_template`)."""
-        from hybridflow.data.templates import save_tokenizer
 
         out = self.export_dir()
         self.group.export_hf(str(out))
@@ -196,7 +193,6 @@ def run_supervised(trainer_cls: type[SupervisedTrainer], cfg: Config,
                    tracker: Tracker | None = None) -> tuple[Path, list[dict[str, float]]]:
     """Build `trainer_cls(cfg)`, fit, export; returns (HF directory, per-step metrics). The tracker is built from
     `trainer.logger` when not given (and closed with the run's status, see `hybridflow.trainer.run`)."""
-    from hybridflow.trainer.run import cleaned_up, tracked_run
 
     with tracked_run(cfg, tracker) as tracker:
         trainer = trainer_cls(cfg, tracker=tracker)

@@ -23,6 +23,7 @@ import numpy as np
 
 from hybridflow.agentic.trajectory import decoded_turns, format_turns
 from hybridflow.config import Config
+from hybridflow.data import make_dataloader
 from hybridflow.rewards.manager import extras_means
 from hybridflow.trainer.metrics import per_source_scores
 
@@ -70,8 +71,6 @@ class Generator(Protocol):
 class Validator:
     def __init__(self, cfg: Config, val_ds: RLHFDataset, actor: Generator, reward_fn: RewardManager,
                  reward_model: RewardModelGroup | None = None, tracker: Tracker | None = None) -> None:
-        from hybridflow.data import make_dataloader
-
         self.cfg, self.actor, self.reward_fn, self.reward_model = cfg, actor, reward_fn, reward_model
         self.tracker = tracker
         batch_size = cfg.data.val_batch_size or len(val_ds)

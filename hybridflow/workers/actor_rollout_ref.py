@@ -15,11 +15,15 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.engine import TrainEngine, train_update
 from hybridflow.engine.lora import merged_state_dict
+from hybridflow.engine.update import UpdatePlan
+from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 from hybridflow.workers.losses import make_actor_loss
+from hybridflow.workers.supervised_losses import build_loss
 from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, pack_buckets
 
@@ -39,9 +43,6 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridflow.engine import TrainEngine
-        from hybridflow.models.loader import load_tokenizer
-
         self.init_distributed()
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
@@ -85,7 +86,6 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def update_actor(self, data: DataProto, late: Callable[[], DataProto] | None = None) -> dict[str, float]:
         """`late` (in-process workers only): returns `data` with the loss columns it lacks (the advantages), called
         once the first forward is queued (`engine/update.py`)."""
-        from hybridflow.engine import train_update
 
         metrics = train_update(self.actor, data, self.loss_fn, actor_head(self.cfg, entropy=True),
                                actor_plan(self.cfg, self.res.actor), late=late)
@@ -99,9 +99,6 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def update_actor_preference(self, data: DataProto) -> dict[str, float]:
         """Online DPO: one optimizer step of the `dpo.loss_type` loss on interleaved (chosen, rejected) rows and
         their `ref_log_prob` (none for SimPO); log-probs at the sampling temperature, like the reference's."""
-        from hybridflow.engine import train_update
-        from hybridflow.engine.update import UpdatePlan
-        from hybridflow.trainer.supervised_losses import build_loss
 
         d = self.cfg.dpo
         loss_fn = build_loss("preference", loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,

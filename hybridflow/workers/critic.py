@@ -11,6 +11,7 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.engine import TrainEngine, train_update
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import VALUES, critic_plan, critic_spec
 from hybridflow.workers.losses import make_critic_loss
@@ -27,8 +28,6 @@ class CriticWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridflow.engine import TrainEngine
-
         self.init_distributed()
         cfg = self.cfg
         torch.manual_seed(self.cfg.trainer.seed)  # the new scalar head is randomly initialised
@@ -45,8 +44,6 @@ class CriticWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     @keys.checked_stage(keys.UPDATE_CRITIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:
-        from hybridflow.engine import train_update
-
         plan = critic_plan(self.cfg, resolve(self.cfg).critic)
         metrics = train_update(self.critic, data, self.loss_fn, VALUES, plan)
         metrics = {(k if "/" in k else f"critic/{k}"): v for k, v in metrics.items()}

@@ -11,6 +11,7 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import build_rollout
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
 
 def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Any, device: torch.device) -> RolloutEngine:
     """A rollout engine over `engine`'s module (`rollout.*`, `data.max_prompt_length` / `max_response_length`)."""
-    from hybridflow.rollout import build_rollout
 
     return build_rollout(
         engine.module, cfg.rollout, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

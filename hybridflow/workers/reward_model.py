@@ -13,6 +13,7 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, RoleGroup, Worker, gathered, per_rank, register
+from hybridflow.engine import TrainEngine
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import SCORES, reward_model_spec
 
@@ -28,8 +29,6 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine import TrainEngine
-
         if not self.cfg.reward.reward_model.path:
             raise ValueError("reward.reward_model.path is required when a reward source is `model`: "
                              "train one with `hybridflow rm` and point reward.reward_model.path at its export")

@@ -31,7 +31,10 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, RoleGroup, Worker, future, per_rank, register
+from hybridflow.engine.fsdp import DTYPES, resolve_dtype
+from hybridflow.models.loader import load_module, load_tokenizer
 from hybridflow.protocol import DataProto, keys
+from hybridflow.rollout import build_rollout
 from hybridflow.workers.hybrid_generate import seeds_to_meta
 from hybridflow.workers.weight_collective import CollectiveWeights, WeightReceiver
 from hybridflow.workers.weight_sync import WeightBucket, full_parameters, load_buckets
@@ -74,10 +77,6 @@ class RolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine.fsdp import DTYPES, resolve_dtype
-        from hybridflow.models.loader import load_module, load_tokenizer
-        from hybridflow.rollout import build_rollout
-
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
         # the actor's master dtype: the rollout engine casts (bf16 on GPU) exactly as the hybrid engine does; with

@@ -21,12 +21,16 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.engine import TrainEngine, train_update
+from hybridflow.engine.checkpoint import full_model_state, write_hf
 from hybridflow.engine.model_forward import HeadRequest
 from hybridflow.engine.spec import EngineSpec
+from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_batch import last_response_values
-from hybridflow.trainer.supervised_losses import build_loss
+from hybridflow.workers.engine_specs import supervised_plan
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
+from hybridflow.workers.supervised_batch import last_response_values
+from hybridflow.workers.supervised_losses import build_loss
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine
@@ -55,8 +59,6 @@ class SupervisedWorker(CheckpointingWorker, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hybridflow.engine import TrainEngine
-
         self.init_distributed()
         # A head missing from the checkpoint (RM from an SFT model) is drawn from the global RNG: seed it the same
         # on every rank so runs repeat and FSDP2 shards one model.
@@ -65,16 +67,12 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         if self.ref_spec is not None:
             self.ref = TrainEngine(self.ref_spec, device=self.device)
         if self.generates:
-            from hybridflow.models.loader import load_tokenizer
-
             self.rollout = build_engine_rollout(self.cfg, self.engine, load_tokenizer(self.cfg.model), self.device)
 
     # ------------------------------------------------------------------------------------------------ train
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def train_batch(self, data: DataProto) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch (the engine micro-batches it)."""
-        from hybridflow.engine import train_update
-        from hybridflow.workers.engine_specs import supervised_plan
 
         metrics = train_update(self.engine, data, self.loss_fn, self.train_head, supervised_plan(len(data)))
         return {k: float(v) for k, v in metrics.items()}
@@ -156,8 +154,6 @@ class SupervisedWorker(CheckpointingWorker, Worker):
     def export_hf(self, out_dir: str) -> str:
         """Write the trained model as an HF directory (LoRA adapters merged into the in-memory base) with the one
         exporter, `hybridflow.engine.checkpoint.write_hf`; every rank gathers its shards, rank 0 writes."""
-        from hybridflow.engine.checkpoint import full_model_state, write_hf
-
         lora = self.engine.spec.lora if self.engine.lora_targets is not None else None
         self.engine.state_dict()  # brings offloaded parameters onto the device
         state = full_model_state(self.engine.module, None if lora is None else lora.alpha / lora.rank)

@@ -194,8 +194,8 @@ def test_multi_turn_config_is_off_by_default_and_validated():
 
 
 def test_python_tool_runs_in_the_sandbox():
+    from hybridflow import sandbox
     from hybridflow.agentic.tools import PythonTool
-    from hybridflow.rewards import sandbox
 
     if not any(sandbox.available(m) for m in sandbox.ISOLATED_MODES):
         pytest.skip("no sandbox mode works on this host (tests/rewards/test_sandbox.py covers the refusal)")

@@ -12,7 +12,7 @@ import torch
 
 from hybridflow.algorithms.preference import PairLogps, dpo, ipo, preference_loss, simpo
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_losses import PairPreferenceLoss
+from hybridflow.workers.supervised_losses import PairPreferenceLoss
 
 
 def _log_sigmoid(z: float) -> float:

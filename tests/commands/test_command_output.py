@@ -114,7 +114,7 @@ def test_eval_leaves_no_checkpoint_directory(tmp_path, capsys, monkeypatch) -> N
 def test_interrupted_train_says_so_and_how_to_resume(config, tmp_path, capsys, monkeypatch) -> None:
     """Ctrl-C: the summary names the step reached, the metrics so far, the checkpoint and the way to resume."""
     import hybridflow.commands.tracked as tracked
-    import hybridflow.trainer.run as run_module
+    import hybridflow.commands.train as run_module
 
     def interrupted_run(cfg, tracker):
         tracker.log({"val/accuracy": 0.125}, 0)

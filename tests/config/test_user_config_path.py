@@ -77,7 +77,7 @@ def test_config_show_diff(capsys):
 
 
 def test_quiet_config_anywhere(tmp_path, monkeypatch, capsys):
-    import hybridflow.trainer.run as run
+    import hybridflow.commands.train as run
 
     seen = []
     monkeypatch.setattr(run, "run_ppo", lambda cfg, tracker=None: seen.append(cfg))

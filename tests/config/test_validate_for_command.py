@@ -57,7 +57,7 @@ def test_step_plan_rule() -> None:
 
 
 def test_code_reward_without_a_sandbox_fails(tmp_path, capsys, monkeypatch) -> None:
-    from hybridflow.rewards import sandbox
+    from hybridflow import sandbox
 
     monkeypatch.setattr(sandbox, "available", lambda mode: mode == "none")
     monkeypatch.setattr(sandbox, "unavailable_reason", lambda mode: "not here")

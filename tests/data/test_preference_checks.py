@@ -8,7 +8,7 @@ import pytest
 
 from hybridflow.data.preference_dataset import PreferenceDataset
 from hybridflow.models.tokenizer import builtin_tokenizer
-from hybridflow.trainer.supervised_batch import collate_pairs
+from hybridflow.workers.supervised_batch import collate_pairs
 
 TOK = builtin_tokenizer()
 GOOD = {"prompt": "2+3?", "chosen": "5", "rejected": "6"}

@@ -9,8 +9,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from hybridflow.data.templates import RAW_TEMPLATE, plain_template, render, save_tokenizer, template_for
+from hybridflow.data.templates import plain_template, render, save_tokenizer
 from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.utils.chat_template import RAW_TEMPLATE, template_for
 
 TOK = builtin_tokenizer()
 CONVERSATIONS = [

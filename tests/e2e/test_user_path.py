@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hybridflow.cli import main
 from hybridflow.config import load_config
 from hybridflow.data.parquet_io import read_rows, write_rows
-from hybridflow.data.templates import RAW_JINJA
+from hybridflow.utils.chat_template import RAW_JINJA
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.rewards import REWARD_FUNCTIONS, sandbox
+from hybridflow import sandbox
+from hybridflow.rewards import REWARD_FUNCTIONS
 
 TESTS = {"test_code": "assert add(2, 3) == 5"}
 WRONG = "def add(a, b):\n    return 0\n"

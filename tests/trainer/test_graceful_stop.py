@@ -100,7 +100,7 @@ def test_sigterm_with_checkpoints_off_says_progress_is_lost(tmp_path: Path, monk
 
 def test_cli_says_interrupted_and_exits_with_the_signal_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    import hybridflow.trainer.run as run_module
+    import hybridflow.commands.train as run_module
 
     def interrupted(cfg: Any, tracker: Any = None) -> None:
         raise Interrupted("interrupted by SIGTERM at step 3 of 9; checkpoint saved to X; rerun the same command "

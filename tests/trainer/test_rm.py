@@ -14,8 +14,8 @@ from hybridflow.models.loader import load_model, load_tokenizer
 from hybridflow.rewards.synthetic import arithmetic
 from hybridflow.rewards.synthetic import sort as sort_score
 from hybridflow.trainer.rm import RMTrainer
-from hybridflow.trainer.supervised_batch import collate_pairs, pair_halves, split_pair
-from hybridflow.trainer.supervised_losses import BradleyTerryLoss
+from hybridflow.workers.supervised_batch import collate_pairs, pair_halves, split_pair
+from hybridflow.workers.supervised_losses import BradleyTerryLoss
 
 
 def _cfg(tmp_path, *extra: str):

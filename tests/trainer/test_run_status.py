@@ -15,9 +15,9 @@ from hybridflow.config import load_config
 from hybridflow.tracking.health import NonFiniteError
 from hybridflow.tracking.jsonl import read_events, read_jsonl
 from hybridflow.trainer.ppo import PPOTrainer
-from hybridflow.trainer.run import run_cleanups, run_ppo
+from hybridflow.trainer.run import run_ppo
 from hybridflow.trainer.sft import SFTTrainer
-from hybridflow.trainer.stop import Interrupted
+from hybridflow.trainer.stop import Interrupted, run_cleanups
 from hybridflow.trainer.supervised import run_supervised
 
 

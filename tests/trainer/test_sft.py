@@ -14,8 +14,8 @@ from hybridflow.config import load_config
 from hybridflow.data import SFTDataset, task_splits
 from hybridflow.models.loader import load_model, load_tokenizer
 from hybridflow.trainer.sft import SFTTrainer, run_sft
-from hybridflow.trainer.supervised_batch import collate_sft_rows, split_at_first_loss_token
-from hybridflow.trainer.supervised_losses import SFTLoss
+from hybridflow.workers.supervised_batch import collate_sft_rows, split_at_first_loss_token
+from hybridflow.workers.supervised_losses import SFTLoss
 
 
 def _cfg(tmp_path, *extra: str):

@@ -13,13 +13,13 @@ from hybridflow.algorithms import POLICY_LOSSES, vanilla_policy_loss
 from hybridflow.config import load_config
 from hybridflow.engine import LossFn
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_losses import (
+from hybridflow.workers.losses import ActorLoss, CriticLoss, make_actor_loss
+from hybridflow.workers.supervised_losses import (
     SUPERVISED_LOSSES,
     BradleyTerryLoss,
     PairPreferenceLoss,
     SFTLoss,
 )
-from hybridflow.workers.losses import ActorLoss, CriticLoss, make_actor_loss
 
 
 @pytest.mark.parametrize("cls", [ActorLoss, CriticLoss, SFTLoss, BradleyTerryLoss, PairPreferenceLoss])

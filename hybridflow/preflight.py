@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridflow import sandbox
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config
 
@@ -184,7 +185,6 @@ def _sandbox_errors(cfg: Config, scorers: set[str]) -> list[str]:
     """A `code` reward needs a working sandbox (bubblewrap or user namespaces) unless unisolated runs are allowed."""
     if "code" not in scorers or cfg.reward.sandbox.allow_unisolated:
         return []
-    from hybridflow.rewards import sandbox
 
     if any(sandbox.available(mode) for mode in sandbox.ISOLATED_MODES):
         return []

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow import sandbox
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
-from hybridflow.rewards import REWARD_FUNCTIONS, RewardManager, sandbox
-from hybridflow.rewards.sandbox import SandboxUnavailableError, run_python
+from hybridflow.rewards import REWARD_FUNCTIONS, RewardManager
+from hybridflow.sandbox import SandboxUnavailableError, run_python
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from hybridflow.algorithms.preference import REFERENCE_FREE, PairLogps, PreferenceLoss, preference_loss
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.supervised_batch import last_response_values, pair_halves
 from hybridflow.utils.registry import Registry
+from hybridflow.workers.supervised_batch import last_response_values, pair_halves
 
 if TYPE_CHECKING:  # the engine's import is heavy (FSDP, transformers); the driver imports these losses by name
     from hybridflow.engine import LossFn
