@@ -10,12 +10,14 @@ import sys
 
 import pytest
 import torch
-from engine_testlib import make_batch, make_engine, nan_loss, nll_loss, train_step
+from engine_testlib import make_batch, make_config, make_engine, nan_loss, nll_loss, train_step
 from torch.distributed.tensor import DTensor
 
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.config import load_config
+from hybridflow.engine import TrainEngine
 from hybridflow.engine.optim import TORCHAO_PIN, build_optimizer, optimizer_state_bytes_per_param
+from hybridflow.workers.engine_specs import sft_spec
 
 pytest.importorskip("torchao")
 
@@ -109,6 +111,12 @@ def test_config_refuses_what_cannot_work(overrides, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[")):
         load_config(files=[], overrides=list(overrides))
     load_config(files=[], overrides=["actor.optim.optimizer=adamw_bf16_sr", "actor.fsdp.param_dtype=bfloat16"])
+
+
+def test_host_step_refuses_a_low_bit_optimizer(dist_group):
+    with pytest.raises(ValueError, match="optim.optimizer='adamw_8bit' with fsdp.optimizer_offload=cpu_step"):
+        TrainEngine(sft_spec(make_config("actor.fsdp.optimizer_offload=cpu_step", "sft.optim.optimizer=adamw_8bit"),
+                             total_steps=None, model_path=None), device="cpu")
 
 
 def test_missing_torchao_names_the_install(monkeypatch):
