@@ -56,6 +56,10 @@ def test_moments_are_quantized_and_the_step_tracks_adamw(name, state_kind, tol, 
     _train(full, 2)
     kinds = {type(s["exp_avg"].to_local()).__name__ for s in low.optimizer.state.values()}
     assert kinds == {state_kind, "Tensor"}, kinds  # large matrices quantized, norms kept in fp32
+    moments = [s[k].to_local() for s in low.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    quantized = [m for m in moments if hasattr(m, "codes")]
+    stored = sum(m.codes.nbytes + m.scale.nbytes for m in quantized) / (sum(m.numel() for m in quantized) / 2)
+    assert stored == optimizer_state_bytes_per_param(name)  # the planner's number is what is allocated
     assert isinstance(low.optimizer.param_groups[0]["lr"], float)
     start = make_engine(*CLIPPED)
     for (param, p), q, p0 in zip(low.module.named_parameters(), full.module.parameters(), start.module.parameters(),
