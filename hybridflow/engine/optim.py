@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from hybridflow.config.schema import OptimConfig
 
-TORCHAO_PIN = "torchao==0.18.0"  # the release tested with this torch (CPU and CUDA); `make install` installs it
+TORCHAO_PIN = "torchao==0.18.0"  # tested with torch 2.13 (CPU); the extra `lowbit`, which `make` installs
 # Optimizer state (the two Adam moments) in bytes per parameter; the master weights add fsdp.param_dtype's size.
 # torchao quantizes a tensor's moments block-wise (one fp32 scale per block of 256 values at 8 bits, 128 at 4 bits)
 # only when it has >= 4096 values divisible by the block; smaller tensors (norms, biases) keep fp32 moments.
@@ -66,13 +66,13 @@ class _FloatLR:
 
 def _build_torchao(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     """The update itself is one `torch.compile`d function per parameter shape (compiled on the first step: seconds
-    per shape on a CPU). bfloat16 parameters are rounded stochastically (unbiased; round-to-nearest would drop
+    per shape on an idle CPU); optional, so imported here. bfloat16 parameters are rounded stochastically (unbiased; round-to-nearest would drop
     updates smaller than half a bf16 step)."""
     try:
         from torchao import optim as ao
     except ImportError as e:
         raise ValueError(f"optim.optimizer={cfg.optimizer!r} needs torchao: pip install {TORCHAO_PIN} "
-                         "(`make install` installs it), or set optim.optimizer=adamw") from e
+                         "(extra `lowbit`, which `make` installs), or set optim.optimizer=adamw") from e
     base = {"adamw_8bit": ao.AdamW8bit, "adamw_4bit": ao.AdamW4bit, "adamw_bf16_sr": ao._AdamW}[cfg.optimizer]
     cls = type(f"{base.__name__}FloatLR", (_FloatLR, base), {})
     return cls(params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, weight_decay=cfg.weight_decay,
