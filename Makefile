@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CPU machines get the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build); GPU machines keep theirs.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,ray,tracking,math
+EXTRAS ?= dev,ray,tracking,math,lowbit
 
 .PHONY: setup sandbox-tool quickstart test lint clean
 

@@ -136,6 +136,9 @@ class DataConfig:
 
 
 # --------------------------------------------------------------------------------------------------- optim / fsdp
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_bf16_sr")  # optim.optimizer
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float
@@ -146,9 +149,13 @@ class OptimConfig:
     lr_warmup_steps_ratio: float
     lr_scheduler: str  # constant | cosine
     min_lr_ratio: float  # cosine floor as a fraction of lr
+    # adamw (torch, fp32 moments) | adamw_8bit | adamw_4bit (torchao, block-quantized moments) | adamw_bf16_sr
+    # (torchao, bf16 master weights and moments, stochastic rounding: needs fsdp.param_dtype=bfloat16)
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _one_of("optim.optimizer", self.optimizer, OPTIMIZERS)
         _one_of("optim.lr_scheduler", self.lr_scheduler, ("constant", "cosine"))
         _check(len(self.betas) == 2, "optim.betas", self.betas, "give two numbers, e.g. [0.9, 0.999]")
         _check(0.0 <= self.lr_warmup_steps_ratio <= 1.0, "optim.lr_warmup_steps_ratio", self.lr_warmup_steps_ratio,
@@ -178,6 +185,16 @@ class FSDPConfig:
     @property
     def cpu_step(self) -> bool:
         return self.optimizer_offload == "cpu_step"
+
+
+def _check_optimizer_fits(section: str, optim: OptimConfig, fsdp: FSDPConfig) -> None:
+    if optim.optimizer == "adamw":
+        return
+    _check(not fsdp.cpu_step, f"{section}.fsdp.optimizer_offload", fsdp.optimizer_offload,
+           f"cpu_step runs torch's AdamW on the host; with {section}.optim.optimizer={optim.optimizer} use true "
+           "(state parked on the CPU between updates) or false, or set optim.optimizer=adamw")
+    _check(optim.optimizer != "adamw_bf16_sr" or fsdp.param_dtype == "bfloat16", f"{section}.fsdp.param_dtype",
+           fsdp.param_dtype, f"{section}.optim.optimizer=adamw_bf16_sr keeps bfloat16 master weights: set bfloat16")
 
 
 # --------------------------------------------------------------------------------------------------- actor
@@ -219,6 +236,7 @@ class ActorConfig:
         _check(self.logprob_chunk_size >= 1, "actor.logprob_chunk_size", self.logprob_chunk_size, "must be >= 1")
         _check(self.tau_pos > 0, "actor.tau_pos", self.tau_pos, "must be > 0 (SAPO's paper: 1.0)")
         _check(self.tau_neg > 0, "actor.tau_neg", self.tau_neg, "must be > 0 (SAPO's paper: 1.05)")
+        _check_optimizer_fits("actor", self.optim, self.fsdp)
 
 
 # --------------------------------------------------------------------------------------------------- rollout
@@ -364,6 +382,7 @@ class CriticConfig:
     def __post_init__(self) -> None:
         _check(self.ppo_mini_batch_size >= 1, "critic.ppo_mini_batch_size", self.ppo_mini_batch_size, "must be >= 1")
         _check(self.ppo_epochs >= 1, "critic.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _check_optimizer_fits("critic", self.optim, self.fsdp)
 
 
 # --------------------------------------------------------------------------------------------------- reward

@@ -126,6 +126,9 @@ class HostOptimizer:
     `optimizer` is the torch AdamW over the masters: the LR schedule, LR scaling and checkpoints use it."""
 
     def __init__(self, model: nn.Module, masters: dict[str, torch.Tensor], cfg: OptimConfig, fused: bool) -> None:
+        if cfg.optimizer != "adamw":  # sft/rm/dpo sections reuse the actor's or critic's fsdp settings
+            raise ValueError(f"optim.optimizer={cfg.optimizer!r} with fsdp.optimizer_offload=cpu_step: the host step "
+                             "is torch's AdamW; set optimizer_offload to true or false, or optim.optimizer=adamw")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if sorted(n for n, _ in named) != sorted(masters):
             raise RuntimeError(f"trained parameters changed after the master copies were cut: {len(named)} now, "
