@@ -6,6 +6,7 @@ guard's request), at most `trainer.rollback.max_rollbacks` times. Counting is th
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ class RollbackTracker:
         """Step of the best-scoring checkpoint (latest among ties; higher is better), or None."""
         best: tuple[float, int] | None = None
         for step, score in sorted(self.ckpt_scores.items()):
+            if not math.isfinite(score):  # a diverged checkpoint (NaN validation) is never a rollback target
+                continue
             if best is None or not best[0] > score:
                 best = (score, step)
         return None if best is None else best[1]

@@ -179,8 +179,8 @@ class TrainEngine:
         """Start moving the parked optimizer state (`optimizer_offload=true`) to the device on a side stream, so the
         copy overlaps the update's first forward/backward passes; `step()` waits for it (`_optimizer_arrived`)."""
         if (self.device.type != "cuda" or self.optimizer is None or self.host_optimizer is not None
-                or self._optim_on_device):
-            self._enter(optim=True)
+                or self._optim_on_device or not _plain_state(self.optimizer)):
+            self._enter(optim=True)  # (low-bit state: torchao's tensor subclasses, moved synchronously)
             return
         self._place(params=True, optim=False)
         main = torch.cuda.current_stream(self.device)
@@ -558,6 +558,16 @@ def _once(fn: Callable[[], DataProto]) -> Callable[[], DataProto]:
         return box[0]
 
     return call
+
+
+def _plain_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Every state tensor is a plain tensor or a DTensor of one (the stream bookkeeping of the prefetch needs it)."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if isinstance(local, torch.Tensor) and type(local) is not torch.Tensor:
+                return False
+    return True
 
 
 def _wants_fused_optimizer(device: torch.device) -> bool:

@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass
 
 from hybridflow.planning.from_config import PlanInputs, with_engine
-from hybridflow.planning.memory import GiB, MemoryPlan, needed_bytes, plan_memory
+from hybridflow.planning.memory import ADAM_BYTES, GiB, MemoryPlan, needed_bytes, plan_memory
 from hybridflow.planning.step_time import Gpu, StepTime, predict_step_time
 
 OFFLOADS: tuple[bool | str, ...] = (False, True, "cpu_step")
@@ -53,7 +53,8 @@ def _candidates(inputs: PlanInputs) -> list[tuple[PlanInputs, dict[str, object]]
     roles = [r for r in TRAINED if r in inputs.engines]
     actor = inputs.engines["actor"]
     ckpts = sorted({actor.checkpointing, True})
-    offloads = [o for o in OFFLOADS if not (actor.lora_rank and o == "cpu_step")]
+    # cpu_step: full fine-tuning with torch's AdamW only (not LoRA, not the low-bit optimizers)
+    offloads = [o for o in OFFLOADS if not ((actor.lora_rank or actor.state_bytes != ADAM_BYTES) and o == "cpu_step")]
     ref_offloads = sorted({inputs.engines["ref"].param_offload, True}) if "ref" in inputs.engines else [None]
     frees = sorted({inputs.rollout.free_cache_engine, True})
     out = []

@@ -15,8 +15,9 @@ from hybridflow.config import Config
 from hybridflow.config.auto_sizes import auto_keys, gpu_values, model_shape
 from hybridflow.config.loader import load_config, merge_sources
 from hybridflow.config.resolved import resolve
+from hybridflow.engine.optim import optimizer_state_bytes_per_param
 from hybridflow.engine.spec import EngineSpec, MicroBatching
-from hybridflow.planning.memory import EngineSettings, RolloutSettings
+from hybridflow.planning.memory import ADAM_BYTES, EngineSettings, RolloutSettings
 from hybridflow.planning.model_shape import ModelShape, lora_targets, read_config_json, read_shape
 from hybridflow.workers.engine_specs import REF_LOGPROB_CHUNK, actor_spec, critic_spec, ref_spec
 
@@ -47,6 +48,7 @@ def engine_settings(role: str, spec: EngineSpec, shape: ModelShape, world: int, 
         role=role, shape=shape, head=spec.head, trainable=spec.trainable, lora_rank=lora,
         lora_targets=lora_targets(spec.model) if lora else (), master_bytes=DTYPE_BYTES[f.param_dtype],
         compute_bytes=compute_bytes, reduce_bytes=DTYPE_BYTES[f.reduce_dtype], optimizer_offload=f.optimizer_offload,
+        state_bytes=optimizer_state_bytes_per_param(spec.optimizer.optim.optimizer) if spec.optimizer else ADAM_BYTES,
         param_offload=f.param_offload, reshard_after_forward=f.reshard_after_forward,
         defer_grad_sync=f.defer_grad_sync,
         checkpointing=spec.trainable and spec.model.enable_gradient_checkpointing,

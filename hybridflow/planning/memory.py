@@ -56,6 +56,7 @@ class EngineSettings:
     compute_bytes: int = 2  # model.dtype on GPU
     reduce_bytes: int = 4  # fsdp.reduce_dtype
     optimizer_offload: bool | str = False  # false | true | cpu_step
+    state_bytes: float = ADAM_BYTES  # optimizer state per parameter (optim.optimizer: fp32 AdamW 8; 8-bit ~2)
     param_offload: bool = False
     reshard_after_forward: bool = True
     defer_grad_sync: bool | str = "auto"
@@ -115,7 +116,7 @@ class EngineSettings:
     def optimizer_gpu_bytes(self) -> int:
         if not self.trainable or self.cpu_step:
             return 0
-        return self._shard(self.trained_shapes(), self.world) * ADAM_BYTES
+        return int(self._shard(self.trained_shapes(), self.world) * self.state_bytes)
 
     def host_bytes(self) -> int:
         """Host memory this rank keeps for the engine: cpu_step masters + moments (+ 2 pinned 256 MB staging
@@ -125,7 +126,7 @@ class EngineSettings:
         if self.cpu_step:
             out += shard * (4 + ADAM_BYTES) + 2 * 256 * 2**20
         elif self.trainable and self.optimizer_offload:
-            out += shard * ADAM_BYTES
+            out += int(shard * self.state_bytes)
         if self.param_offload:
             out += self.param_bytes()
         return out

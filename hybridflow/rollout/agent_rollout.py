@@ -63,9 +63,9 @@ class AgentRollout:
         sessions = [f"r{self.calls}-{i}-{j}" for i in range(B) for j in range(n)]
         sched = AgentScheduler(runner, self.tok, self.template, params, eos_ids=eos_ids, prompt_width=self.P,
                                check_every=check_every, seed=row_seed(params.seed, self.calls))
+        server.serving.set()  # before the agents start: an early first request must not meet a 503
         tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions,
                                       max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s))
-        server.serving.set()
         try:
             sched.serve(server.calls, tasks.done)
         except BaseException:

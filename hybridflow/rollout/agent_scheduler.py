@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from hybridflow.agentic.agent_session import Branch, Plan, Session, normalize
 from hybridflow.agentic.chat_delta import ChatDelta
@@ -125,9 +126,9 @@ class AgentScheduler:
         for call in batch:
             try:
                 self.waiting.append(self._job(call))
-            except (ApiError, ValueError, TypeError) as err:
+            except (ApiError, ValueError, TypeError, TemplateError) as err:  # the request's fault: answer 400
                 self.stats["bad_requests"] += 1
-                call.reply(err if isinstance(err, ApiError) else ApiError(str(err)))
+                call.reply(err if isinstance(err, ApiError) else ApiError(f"{type(err).__name__}: {err}"))
 
     def _job(self, call: Call) -> Job:
         body = call.body
@@ -200,7 +201,9 @@ class AgentScheduler:
             info = self.info.get(slot) if slot is not None else None
             if info is not None and info.owner is parent:
                 step = len(start.resp) - len(job.plan.new_ids) - info.hist
-                if step >= 1 and step + len(job.plan.new_ids) < self.R:
+                # the slot's response columns end at min(R, cache length - its prompt width): a session admitted
+                # wider than data.max_prompt_length (long tool schemas, a re-prefill after eviction) has fewer
+                if step >= 1 and step + len(job.plan.new_ids) < min(self.R, self.r.cache.max_len - info.width):
                     self.waiting.remove(job)
                     parent.slot, info.owner = None, None
                     job.branches, job.slots = [start], [slot]
@@ -279,7 +282,7 @@ class AgentScheduler:
         for width, group in by_width.items():
             caps = []
             for job, s, new_ids, step in group:
-                cap = min(self.R, step + len(new_ids) + job.max_tokens)
+                cap = min(self.R, self.r.cache.max_len - width, step + len(new_ids) + job.max_tokens)
                 self.r.max_new[s] = cap
                 caps.append(cap)
             lengths = self.r.extend_many([(s, new, self.info[s].pos0) for _, s, new, _ in group], width,

@@ -139,7 +139,8 @@ class HealthMonitor:
         value = metrics.get(self.val_metric)
         if value is None:
             return None
-        if math.isnan(value) or (self._val_history and value < self._val_history[-1]):
+        finite = [v for v in self._val_history if math.isfinite(v)]  # after a NaN, compare with the last number
+        if math.isnan(value) or (finite and value < finite[-1]):
             self._val_drops += 1
         else:
             self._val_drops = 0

@@ -29,3 +29,15 @@ def test_fit_micro_batch_shrinks_with_memory():
 def test_a_config_that_fits_is_kept():
     inputs = plan_inputs(load_config(overrides=OVERRIDES, validate=False))
     assert choose(inputs, GPUS["h200"]).overrides == []
+
+
+def test_low_bit_optimizer_state_is_counted_and_never_paired_with_cpu_step():
+    from hybridflow.planning.choose import _candidates
+
+    fp32 = plan_inputs(load_config(overrides=OVERRIDES, validate=False)).engines["actor"]
+    eight = plan_inputs(load_config(overrides=[*OVERRIDES, "actor.optim.optimizer=adamw_8bit"],
+                                    validate=False))
+    assert eight.engines["actor"].optimizer_gpu_bytes() < fp32.optimizer_gpu_bytes() / 3.5  # ~2 vs 8 bytes
+    offloads = lambda inputs: {c.get("actor.fsdp.optimizer_offload") for _, c in _candidates(inputs)}  # noqa: E731
+    assert "cpu_step" in offloads(plan_inputs(load_config(overrides=OVERRIDES, validate=False)))
+    assert "cpu_step" not in offloads(eight)

@@ -108,3 +108,22 @@ def test_memory_near_limit() -> None:
 def test_bad_config_is_rejected() -> None:
     with pytest.raises(ValueError, match="jitter_window"):
         HealthMonitor(SimpleNamespace(**{**vars(CFG), "jitter_window": 1}))
+
+
+def test_a_fall_after_a_nan_is_measured_against_the_last_number() -> None:
+    """0.8 → NaN → 0.5: two falls (the NaN, then 0.5 below 0.8), not a recovery after the NaN."""
+    cfg = SimpleNamespace(**{**vars(CFG), "val_drop_patience": 2})
+    mon = HealthMonitor(cfg)
+    kinds = [[ev.kind for ev in mon.check({"val/reward": v, "timing/gen": 0.1}, i)]
+             for i, v in enumerate([0.8, float("nan"), 0.5])]
+    assert kinds[2] == ["val_drop"]
+
+
+def test_rollback_never_targets_a_checkpoint_scored_nan() -> None:
+    from hybridflow.checkpoint.recovery import RollbackTracker
+
+    tracker = RollbackTracker()
+    for step, value in ((10, 0.8), (20, float("nan")), (30, float("nan"))):
+        tracker.observe({"val/reward": value})
+        tracker.on_checkpoint(step)
+    assert tracker.best_step == 10
