@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import conftest
+import importlib.util
+from pathlib import Path
+
+# by path: `import conftest` finds whichever directory's conftest this worker imported first
+_SPEC = importlib.util.spec_from_file_location("tests_root_conftest", Path(__file__).with_name("conftest.py"))
+conftest = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(conftest)
 
 
 class _Item:
