@@ -47,6 +47,15 @@ def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: flo
         raise ValueError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable it")
 
 
+def _aggregate(pg_losses: Tensor, mask: Tensor, rollout_is_weights: Tensor | None, loss_agg_mode: str,
+               global_normalizer: Tensor | float | None, max_len: int | None) -> Tensor:
+    """Every loss's last step: the off-policy correction's detached per-token weights (rollout_is.py), then
+    `agg_loss` with the mini-batch's global normaliser."""
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return agg_loss(pg_losses, mask, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
+
+
 @POLICY_LOSSES.register("vanilla", "ppo")
 def vanilla_policy_loss(
     old_log_prob: Tensor,
@@ -87,10 +96,7 @@ def vanilla_policy_loss(
     else:
         pg_losses = loss_ppo
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
-    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
-        pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
-    return loss, metrics
+    return _aggregate(pg_losses, m, rollout_is_weights, loss_agg_mode, global_normalizer, max_len), metrics
 
 
 @POLICY_LOSSES.register("gspo")
@@ -134,10 +140,7 @@ def gspo_policy_loss(
         "pg_clipfrac_lower": torch.zeros((), device=ratio.device),
         "ppo_kl": masked_mean(-log_ratio, m).detach(),
     }
-    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
-        pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
-    return loss, metrics
+    return _aggregate(pg_losses, m, rollout_is_weights, loss_agg_mode, global_normalizer, max_len), metrics
 
 
 @functools.cache
@@ -181,10 +184,7 @@ def cispo_policy_loss(
         "pg_clipfrac_lower": masked_mean((ratio < 1 - clip_ratio_low).float(), m).detach(),
         "ppo_kl": masked_mean(-log_ratio, m).detach(),
     }
-    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
-        pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
-    return loss, metrics
+    return _aggregate(pg_losses, m, rollout_is_weights, loss_agg_mode, global_normalizer, max_len), metrics
 
 
 @POLICY_LOSSES.register("sapo")
@@ -228,7 +228,4 @@ def sapo_policy_loss(
         "pg_clipfrac_lower": masked_mean((ratio < 1 - clip_ratio_low).float(), m).detach(),
         "ppo_kl": masked_mean(-log_ratio, m).detach(),
     }
-    if rollout_is_weights is not None:  # off-policy correction (rollout_is.py): detached per-token weights
-        pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(pg_losses, m, loss_agg_mode, global_normalizer=global_normalizer, max_len=max_len)
-    return loss, metrics
+    return _aggregate(pg_losses, m, rollout_is_weights, loss_agg_mode, global_normalizer, max_len), metrics
