@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.lora_gpu import SEVEN_B, TUNED
-from benchmarks.run import bench_overrides, synthetic_batch, track_generate_peak, track_stage_peaks
+from benchmarks.run import bench_overrides, synthetic_batch, track_stage_peaks
 from hybridflow.engine import host_optim
 
 log = logging.getLogger("bench.cpu_step_7b")
@@ -103,7 +103,6 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         res["after_build"] |= {"gpu_allocated_gb": torch.cuda.memory_allocated() / 2**30,
                                "gpu_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
     save(res)
-    track_generate_peak(trainer, torch.device("cuda" if cuda else "cpu"))
     vocab = preset_config(args.preset).vocab_size
     try:
         for i in range(args.warmup + args.steps):

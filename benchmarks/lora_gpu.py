@@ -99,7 +99,7 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
     come (a later OOM or timeout keeps the steps before it)."""
     import torch
 
-    from benchmarks.run import bench_overrides, synthetic_batch, track_generate_peak, track_stage_peaks
+    from benchmarks.run import bench_overrides, synthetic_batch, track_stage_peaks
     from hybridflow.config import load_config
     from hybridflow.models.presets import preset_config
     from hybridflow.trainer.ppo import PPOTrainer
@@ -120,7 +120,6 @@ def run_hybridflow(spec: dict[str, Any], save: Any) -> dict[str, Any]:
         res["resting_gb"] = torch.cuda.memory_allocated() / 2**30  # weights (+ optimizer state) before step 1
         res["build_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     save(res)
-    track_generate_peak(trainer, dev)
     vocab = preset_config(spec["preset"]).vocab_size
     try:
         for i in range(spec["warmup"] + spec["steps"]):
@@ -234,7 +233,7 @@ def summary_row(row: dict[str, Any]) -> dict[str, Any]:
             "update_s": med.get("timing/update_actor"), "switch_ms": (r.get("switch_ms") or {}).get("median"),
             "switch_max_ms": (r.get("switch_ms") or {}).get("max"),
             "peak_gb": r.get("peak_gb") or med.get("perf/step_peak_memory_gb"),
-            "gen_peak_gb": med.get("perf/gen_peak_memory_gb"), "resident_gb": med.get("perf/after_step_allocated_gb"),
+            "gen_peak_gb": med.get("perf/peak_gb/generate"), "resident_gb": med.get("perf/after_step_allocated_gb"),
             "startup_s": r.get("startup_s"), "steps_done": len(r.get("steps") or [])}
 
 
