@@ -145,7 +145,8 @@ def test_fork_bomb_is_bounded_and_killed(mode: str) -> None:
             "    except OSError:\n        break\n    if pid == 0:\n"
             + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfbomb").splitlines())
             + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, flush=True)\ntime.sleep(60)\n")
-    r = run_python(code, timeout_s=1.5, mode=mode)
+    # the bomb must reach the process limit and print before the timeout: 1.5 s was too short on a busy 2-core box
+    r = run_python(code, timeout_s=4.0, mode=mode)
     assert r.timed_out and r.stdout.strip(), r
     assert int(r.stdout) < sandbox.current_config().max_processes
     assert _wait_gone("hfbomb") == [], "fork-bomb processes outlived the sandbox"
