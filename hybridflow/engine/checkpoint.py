@@ -77,12 +77,20 @@ def set_host_step_state(model: torch.nn.Module, host: HostOptimizer, state: dict
     host.load(state["model"], state["optimizer"])
 
 
-def full_model_state(model: torch.nn.Module, lora_scale: float | None = None) -> dict[str, torch.Tensor]:
+def full_model_state(model: torch.nn.Module, lora_scale: float | None = None, *, keep: bool = True
+                     ) -> dict[str, torch.Tensor]:
     """The unsharded CPU model state (collective: every rank calls it, with its parameters on the device); with
-    `lora_scale` (alpha / rank) the adapters are merged into the in-memory base weights, a plain model's state."""
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-             for k, v in get_model_state_dict(model).items()}
-    return state if lora_scale is None else merged_state_dict(state, lora_scale)
+    `lora_scale` (alpha / rank) the adapters are merged into the in-memory base weights, a plain model's state.
+    Parameters are gathered one at a time; a rank with `keep=False` (not the writer) drops each one after the
+    collective and gets `{}` — one full copy on the host in all, not one per rank."""
+    state = {}
+    for k, v in get_model_state_dict(model).items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        if keep:
+            state[k] = full.detach().cpu()
+    if not keep or lora_scale is None:
+        return state
+    return merged_state_dict(state, lora_scale)
 
 
 def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path, *, merge: bool = True,

@@ -153,10 +153,12 @@ class SupervisedWorker(CheckpointingWorker, Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> str:
         """Write the trained model as an HF directory (LoRA adapters merged into the in-memory base) with the one
-        exporter, `hybridflow.engine.checkpoint.write_hf`; every rank gathers its shards, rank 0 writes."""
+        exporter, `hybridflow.engine.checkpoint.write_hf`; every rank takes part in each parameter's gather, only
+        rank 0 keeps the copy and writes."""
         lora = self.engine.spec.lora if self.engine.lora_targets is not None else None
         self.engine.state_dict()  # brings offloaded parameters onto the device
-        state = full_model_state(self.engine.module, None if lora is None else lora.alpha / lora.rank)
+        state = full_model_state(self.engine.module, None if lora is None else lora.alpha / lora.rank,
+                                 keep=self.rank == 0)
         self.engine.to_rest()
         if self.rank == 0:
             write_hf(state, self.cfg.model, out_dir)

@@ -17,15 +17,20 @@ def _train_and_dump(rank: int, world: int, out: str, overrides: list[str]) -> No
     sys.path.insert(0, HERE)
     from engine_testlib import logprobs, make_batch, make_engine, nll_loss, train_step
 
+    from hybridflow.engine.checkpoint import full_model_state
+
     engine = make_engine(*overrides)
     if "actor.fsdp.defer_grad_sync=true" in overrides:
         assert engine._defer_grad_sync  # N ranks too: one reduce-scatter per mini-batch
     data = make_batch(batch=8, seed=11).chunk(world)[rank]  # the dispatcher's DP split
     metrics = [train_step(engine, data, nll_loss) for _ in range(2)]
     logp = logprobs(engine, data)["log_probs"]
+    exported = full_model_state(engine.module, keep=rank == 0)  # the exporter's gather: rank 0 keeps the only copy
+    assert (exported == {}) == (rank != 0)
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
                for n, p in engine.module.named_parameters()}
     if rank == 0:
+        weights.update({f"_export.{n}": t.clone() for n, t in exported.items()})
         weights["_loss"] = torch.tensor([m["loss"] for m in metrics])
         weights["_grad_norm"] = torch.tensor([m["grad_norm"] for m in metrics])
         save_file(weights, f"{out}/w{world}.safetensors")
@@ -54,6 +59,8 @@ def test_world_size_1_and_2_agree(tmp_path, overrides, dist_group):
     torch.testing.assert_close(one["_grad_norm"], two["_grad_norm"], atol=1e-5, rtol=1e-5)
     for name in one:
         torch.testing.assert_close(one[name], two[name], atol=1e-5, rtol=0, msg=name)
+        if not name.startswith("_"):  # the exported state is the trained weights
+            assert torch.equal(two[f"_export.{name}"], two[name]), name
     logp_two = torch.cat([load_file(tmp_path / f"logp2_{r}.safetensors")["logp"] for r in range(2)])
     torch.testing.assert_close(load_file(tmp_path / "logp1_0.safetensors")["logp"], logp_two, atol=1e-5, rtol=1e-5)
 
