@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.rollout.model_runner import ModelRunner
-from hybridflow.rollout.scheduler import Batch, GenerateResult, Scheduler
+from hybridflow.rollout.scheduler import GenerateResult, RunState, Scheduler
 
 if TYPE_CHECKING:
     from hybridflow.agentic.session import Pending, ToolSession
@@ -46,8 +46,8 @@ class MultiTurnResult(GenerateResult):
     tool_wait_s: float  # host time spent with no slot to decode, waiting for tools
 
 
-class TurnBatch(Batch):
-    """`Batch` plus what multi-turn adds: the model mask, turn rewards, and the slots paused on tools."""
+class TurnState(RunState):
+    """`RunState` plus what multi-turn adds: the model mask, turn rewards, and the slots paused on tools."""
 
     def __init__(self, r: ModelRunner, B: int, n: int, weight_check: Callable[[], int] | None,
                  pos_BP: torch.Tensor) -> None:
@@ -83,74 +83,74 @@ class MultiTurnScheduler(Scheduler):
             max_new: int, weight_check: Callable[[], int] | None = None) -> MultiTurnResult:
         """As `Scheduler.run`; a paused slot (waiting on tools) that sees new weights samples its next turn with
         them."""
-        b = TurnBatch(self.runner, ids_BP.shape[0], n, weight_check, pos_BP)
-        self._decode(b, ids_BP, mask_BP, pos_BP, n, seeds, max_new)
-        return MultiTurnResult(b.tokens, b.logps, b.lengths, b.decode_steps, b.prefills, b.model_mask,
-                               b.turn_rewards, b.extend_tokens, b.tool_wait, **b.version_fields())
+        st = TurnState(self.runner, ids_BP.shape[0], n, weight_check, pos_BP)
+        self._decode(st, ids_BP, mask_BP, pos_BP, n, seeds, max_new)
+        return MultiTurnResult(st.tokens, st.logps, st.lengths, st.decode_steps, st.prefills, st.model_mask,
+                               st.turn_rewards, st.extend_tokens, st.tool_wait, **st.version_fields())
 
-    def _admitted(self, b: TurnBatch, slots: list[int]) -> None:
+    def _admitted(self, st: TurnState, slots: list[int]) -> None:
         for s in slots:
-            b.turn_start[s], b.appended[s] = 0, []
+            st.turn_start[s], st.appended[s] = 0, []
 
-    def _resume(self, b: TurnBatch, P: int, n: int, max_new: int) -> None:
+    def _resume(self, st: TurnState, P: int, n: int, max_new: int) -> None:
         """Slots whose tools are done: append the results and extend them all in one batched forward."""
-        ready = [s for s, (_, pending, _) in b.paused.items() if pending.ready()]
+        ready = [s for s, (_, pending, _) in st.paused.items() if pending.ready()]
         resume: list[tuple[int, list[int], int]] = []
         resume_steps: list[int] = []
         for s in ready:
-            row, pending, step = b.paused.pop(s)
+            row, pending, step = st.paused.pop(s)
             result = self.session.collect(row, pending)
-            b.turn_rewards[row, step - 1] += result.reward  # the turn's last model token
+            st.turn_rewards[row, step - 1] += result.reward  # the turn's last model token
             new_ids = result.ids
             if new_ids is None or step + len(new_ids) >= max_new:  # ended, or no room for a model token
-                self._finish(b, s, row)
+                self._finish(st, s, row)
                 continue
-            resume.append((s, new_ids, b.resp_pos0[row // n]))
+            resume.append((s, new_ids, st.resp_pos0[row // n]))
             resume_steps.append(step)
-            b.extend_tokens += len(new_ids) + 1
-            b.appended[s].append((step, step + len(new_ids)))
-            b.turn_start[s] = step + len(new_ids)
-            b.live[s] = row
+            st.extend_tokens += len(new_ids) + 1
+            st.appended[s].append((step, step + len(new_ids)))
+            st.turn_start[s] = step + len(new_ids)
+            st.live[s] = row
         if resume:
             lengths_now = self.runner.extend_many(resume, P, steps=resume_steps, max_new=[max_new] * len(resume))
             for (s, _, _), length in zip(resume, lengths_now):
-                b.host_steps[s] = length
+                st.host_steps[s] = length
 
-    def _idle(self, b: TurnBatch) -> None:
-        if b.paused and not any(p.ready() for _, p, _ in b.paused.values()):
+    def _idle(self, st: TurnState) -> None:
+        if st.paused and not any(p.ready() for _, p, _ in st.paused.values()):
             t0 = time.perf_counter()
-            futures = [f for _, p, _ in b.paused.values() for f in p.futures()]
+            futures = [f for _, p, _ in st.paused.values() for f in p.futures()]
             wait(futures, timeout=POLL_S, return_when=FIRST_COMPLETED)
-            b.tool_wait += time.perf_counter() - t0
+            st.tool_wait += time.perf_counter() - t0
 
-    def _retire(self, b: TurnBatch, max_new: int) -> list[int]:
+    def _retire(self, st: TurnState, max_new: int) -> list[int]:
         """A finished turn asks the session for tool calls: with some the slot pauses, else the row is done."""
         r = self.runner
         done, steps_now = r.done_and_steps()  # one sync
-        finished = [s for s in b.live if done[s]]
+        finished = [s for s in st.live if done[s]]
         # the finished slots' outputs in one copy; the GPU keeps nothing queued behind it to wait for
         out_rows = r.out_tok[torch.tensor(finished, device=r.device)].cpu() if finished else None
         for i, s in enumerate(finished):
-            row = b.live.pop(s)
-            del b.host_steps[s]
+            row = st.live.pop(s)
+            del st.host_steps[s]
             step = int(steps_now[s])
-            turn_ids = out_rows[i, b.turn_start[s]: step].tolist()
+            turn_ids = out_rows[i, st.turn_start[s]: step].tolist()
             pending = self.session.on_turn_end(row, turn_ids, turn_complete=step < max_new)
             if pending is None:
-                self._finish(b, s, row)
+                self._finish(st, s, row)
             else:
-                b.paused[s] = (row, pending, step)
+                st.paused[s] = (row, pending, step)
         return finished
 
-    def _finish(self, b: TurnBatch, s: int, row: int) -> None:
+    def _finish(self, st: TurnState, s: int, row: int) -> None:
         r = self.runner
         tok, logp, lens = r.harvest([s])
         length = int(lens[0])
         mask = (torch.arange(r.R, device=r.device) < length).long()
-        for start, end in b.appended.pop(s):
+        for start, end in st.appended.pop(s):
             mask[start:end] = 0
-        b.tokens[row], b.logps[row], b.lengths[row], b.model_mask[row] = tok[0], logp[0] * mask, length, mask
+        st.tokens[row], st.logps[row], st.lengths[row], st.model_mask[row] = tok[0], logp[0] * mask, length, mask
         self.session.end(row)
-        if b.versions is not None:
-            b.versions.finish(s, row)
-        heapq.heappush(b.free, s)
+        if st.versions is not None:
+            st.versions.finish(s, row)
+        heapq.heappush(st.free, s)

@@ -35,7 +35,7 @@ class GenerateResult:
     weight_swaps: int = field(default=0, kw_only=True)  # new weights taken mid-call
 
 
-class Batch:
+class RunState:
     """One `run` call's state, shared by the decode loop and a scheduler's hooks: the output rows, the prompts not
     admitted yet, and the KV slots (free, or decoding a row)."""
 
@@ -73,7 +73,7 @@ class Batch:
 
 
 class Scheduler:
-    """The continuous-batching loop (`_decode`); `MultiTurnScheduler` reuses it through the hook methods below it."""
+    """The continuous-batching loop (`_decode`); `MultiTurnScheduler` reuses it through the hooks below it."""
 
     def __init__(self, runner: ModelRunner, *, max_num_batched_tokens: int, check_every: int) -> None:
         if check_every < 1:
@@ -85,73 +85,74 @@ class Scheduler:
         """Generate n samples for each of B prompts; row i*n+j of the result is sample j of prompt i.
         `weight_check` (partial rollouts): called before each decode chunk, it may install new weights and returns
         the policy version in effect; the result's `versions` says which version sampled each token."""
-        b = Batch(self.runner, ids_BP.shape[0], n, weight_check)
-        self._decode(b, ids_BP, mask_BP, pos_BP, n, seeds, max_new)
-        return GenerateResult(b.tokens, b.logps, b.lengths, b.decode_steps, b.prefills, **b.version_fields())
+        st = RunState(self.runner, ids_BP.shape[0], n, weight_check)
+        self._decode(st, ids_BP, mask_BP, pos_BP, n, seeds, max_new)
+        return GenerateResult(st.tokens, st.logps, st.lengths, st.decode_steps, st.prefills, **st.version_fields())
 
-    def _decode(self, b: Batch, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int,
+    def _decode(self, st: RunState, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int,
                 seeds: list[int], max_new: int) -> None:
         """The loop: admit waiting prompts into free slots, let the hooks resume slots, decode up to
         `check_every` steps, then hand the slots whose `done` flag rose to `_retire`."""
         r = self.runner
         P = ids_BP.shape[1]
         prompts_per_prefill = max(1, self.max_tokens // max(P, 1))
-        while b.busy():
+        while st.busy():
             beat()  # one per decode chunk, for the hang watchdog
-            if b.versions is not None and b.started():
-                b.versions.poll(r, b.in_flight())
-            while b.waiting and len(b.free) >= n:
-                slots, rows = admit_next(r, b.waiting, b.free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP,
+            if st.versions is not None and st.started():
+                st.versions.poll(r, st.in_flight())
+            while st.waiting and len(st.free) >= n:
+                slots, rows = admit_next(r, st.waiting, st.free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP,
                                          seeds, max_new)
-                b.prefills += 1
-                if b.versions is not None:
-                    b.versions.admit(slots)
-                b.live.update(zip(slots, rows))
-                b.host_steps.update((s, 1) for s in slots)
-                self._admitted(b, slots)
-            self._resume(b, P, n, max_new)
-            if not b.live:
-                self._idle(b)
+                st.prefills += 1
+                if st.versions is not None:
+                    st.versions.admit(slots)
+                st.live.update(zip(slots, rows))
+                st.host_steps.update((s, 1) for s in slots)
+                self._admitted(st, slots)
+            self._resume(st, P, n, max_new)
+            if not st.live:
+                self._idle(st)
                 continue
-            remaining = max(max_new - b.host_steps[s] for s in b.live)
+            remaining = max(max_new - st.host_steps[s] for s in st.live)
             todo = min(self.check_every, remaining)
             if todo > 0:
                 # a live slot writes column P + host_steps - 1 at its next step; the chunk must stay below L
-                kv_needed = P + max(b.host_steps.values()) + todo - 1
-                bucket, L = r.shape(max(b.live), remaining, kv_needed)
+                kv_needed = P + max(st.host_steps.values()) + todo - 1
+                bucket, L = r.shape(max(st.live), remaining, kv_needed)
                 for _ in range(todo):
                     r.step_(bucket, L)
-                b.decode_steps += todo
-                for s in b.live:
-                    b.host_steps[s] += todo
-            if not self._retire(b, max_new) and todo == 0:
-                raise RuntimeError(f"scheduler made no progress: live slots {sorted(b.live)} not done at max length")
+                st.decode_steps += todo
+                for s in st.live:
+                    st.host_steps[s] += todo
+            if not self._retire(st, max_new) and todo == 0:
+                raise RuntimeError(f"scheduler made no progress: live slots {sorted(st.live)} not done at max "
+                                   "length")
 
     # ---- hooks: a scheduler that pauses slots between turns (multi_turn.py) overrides these
-    def _admitted(self, b: Batch, slots: list[int]) -> None:
+    def _admitted(self, st: RunState, slots: list[int]) -> None:
         """Slots just prefilled with a new prompt."""
 
-    def _resume(self, b: Batch, P: int, n: int, max_new: int) -> None:
-        """Before each decode chunk: put slots that were set aside back into `b.live`."""
+    def _resume(self, st: RunState, P: int, n: int, max_new: int) -> None:
+        """Before each decode chunk: put slots that were set aside back into `st.live`."""
 
-    def _idle(self, b: Batch) -> None:
-        """No slot is decoding but `b.busy()`: wait for whatever the slots set aside wait on."""
-        raise AssertionError(f"no live slot, yet {len(b.waiting)} prompts wait and {len(b.free)} slots are free")
+    def _idle(self, st: RunState) -> None:
+        """No slot is decoding but `st.busy()`: wait for whatever the slots set aside wait on."""
+        raise AssertionError(f"no live slot, yet {len(st.waiting)} prompts wait and {len(st.free)} slots are free")
 
-    def _retire(self, b: Batch, max_new: int) -> list[int]:
-        """After a decode chunk: the live slots whose `done` flag rose leave `b.live`; returns them."""
+    def _retire(self, st: RunState, max_new: int) -> list[int]:
+        """After a decode chunk: the live slots whose `done` flag rose leave `st.live`; returns them."""
         r = self.runner
         done = r.done_mask().numpy()
-        finished = [s for s in b.live if done[s]]
+        finished = [s for s in st.live if done[s]]
         if finished:
             tok, logp, lens = r.harvest(finished)
-            rows_t = torch.tensor([b.live.pop(s) for s in finished], device=r.device)
-            b.tokens[rows_t], b.logps[rows_t], b.lengths[rows_t] = tok, logp, lens
+            rows_t = torch.tensor([st.live.pop(s) for s in finished], device=r.device)
+            st.tokens[rows_t], st.logps[rows_t], st.lengths[rows_t] = tok, logp, lens
             for s, row in zip(finished, rows_t.tolist()):
-                heapq.heappush(b.free, s)
-                del b.host_steps[s]
-                if b.versions is not None:
-                    b.versions.finish(s, row)
+                heapq.heappush(st.free, s)
+                del st.host_steps[s]
+                if st.versions is not None:
+                    st.versions.finish(s, row)
         return finished
 
 
