@@ -4,6 +4,8 @@ A prompt with n samples is admitted when n slots are free: it is prefilled once 
 slots (prefix sharing). Prefill of admitted prompts is batched up to `max_num_batched_tokens`. Decode runs
 `check_every` steps between looks at the device's `done` flags (the only host sync), never more steps than
 the longest live request can still need, attending only to the cache columns those steps can reach. Slots are handed out lowest first so the decode bucket stays small.
+Decision: one loop (`Scheduler._decode`) with hook methods; multi-turn (`multi_turn.py`) overrides the hooks to
+pause a finished turn's slot while its tools run, rather than keeping a second copy of the loop.
 """
 
 from __future__ import annotations
@@ -160,8 +162,7 @@ def admit_next(r: ModelRunner, waiting: deque[int], free: list[int], n: int, pro
                ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, seeds: list[int],
                max_new: int) -> tuple[list[int], list[int]]:
     """Prefill the next waiting prompts (n samples each) into free KV slots, in one forward; returns the slots
-    taken and the output row of each (prompt p's j-th sample is row p * n + j). Shared by the single- and
-    multi-turn schedulers."""
+    taken and the output row of each (prompt p's j-th sample is row p * n + j)."""
     k = min(len(waiting), len(free) // n, prompts_per_prefill)
     prompts = [waiting.popleft() for _ in range(k)]
     slots = [heapq.heappop(free) for _ in range(k * n)]
