@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.utils.chat_template import template_for
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 _USER, _ASSISTANT = "hfq-user-7b1e", "hfq-assistant-4c2d"  # markers no template rewrites
 
@@ -20,7 +21,7 @@ _USER, _ASSISTANT = "hfq-user-7b1e", "hfq-assistant-4c2d"  # markers no template
 class ChatDelta:
     """`after_turn(messages, stop_id)` and `after_prompt(messages, prompt_ids)` → ids to append."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template_for(tokenizer, chat_template)
         self._end_marker: str | None = None

@@ -8,13 +8,17 @@ this off.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2 import meta
 
 from hybridflow.agentic.tools import build_tools
 from hybridflow.utils.chat_template import template_for
+from hybridflow.utils.tokenizer_protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import MultiTurnConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +32,8 @@ def template_reads_tools(template: str) -> bool:
     return "tools" in meta.find_undeclared_variables(ast)
 
 
-def prompt_tools(mt_cfg: Any, tokenizer: Any, chat_template: str | None = None) -> list[dict[str, Any]] | None:
+def prompt_tools(mt_cfg: MultiTurnConfig | None, tokenizer: Tokenizer, chat_template: str | None = None
+                 ) -> list[dict[str, Any]] | None:
     """The tool schemas the dataset passes to `apply_chat_template(tools=...)`, or None (single-turn, no tools,
     offering off, or a template without tool support)."""
     if mt_cfg is None or not mt_cfg.enable or not mt_cfg.offer_tools_in_prompt:

@@ -24,7 +24,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,10 @@ from hybridflow.agentic.interactions import (
     pick,
 )
 from hybridflow.agentic.tools import Tool, ToolContext, ToolResult, build_tools
+from hybridflow.utils.tokenizer_protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import MultiTurnConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ PendingTools = Pending  # the name the first slice used
 
 
 class ToolSession:
-    def __init__(self, tools: dict[str, Tool], fmt: ToolFormat, tokenizer: Any, *, max_assistant_turns: int,
+    def __init__(self, tools: dict[str, Tool], fmt: ToolFormat, tokenizer: Tokenizer, *, max_assistant_turns: int,
                  max_tool_response_length: int, tool_timeout_s: float, tool_workers: int,
                  interactions: dict[str, InteractionSpec] | None = None, max_user_turns: int = 0,
                  chat_template: str | None = None) -> None:
@@ -110,7 +114,8 @@ class ToolSession:
         self.envs: list[Interaction | None] = []
 
     @classmethod
-    def from_config(cls, mt_cfg: Any, tokenizer: Any, chat_template: str | None = None) -> ToolSession:
+    def from_config(cls, mt_cfg: MultiTurnConfig, tokenizer: Tokenizer, chat_template: str | None = None
+                    ) -> ToolSession:
         tools = build_tools(mt_cfg.tool_config_path, list(mt_cfg.tools))
         interactions = load_interactions(mt_cfg.interaction_config_path) if mt_cfg.interaction_config_path else {}
         if not tools and not interactions:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 
 def split_turns(response_ids: list[int], model_mask: list[int]) -> list[tuple[str, list[int]]]:
@@ -21,7 +21,7 @@ def split_turns(response_ids: list[int], model_mask: list[int]) -> list[tuple[st
     return turns
 
 
-def decoded_turns(tokenizer: Any, response_ids: list[int], model_mask: list[int]) -> list[dict[str, str]]:
+def decoded_turns(tokenizer: Tokenizer, response_ids: list[int], model_mask: list[int]) -> list[dict[str, str]]:
     """`split_turns` with each run decoded (special tokens kept, so turn markers show)."""
     return [{"role": role, "text": tokenizer.decode(ids, skip_special_tokens=False)}
             for role, ids in split_turns(response_ids, model_mask)]

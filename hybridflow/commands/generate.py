@@ -18,6 +18,8 @@ import torch
 
 from hybridflow.commands.common import add_config_args, fail, load_from_args
 from hybridflow.commands.tracked import add_run_flags
+from hybridflow.config.schema import Config
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_flags(parser)  # accepted as by every command that runs a model (generate prints no metrics)
 
 
-def _prompt_ids(tokenizer: Any, value: Any, key: str, row: int, chat_template: str | None) -> list[int]:
+def _prompt_ids(tokenizer: Tokenizer, value: Any, key: str, row: int, chat_template: str | None) -> list[int]:
     from hybridflow.data.templates import MalformedRow, prompt_ids
 
     try:
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(cfg: Any, args: argparse.Namespace) -> int:
+def _generate(cfg: Config, args: argparse.Namespace) -> int:
     from hybridflow.data.collate import pad_sequences, position_ids_from_mask
     from hybridflow.data.parquet_io import read_rows, write_rows
     from hybridflow.models.loader import load_model, load_tokenizer

@@ -315,7 +315,7 @@ def config_key(field_name: str) -> str:
     return stem if field_name.endswith("_") and keyword.iskeyword(stem) else field_name
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
+def to_dict(cfg: Config) -> dict[str, Any]:
     return _config_keys(dataclasses.asdict(cfg))
 
 
@@ -325,5 +325,5 @@ def _config_keys(node: Any) -> Any:
     return node
 
 
-def to_yaml(cfg: Any) -> str:
+def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=110)

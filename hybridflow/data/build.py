@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.data.contract import ground_truth_required
 from hybridflow.data.rl_dataset import RLHFDataset
 from hybridflow.data.sft_dataset import SFTDataset
 from hybridflow.data.tasks import get_task, task_splits
+from hybridflow.utils.tokenizer_protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import DataConfig, RewardConfig
 
 
 def off_by_one(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -33,7 +37,7 @@ def noisy_sft_rows(rows: list[dict], share: float, seed: int,
     return [corrupt(row, rng) if rng.random() < share else row for row in rows]
 
 
-def _rows(data_cfg: Any) -> tuple[list[dict] | None, list[dict] | None]:
+def _rows(data_cfg: DataConfig) -> tuple[list[dict] | None, list[dict] | None]:
     """Rows of the built-in task, or (None, None) when parquet files are configured."""
     if data_cfg.train_files:
         return None, None
@@ -42,8 +46,8 @@ def _rows(data_cfg: Any) -> tuple[list[dict] | None, list[dict] | None]:
     return task_splits(data_cfg.task, data_cfg.train_size, data_cfg.val_size, data_cfg.seed)
 
 
-def build_rl_datasets(data_cfg: Any, tokenizer: Any, reward_cfg: Any = None, tools: list[dict] | None = None
-                      ) -> tuple[RLHFDataset, RLHFDataset | None]:
+def build_rl_datasets(data_cfg: DataConfig, tokenizer: Tokenizer, reward_cfg: RewardConfig | None = None,
+                      tools: list[dict] | None = None) -> tuple[RLHFDataset, RLHFDataset | None]:
     """(train, val) prompt datasets; val is None when parquet training files come without data.val_files.
     Ground truth is required unless `reward_cfg` scores with the reward model only or the data config opts out.
     `tools`: tool schemas rendered into the prompts by the chat template (`agentic.prompting.prompt_tools`)."""
@@ -61,7 +65,7 @@ def build_rl_datasets(data_cfg: Any, tokenizer: Any, reward_cfg: Any = None, too
     return train, val
 
 
-def build_sft_datasets(data_cfg: Any, tokenizer: Any, max_length: int | None = None,
+def build_sft_datasets(data_cfg: DataConfig, tokenizer: Tokenizer, max_length: int | None = None,
                        label_noise: float = 0.0) -> tuple[SFTDataset, SFTDataset | None]:
     """(train, val) SFT datasets from the same files/task; max_length defaults to prompt + response length.
     `label_noise` (built-in tasks only) corrupts that share of the training answers, see `noisy_sft_rows`."""

@@ -15,7 +15,10 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import DataConfig, RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class SkipReport:
                 "example_rows": {k: list(v) for k, v in self.examples.items()}}
 
 
-def ground_truth_required(data_cfg: Any, reward_cfg: Any) -> bool:
+def ground_truth_required(data_cfg: DataConfig, reward_cfg: RewardConfig) -> bool:
     """Whether rows need a ground truth: a reward function scores them and the user did not opt out."""
     if getattr(data_cfg, "allow_missing_ground_truth", False):
         return False

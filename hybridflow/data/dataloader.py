@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from hybridflow.data.collate import collate_rl
 from hybridflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,7 @@ class StatefulDataLoader:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
 
 
-def make_dataloader(dataset: Dataset, data_cfg: Any, batch_size: int | None, shuffle: bool,
+def make_dataloader(dataset: Dataset, data_cfg: DataConfig, batch_size: int | None, shuffle: bool,
                     drop_last: bool, *, seed: int | None = None, name: str | None = None) -> StatefulDataLoader:
     """A StatefulDataLoader with the worker knobs of `data_cfg` (a DataConfig); batch_size None = whole dataset;
     `seed` (default data.seed) shuffles, `name` (default the dataset's) prefixes the group uids."""

@@ -27,6 +27,7 @@ from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.preference_columns import resolve_columns, skip_reason, split_row
 from hybridflow.data.templates import MalformedRow, encode, render
 from hybridflow.protocol import DataProto
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 class PreferenceDataset(Dataset):
     """`__getitem__` → {chosen_input_ids, rejected_input_ids} (unpadded; see `collate_preference`)."""
 
-    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_length: int,
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_length: int,
                  prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
                  chat_template: str | None = None, strict: bool = False, name: str = "preference") -> None:
         self.tokenizer, self.max_length, self.chat_template = tokenizer, max_length, chat_template
@@ -68,7 +69,7 @@ class PreferenceDataset(Dataset):
         return out
 
     @classmethod
-    def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> PreferenceDataset:
+    def from_files(cls, files: str | Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> PreferenceDataset:
         return cls(read_rows(files), tokenizer, **kwargs)
 
     def __len__(self) -> int:

@@ -22,6 +22,7 @@ from hybridflow.data.contract import SkipReport, check_ground_truths, empty_prom
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, render, to_messages
 from hybridflow.protocol import DataProto
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool,
 class RLHFDataset(Dataset):
     """Prompt dataset; `__getitem__` renders the chat template and tokenises (unpadded `input_ids`)."""
 
-    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_prompt_length: int,
                  truncation: str = "error", prompt_key: str = "prompt", strict: bool = False,
                  chat_template: str | None = None, name: str = "train", require_ground_truth: bool = True,
                  tools: list[dict[str, Any]] | None = None) -> None:
@@ -108,7 +109,7 @@ class RLHFDataset(Dataset):
             raise ValueError(f"{name} dataset is empty after validation ({self.skips.summary()}); check the files")
 
     @classmethod
-    def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> RLHFDataset:
+    def from_files(cls, files: str | Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> RLHFDataset:
         return cls(read_rows(files), tokenizer, **kwargs)
 
     def _check_lengths(self) -> None:

@@ -21,11 +21,12 @@ from hybridflow.data.layouts import sft_layout
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
 from hybridflow.protocol import DataProto
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def _chat_segments(messages: list[dict[str, str]], tokenizer: Any, chat_template: str | None,
+def _chat_segments(messages: list[dict[str, str]], tokenizer: Tokenizer, chat_template: str | None,
                    first_trained: int = 0) -> list[tuple[str, bool]]:
     """Segments of a conversation; assistant turns from index `first_trained` on are trained."""
     eos = tokenizer.eos_token or ""
@@ -48,7 +49,7 @@ def _chat_segments(messages: list[dict[str, str]], tokenizer: Any, chat_template
     return segs
 
 
-def _segments(row: dict[str, Any], layout: str, prompt_key: str, tokenizer: Any,
+def _segments(row: dict[str, Any], layout: str, prompt_key: str, tokenizer: Tokenizer,
               chat_template: str | None) -> list[tuple[str, bool]]:
     """Row → [(text, is_response)] in order."""
     eos = tokenizer.eos_token or ""
@@ -73,7 +74,7 @@ def _segments(row: dict[str, Any], layout: str, prompt_key: str, tokenizer: Any,
 class SFTDataset(Dataset):
     """`__getitem__` → {input_ids, loss_mask} (unpadded; see `collate_sft`)."""
 
-    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_length: int,
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_length: int,
                  prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
                  name: str = "sft") -> None:
         self.tokenizer, self.max_length, self.name = tokenizer, max_length, name
@@ -91,7 +92,7 @@ class SFTDataset(Dataset):
         self.samples: list[list[tuple[str, bool]]] = parse_rows(rows, segments, name, strict)
 
     @classmethod
-    def from_files(cls, files: str | Sequence[str], tokenizer: Any, **kwargs: Any) -> SFTDataset:
+    def from_files(cls, files: str | Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> SFTDataset:
         return cls(read_rows(files), tokenizer, **kwargs)
 
     def __len__(self) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.utils.chat_template import template_for
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def plain_template(messages: Messages, add_generation_prompt: bool) -> str:
     return "".join(parts)
 
 
-def render(tokenizer: Any, messages: Messages, chat_template: str | None = None,
+def render(tokenizer: Tokenizer, messages: Messages, chat_template: str | None = None,
            add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
     """Messages → prompt text with `template_for(tokenizer, chat_template)` (never token ids: transformers 5
     `tokenize=True` returns a dict). `tools`: OpenAI function schemas for templates that read `tools`
@@ -90,12 +91,12 @@ def render(tokenizer: Any, messages: Messages, chat_template: str | None = None,
                                          tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
-def prompt_ids(tokenizer: Any, prompt: Any, chat_template: str | None = None) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: Any, chat_template: str | None = None) -> list[int]:
     """A prompt cell (messages or a string) → the token ids every command feeds the model."""
     return encode(tokenizer, render(tokenizer, to_messages(prompt), chat_template))
 
 
-def save_tokenizer(tokenizer: Any, out_dir: str | Path, chat_template: str | None) -> None:
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, chat_template: str | None) -> None:
     """Save `tokenizer` into `out_dir` carrying the template training used (`template_for`), both as
     transformers 5 writes it (chat_template.jinja) and as `chat_template` in tokenizer_config.json (older readers).
     The tokenizer passed in is not modified (the built-in one is a shared cached object)."""
@@ -109,7 +110,7 @@ def save_tokenizer(tokenizer: Any, out_dir: str | Path, chat_template: str | Non
     cfg_file.write_text(json.dumps(data, indent=2))
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of `text` without special tokens; fast tokenizers skip transformers' per-call Python overhead
     (half the cost of a short prompt), others go through `tokenizer(text)`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -34,6 +34,7 @@ from hybridflow.engine.lora import (
 )
 from hybridflow.models.heads import scalar_head_config
 from hybridflow.models.loader import load_module, model_config, save_model
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import ModelConfig
@@ -94,7 +95,7 @@ def full_model_state(model: torch.nn.Module, lora_scale: float | None = None, *,
 
 
 def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str | Path, *, merge: bool = True,
-             dtype: torch.dtype | None = None, tokenizer: Any = None, chat_template: str | None = None
+             dtype: torch.dtype | None = None, tokenizer: Tokenizer | None = None, chat_template: str | None = None
              ) -> tuple[Path, str]:
     """Write `state` as an HF directory; returns (directory, kind: "full", "merged" or "peft_adapter"). With a
     `tokenizer`, it is saved carrying `chat_template` (`data.chat_template`, see `hybridflow.data.templates`)."""

@@ -20,7 +20,7 @@ import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ from hybridflow.rewards.pool import InlineScorer, Item, ItemResult, ScoringPool
 from hybridflow.rewards.registry import reward_fn_name
 from hybridflow.sandbox import configure as configure_sandbox
 from hybridflow.sandbox import select_mode as select_sandbox_mode
+from hybridflow.utils.tokenizer_protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +94,7 @@ def last_token_index(mask_BR: torch.Tensor) -> torch.Tensor:
     return (positions * (mask_BR > 0)).amax(dim=1)
 
 
-def custom_sources(reward_cfg: Any) -> list[tuple[str, float, Spec]]:
+def custom_sources(reward_cfg: RewardConfig) -> list[tuple[str, float, Spec]]:
     """(source name, weight, spec) of each `reward.custom` function: the single form is the source `custom`; a
     list's functions are sources named after them (metrics `reward/<name>/mean`, as `hybridflow.train`'s)."""
     functions = reward_cfg.custom_functions
@@ -107,7 +111,7 @@ class RewardManager:
     """`manager(batch) -> (token_level_scores [B, R], metrics)`; `manager.score(batch)` → `RewardOutput` with
     per-row arrays (what validation needs). Call `close()` (or use as a context manager) to stop the pool."""
 
-    def __init__(self, reward_cfg: Any, tokenizer: Any, max_response_length: int) -> None:
+    def __init__(self, reward_cfg: RewardConfig, tokenizer: Tokenizer, max_response_length: int) -> None:
         self.cfg = reward_cfg
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length

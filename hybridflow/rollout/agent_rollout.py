@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,13 +25,17 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.agent_scheduler import AgentScheduler
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.sampling import SamplingParams, row_seed
+from hybridflow.utils.tokenizer_protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import AgentConfig
 
 logger = logging.getLogger(__name__)
 
 
 class AgentRollout:
-    def __init__(self, agent_cfg: Any, tokenizer: Any, chat_template: str | None, *, pad_id: int, P: int,
-                 R: int) -> None:
+    def __init__(self, agent_cfg: AgentConfig, tokenizer: Tokenizer | None, chat_template: str | None, *,
+                 pad_id: int, P: int, R: int) -> None:
         if tokenizer is None:
             raise ValueError("rollout.agent.mode=server needs the tokenizer (to render chats and decode samples): "
                              "pass tokenizer= to RolloutEngine/build_rollout")

@@ -40,6 +40,7 @@ from hybridflow.agentic.openai_api import (
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.sampling import SamplingParams, row_seed
 from hybridflow.utils.progress import beat
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class SlotInfo:
 
 
 class AgentScheduler:
-    def __init__(self, runner: ModelRunner, tokenizer: Any, chat_template: str | None, base: SamplingParams, *,
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, chat_template: str | None, base: SamplingParams, *,
                  eos_ids: list[int], prompt_width: int, check_every: int, seed: int) -> None:
         self.r, self.tok, self.base, self.eos_ids = runner, tokenizer, base, eos_ids
         self.P, self.R, self.check_every, self.seed = prompt_width, runner.R, check_every, seed

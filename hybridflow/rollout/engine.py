@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,10 @@ from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
 from hybridflow.rollout.sampling import SamplingParams, build_sampler, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
 from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
+from hybridflow.utils.tokenizer_protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,11 @@ def _module_device(module: nn.Module) -> torch.device:
 class RolloutEngine:
     """Continuous-batching generation over `module`'s parameters; falls back to HF generate when unsupported."""
 
-    def __init__(self, module: nn.Module, rollout_cfg: Any, *, eos_token_id: int | Sequence[int], pad_token_id: int,
-                 max_prompt_length: int, max_response_length: int, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, compile_decode: bool | None = None,
-                 check_every: int | None = None, tokenizer: Any = None, chat_template: str | None = None) -> None:
+    def __init__(self, module: nn.Module, rollout_cfg: RolloutConfig, *, eos_token_id: int | Sequence[int],
+                 pad_token_id: int, max_prompt_length: int, max_response_length: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 compile_decode: bool | None = None, check_every: int | None = None,
+                 tokenizer: Tokenizer | None = None, chat_template: str | None = None) -> None:
         self.cfg = rollout_cfg
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
@@ -301,7 +306,7 @@ class RolloutEngine:
         return new_ids, new_mask, (new_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _tool_session(rollout_cfg: Any, tokenizer: Any, chat_template: str | None = None):
+def _tool_session(rollout_cfg: RolloutConfig, tokenizer: Tokenizer | None, chat_template: str | None = None):
     mt = getattr(rollout_cfg, "multi_turn", None)
     if mt is None or not mt.enable:
         return None
@@ -313,7 +318,8 @@ def _tool_session(rollout_cfg: Any, tokenizer: Any, chat_template: str | None = 
     return ToolSession.from_config(mt, tokenizer, chat_template)
 
 
-def _agent_rollout(rollout_cfg: Any, tokenizer: Any, chat_template: str | None, pad_id: int, P: int, R: int):
+def _agent_rollout(rollout_cfg: RolloutConfig, tokenizer: Tokenizer | None, chat_template: str | None, pad_id: int,
+                   P: int, R: int):
     agent = getattr(rollout_cfg, "agent", None)
     if agent is None or agent.mode != "server":
         return None
@@ -322,6 +328,6 @@ def _agent_rollout(rollout_cfg: Any, tokenizer: Any, chat_template: str | None, 
     return AgentRollout(agent, tokenizer, chat_template, pad_id=int(pad_id), P=int(P), R=int(R))
 
 
-def build_rollout(module: nn.Module, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:
+def build_rollout(module: nn.Module, rollout_cfg: RolloutConfig, **kwargs: Any) -> RolloutEngine:
     """Factory the workers call; keyword arguments as `RolloutEngine`."""
     return RolloutEngine(module, rollout_cfg, **kwargs)

@@ -20,13 +20,16 @@ import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from hybridflow.rollout import sample_kernel
 from hybridflow.rollout.triton_util import triton_available
 from hybridflow.utils.compile import GuardedCompile
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class SamplingParams:
         return "filtered" if (self.top_k > 0 or self.top_p < 1.0) else "sample"
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any, validate: bool = False) -> SamplingParams:
+    def from_config(cls, rollout_cfg: RolloutConfig, validate: bool = False) -> SamplingParams:
         """From a `RolloutConfig`; `validate=True` uses `rollout.val_kwargs` (greedy by default)."""
         src = rollout_cfg.val_kwargs if validate else rollout_cfg
         return cls(n=src.n, temperature=src.temperature, top_k=src.top_k, top_p=src.top_p, do_sample=src.do_sample,

@@ -15,7 +15,10 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import HealthConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class HealthEvent:
 class HealthMonitor:
     """Evaluates the watermarks of `trainer.health` on each step's metrics; see the module docstring."""
 
-    def __init__(self, health_cfg: Any, rollback_metric: str = "val/reward",
+    def __init__(self, health_cfg: HealthConfig, rollback_metric: str = "val/reward",
                  device_memory_gb: float | None = None) -> None:
         self.gen_time_warn_s = float(health_cfg.gen_time_warn_s)
         self.update_jitter_warn_s = float(health_cfg.update_jitter_warn_s)

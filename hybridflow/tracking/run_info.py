@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.loader import to_dict
+from hybridflow.config.schema import Config
 from hybridflow.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def collect_versions() -> dict[str, Any]:
     }
 
 
-def config_to_dict(config: Any) -> dict[str, Any]:
+def config_to_dict(config: Config | dict[str, Any] | None) -> dict[str, Any]:
     if config is None:
         return {}
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
@@ -89,7 +90,7 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     raise TypeError(f"config must be a hybridflow Config dataclass or a dict, got {type(config).__name__}")
 
 
-def write_run_info(run_dir: str | Path, config: Any = None) -> dict[str, Any]:
+def write_run_info(run_dir: str | Path, config: Config | dict[str, Any] | None = None) -> dict[str, Any]:
     """Write config.yaml and versions.json into `run_dir`, log a one-line summary, return the versions dict."""
     import yaml
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.schema import Config
 from hybridflow.tracking import console as _console  # noqa: F401 - registers "console"
 from hybridflow.tracking import jsonl as _jsonl  # noqa: F401 - registers "jsonl"
 from hybridflow.tracking import mlflow as _mlflow  # noqa: F401 - registers "mlflow"
@@ -45,7 +46,7 @@ class Tracker:
 
     # ------------------------------------------------------------------------------------------ building
     @classmethod
-    def from_config(cls, cfg: Any, run_dir: str | Path | None = None, write_info: bool = True,
+    def from_config(cls, cfg: Config, run_dir: str | Path | None = None, write_info: bool = True,
                     **backend_kwargs: Any) -> Tracker:
         """Tracker for a `hybridflow.config.Config`: backends from `trainer.logger`, a HealthMonitor from
         `trainer.health` (val metric `trainer.rollback.metric`); writes config.yaml + versions.json to the run

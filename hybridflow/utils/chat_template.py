@@ -3,7 +3,7 @@ and multi-turn rollouts (`agentic/`), so it sits below both."""
 
 from __future__ import annotations
 
-from typing import Any
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 RAW_TEMPLATE = "raw"  # `data.chat_template=raw`
 # `raw`: contents joined by "\n", nothing added for the generation prompt. transformers renders chat templates with
@@ -20,7 +20,7 @@ PLAIN_JINJA = (
 )
 
 
-def template_for(tokenizer: Any, chat_template: str | None = None) -> str:
+def template_for(tokenizer: Tokenizer, chat_template: str | None = None) -> str:
     """The Jinja template prompts are built with: `data.chat_template` (`raw` → RAW_JINJA), else the tokenizer's,
     else PLAIN_JINJA. Export writes this string into the tokenizer it saves."""
     if chat_template == RAW_TEMPLATE:

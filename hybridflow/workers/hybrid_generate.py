@@ -5,20 +5,22 @@ validation measures greedy task accuracy)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.config import Config
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
+from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
     from hybridflow.engine import TrainEngine
     from hybridflow.rollout import RolloutEngine
 
 
-def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Any, device: torch.device) -> RolloutEngine:
+def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Tokenizer, device: torch.device
+                         ) -> RolloutEngine:
     """A rollout engine over `engine`'s module (`rollout.*`, `data.max_prompt_length` / `max_response_length`)."""
 
     return build_rollout(
