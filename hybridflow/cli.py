@@ -47,7 +47,14 @@ def _available_commands() -> dict[str, tuple[str, str]]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    """The command named on the line (the first word that is one), before any parsing."""
+    return next((a for a in argv if a in COMMANDS), None)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Every command is listed; only the one named in `argv` is imported for its arguments (`hybridflow --help`
+    imports no command module, hence no torch)."""
     parser = argparse.ArgumentParser(
         prog="hybridflow",
         description="RL post-training for LLMs (PPO, GRPO, SFT, RM, DPO) — single controller, hybrid engine.",
@@ -56,16 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging (and, for a command that trains, every metric each step)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = _chosen_command(argv)
     for name, (module, help_text) in _available_commands().items():
-        mod = importlib.import_module(f"hybridflow.commands.{module}")
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        if name == chosen:
+            mod = importlib.import_module(f"hybridflow.commands.{module}")
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # `cfg.yaml --quiet-config a=b`: argparse ends the positionals at the flag; the rest are config args
         if not hasattr(args, "args") or any(item.startswith("-") for item in extra):
