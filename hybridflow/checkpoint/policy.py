@@ -40,7 +40,8 @@ class CheckpointPolicy:
             if t.rollback.enable:
                 logger.warning("trainer.rollback.enable=true is ignored with trainer.checkpoint.save_freq=0: "
                                "there is no checkpoint to roll back to")
-        self.rollback = (RollbackTracker(t.rollback.lr_scale, t.rollback.max_rollbacks, t.rollback.metric)
+        self.rollback = (RollbackTracker(t.rollback.lr_scale, t.rollback.max_rollbacks, t.rollback.metric,
+                                         higher_is_better=t.rollback.higher_is_better())
                          if t.rollback.enable else None)
         self.health = tracker.health if tracker is not None else None  # counts the validation falls
         if self.rollback is not None and self.health is None:
@@ -123,7 +124,7 @@ class CheckpointPolicy:
         self.rollback.observe(val_metrics)
         for w in warnings:
             if w.kind == "val_drop":
-                reason = f"{w.data['metric']} fell {w.data['falls']} validations in a row (now {w.data['value']:.6g})"
+                reason = f"{w.data['metric']} got worse {w.data['falls']} validations in a row (now {w.data['value']:.6g})"
                 decision = self.rollback.decide(reason)
                 if decision is not None:
                     self._roll_back(decision, step)

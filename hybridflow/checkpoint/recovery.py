@@ -27,25 +27,27 @@ class RollbackDecision:
 
 
 class RollbackTracker:
-    def __init__(self, lr_scale: float = 1.0, max_rollbacks: int = 3, metric: str = "val/reward") -> None:
+    def __init__(self, lr_scale: float = 1.0, max_rollbacks: int = 3, metric: str = "val/reward",
+                 higher_is_better: bool = True) -> None:
         if not lr_scale > 0:
             raise ValueError(f"trainer.rollback.lr_scale={lr_scale}: must be > 0")
         if max_rollbacks < 0:
             raise ValueError(f"trainer.rollback.max_rollbacks={max_rollbacks}: must be >= 0")
         self.lr_scale, self.max_rollbacks, self.metric = lr_scale, max_rollbacks, metric
+        self.sign = 1.0 if higher_is_better else -1.0  # scores compared as sign × value: higher is better
         self.last_value: float | None = None
         self.rollbacks, self._warned_exhausted = 0, False
         self.ckpt_scores: dict[int, float] = {}  # checkpoint step → metric when it was saved
 
     @property
     def best_step(self) -> int | None:
-        """Step of the best-scoring checkpoint (latest among ties; higher is better), or None."""
+        """Step of the best-scoring checkpoint (latest among ties; `trainer.rollback.mode` says which way), or None."""
         best: tuple[float, int] | None = None
         for step, score in sorted(self.ckpt_scores.items()):
             if not math.isfinite(score):  # a diverged checkpoint (NaN validation) is never a rollback target
                 continue
-            if best is None or not best[0] > score:
-                best = (score, step)
+            if best is None or not best[0] > self.sign * score:
+                best = (self.sign * score, step)
         return None if best is None else best[1]
 
     def observe(self, metrics: dict[str, Any]) -> None:

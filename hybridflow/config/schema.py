@@ -588,6 +588,16 @@ class RollbackConfig:
     metric: str
     lr_scale: float
     max_rollbacks: int
+    mode: str = "auto"  # max | min | auto (min when the metric's name says loss/error/perplexity, else max)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "max", "min"):
+            raise ValueError(f"trainer.rollback.mode={self.mode!r}: must be max (higher is better), min or auto")
+
+    def higher_is_better(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "max"
+        return not any(w in self.metric.lower() for w in ("loss", "error", "perplexity", "ppl"))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class HealthMonitor:
     """Evaluates the watermarks of `trainer.health` on each step's metrics; see the module docstring."""
 
     def __init__(self, health_cfg: HealthConfig, rollback_metric: str = "val/reward",
-                 device_memory_gb: float | None = None) -> None:
+                 device_memory_gb: float | None = None, higher_is_better: bool = True) -> None:
         self.gen_time_warn_s = float(health_cfg.gen_time_warn_s)
         self.update_jitter_warn_s = float(health_cfg.update_jitter_warn_s)
         self.jitter_window = int(health_cfg.jitter_window)
@@ -52,6 +52,7 @@ class HealthMonitor:
         if self.val_drop_patience < 1:
             raise ValueError(f"trainer.health.val_drop_patience={self.val_drop_patience}: must be >= 1")
         self.val_metric = rollback_metric
+        self.higher_is_better = higher_is_better  # a "fall" is a move the wrong way: down for a reward, up for a loss
         self.device_memory_gb = device_memory_gb if device_memory_gb is not None else detect_device_memory_gb()
         self.counts: dict[str, int] = dict.fromkeys(CHECKS, 0)
         self._armed: dict[str, bool] = dict.fromkeys(CHECKS, True)
@@ -143,7 +144,8 @@ class HealthMonitor:
         if value is None:
             return None
         finite = [v for v in self._val_history if math.isfinite(v)]  # after a NaN, compare with the last number
-        if math.isnan(value) or (finite and value < finite[-1]):
+        worse = finite and (value < finite[-1] if self.higher_is_better else value > finite[-1])
+        if math.isnan(value) or worse:
             self._val_drops += 1
         else:
             self._val_drops = 0
@@ -153,7 +155,7 @@ class HealthMonitor:
         recent = self._val_history[-(self.val_drop_patience + 1):]
         trail = " → ".join(f"{v:.4g}" for v in recent)
         return HealthEvent("val_drop", (
-            f"{self.val_metric} fell {self._val_drops} validations in a row ({trail}); "
+            f"{self.val_metric} got worse {self._val_drops} validations in a row ({trail}); "
             "rollback takes over when trainer.rollback.enable=true."), step,
             {"value": value, "history": recent, "metric": self.val_metric, "falls": self._val_drops})
 

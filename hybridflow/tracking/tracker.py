@@ -57,7 +57,8 @@ class Tracker:
         run_dir = Path(run_dir if run_dir is not None else t.run_dir)
         config_dict = config_to_dict(cfg)
         info = write_run_info(run_dir, cfg) if write_info else None
-        health = HealthMonitor(t.health, rollback_metric=t.rollback.metric)
+        health = HealthMonitor(t.health, rollback_metric=t.rollback.metric,
+                               higher_is_better=t.rollback.higher_is_better())
         tracker = build_tracker(t.logger, run_dir, t.project_name, t.experiment_name, config_dict, t.log_every,
                                 health=health, **backend_kwargs)
         if info is not None:

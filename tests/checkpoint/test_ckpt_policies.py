@@ -38,12 +38,32 @@ def test_rollback_on_the_monitors_val_drop_targets_best_checkpoint() -> None:
     assert decisions[:5] == [None] * 5  # two falls are within patience
     d = decisions[5]
     assert d is not None and d.target_step == 3 and d.lr_scale == 0.5 and d.rollback_index == 1
-    assert "fell 3" in d.reason
+    assert "worse 3" in d.reason
     assert sorted(tr.ckpt_scores) == [1, 2, 3]  # the abandoned branch (4, 5) is forgotten
     assert mon.check({"val/reward": 0.3}, 7) == []  # a fresh falling streak is needed for the next rollback
     tr.observe({"val/reward": 0.3})
     tr.on_checkpoint(4)
     assert tr.best_step == 3
+
+
+def test_a_loss_metric_rolls_back_when_it_rises_not_when_it_improves() -> None:
+    from hybridflow.config.schema import RollbackConfig
+
+    cfg = RollbackConfig(enable=True, metric="val/loss", lr_scale=1.0, max_rollbacks=2)  # mode auto → lower is better
+    assert not cfg.higher_is_better() and RollbackConfig(True, "val/reward", 1.0, 2).higher_is_better()
+    assert RollbackConfig(True, "val/loss", 1.0, 2, mode="max").higher_is_better()
+    mon = HealthMonitor(SimpleNamespace(gen_time_warn_s=1.0, update_jitter_warn_s=0.1, jitter_window=5,
+                                        val_drop_patience=2, memory_warn_frac=0.95), rollback_metric="val/loss",
+                        higher_is_better=cfg.higher_is_better())
+    tr = RollbackTracker(metric="val/loss", higher_is_better=cfg.higher_is_better())
+    falling = [2.0, 1.5, 1.0, 0.8]  # a loss improving every validation: never a rollback
+    assert all(not [e for e in mon.check({"val/loss": v}, s) if e.kind == "val_drop"] for s, v in enumerate(falling))
+    for step, v in enumerate(falling, start=1):
+        tr.observe({"val/loss": v})
+        tr.on_checkpoint(step)
+    assert tr.best_step == 4  # the lowest loss
+    events = [e for s, v in enumerate([0.9, 1.1], start=5) for e in mon.check({"val/loss": v}, s)]
+    assert [e.kind for e in events] == ["val_drop"] and "worse 2" in events[0].message
 
 
 def test_rollback_bounded_by_max_rollbacks_and_state_roundtrip() -> None:

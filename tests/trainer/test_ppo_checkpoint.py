@@ -120,7 +120,7 @@ def test_rollback_on_falling_val_metric_reloads_best_and_scales_lr(tmp_path: Pat
 
     assert _steps(history) == [1, 2, 3, 4]
     assert trainer.ckpt.rollbacks == [{"step": 4, "target_step": 2, "lr_scale": 0.5,
-                                       "reason": "val/reward fell 2 validations in a row (now 0.4)"}]
+                                       "reason": "val/reward got worse 2 validations in a row (now 0.4)"}]
     assert [e["target_step"] for e in tracker.events if e["kind"] == "rollback"] == [2]
     root = tmp_path / "ckpt"
     assert not (root / "global_step_3").exists()  # the abandoned branch is discarded
