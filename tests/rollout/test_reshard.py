@@ -14,9 +14,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.fsdp import apply_fsdp2, build_mesh
 from hybridflow.engine.lora import apply_lora, merged_state_dict
+from hybridflow.protocol import DataProto
 from hybridflow.rollout.reshard import Resharder, generation_layout, tp_group_ranks
 from hybridflow.rollout.tp_layout import param_slice, take
 from hybridflow.rollout.weights import arch_spec
+from hybridflow.workers.hybrid_generate import generate_on, tp_group
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -111,14 +113,44 @@ def _checks(mesh, tps: tuple[int, ...]) -> None:
         _check(model, plain, tp, exact=False)
 
 
+class _Engine:
+    def to_mode(self, mode: str) -> None:
+        pass
+
+
+class _Rollout:
+    """Two responses per prompt, each its prompt's seed; remembers the seeds it was given."""
+
+    def sync_weights(self) -> None:
+        pass
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        self.seeds = torch.tensor(prompts.meta_info["seeds"])
+        return DataProto.from_single_dict({"responses": self.seeds.repeat_interleave(2)[:, None]},
+                                          meta_info=dict(prompts.meta_info))
+
+
+def _check_generation_groups(rank: int) -> None:
+    """Ranks {0, 1} and {2, 3} generate their joined prompts (same prompts and seeds); each returns its own rows."""
+    group = tp_group(rank, 4, 2)
+    own = torch.arange(3) + 10 * rank
+    rollout = _Rollout()
+    out = generate_on(_Engine(), rollout, DataProto.from_single_dict({"seeds": own}), group)
+    first = rank - rank % 2
+    assert rollout.seeds.tolist() == [*range(10 * first, 10 * first + 3), *range(10 * first + 10, 10 * first + 13)]
+    assert out.batch["responses"][:, 0].tolist() == own.repeat_interleave(2).tolist(), (rank, out.batch)
+
+
 def _worker(rank: int, store: str) -> None:
-    """Four ranks: FSDP2 over all four (tp 2 and 4), then over pairs {0, 1} and {2, 3} (N = 2, tp = 2)."""
+    """Four ranks: FSDP2 over all four (tp 2 and 4), then over pairs {0, 1} and {2, 3} (N = 2, tp = 2); then the
+    generation groups of the training workers."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     try:
         _checks(build_mesh(torch.device("cpu")), (2, 4))
         pairs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "dp"))
         _checks(pairs["dp"], (2,))
+        _check_generation_groups(rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()
