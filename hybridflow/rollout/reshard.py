@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Shard
 
 from hybridflow.rollout.tp_layout import Slice, TPLayout, check_divisible, param_slice
 from hybridflow.rollout.weights import arch_spec
@@ -129,6 +131,12 @@ class _Batch:
         self.params.append(p)
 
 
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """All pieces in one `_foreach_copy_` (cast included): a few kernels per exchange, not one per piece."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
 def _sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "to_local") and p.device_mesh.size() > 1
 
@@ -145,13 +153,15 @@ class Resharder:
         self.module, self.tp, self.dtype = module, tp, dtype
         self.spec = arch_spec(module)
         check_divisible(self.spec, module.config.intermediate_size, tp)
+        self._fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self._reshard_fsdp()
         sharded = [p for p in module.parameters() if _sharded(p)]
         mesh = sharded[0].device_mesh if sharded else None
-        if mesh is not None and (mesh.ndim != 1 or any(p.placements != sharded[0].placements for p in sharded)
-                                 or str(sharded[0].placements) != "(Shard(dim=0),)"):
-            raise ValueError(f"resharding to tensor-parallel slices needs FSDP2 over a 1-D mesh with Shard(0) "
-                             f"parameters, got mesh {mesh} and placements {sharded[0].placements}; use the engine's "
-                             f"FSDP2 wrapping (engine/fsdp.py)")
+        bad = [p.placements for p in sharded if p.device_mesh != mesh or p.placements != (Shard(0),)]
+        if mesh is not None and (mesh.ndim != 1 or bad):
+            raise ValueError(f"resharding to tensor-parallel slices needs FSDP2 over one 1-D mesh with Shard(0) "
+                             f"parameters, got mesh {mesh} and placements {bad[:1]}; use the engine's FSDP2 "
+                             f"wrapping (engine/fsdp.py)")
         self.group = mesh.get_group() if mesh is not None else None
         self.world = mesh.size() if mesh is not None else 1
         self.rank = dist.get_rank(self.group) if mesh is not None else 0
@@ -159,6 +169,11 @@ class Resharder:
         self.layout = generation_layout(self.rank, tp)
         self._lora = {f"{name}.base_layer.weight": m for name, m in module.named_modules() if hasattr(m, "lora_A")}
         self._plans: dict[tuple[_Part, ...], _Plan] = {}
+
+    def _reshard_fsdp(self) -> None:
+        """Free unsharded leftovers of a forward: the parameters are then the DTensor shards this plan reads."""
+        for m in self._fsdp:
+            m.reshard()
 
     def _part(self, key: str, p: torch.Tensor, sl_of: dict[int, Slice | None]) -> _Part:
         rows, cols = p.shape[0], p[0].numel() if p.dim() > 1 else 1
@@ -211,6 +226,7 @@ class Resharder:
     def reshard(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """({name: this rank's slice in the generation dtype}, metrics): bytes this rank received from / sent to other
         ranks and the peak extra memory of one exchange (send + receive buffers + LoRA factor slices)."""
+        self._reshard_fsdp()
         batches, aliases = self._batches()
         out: dict[str, torch.Tensor] = {}
         bytes_in = bytes_out = peak = 0
@@ -232,6 +248,9 @@ class Resharder:
     def _exchange(self, batch: _Batch, plan: _Plan) -> tuple[dict[str, torch.Tensor], int, int]:
         """This rank's slices of one batch's tensors, by key; bytes sent and received."""
         sources = [_local(p) for p in batch.params]
+        for part, src in zip(batch.parts, sources):
+            rows = shard_rows(part.rows, self.world, self.rank) if part.sharded else (0, part.rows)
+            assert src.shape[0] == rows[1] - rows[0], (part.key, tuple(src.shape), rows)
         device = sources[0].device
         outs = [torch.empty(part.out_shape, dtype=self.dtype, device=device) for part in batch.parts]
         for part, t in zip(batch.parts, outs):
@@ -248,8 +267,7 @@ class Resharder:
             flat = outs[i].view(outs[i].shape[0], -1)
             return flat[box[0] - want[0]: box[1] - want[0], box[2] - want[2]: box[3] - want[2]]
 
-        for i, box in plan.local:
-            dst_view(i, box).copy_(src_view(i, box))
+        _copy([dst_view(i, box) for i, box in plan.local], [src_view(i, box) for i, box in plan.local])
         send_sizes, recv_sizes = plan.sizes(plan.sends), plan.sizes(plan.recvs)
         if any(part.sharded for part in batch.parts):  # every rank agrees: shapes decide
             send = torch.empty(sum(send_sizes), dtype=self.dtype, device=device)
@@ -264,13 +282,14 @@ class Resharder:
     @staticmethod
     def _pack(flat: torch.Tensor, side: tuple[tuple[tuple[int, Box], ...], ...], view, copy_out: bool) -> None:
         """Copy each piece of `side` (peer-major, part order) between `flat` and its tensor `view(i, box)`."""
-        offset = 0
+        chunks, views, offset = [], [], 0
         for pieces in side:
             for i, box in pieces:
                 n = _numel(box)
-                chunk = flat[offset: offset + n].view(box[1] - box[0], box[3] - box[2])
-                if copy_out:
-                    chunk.copy_(view(i, box))
-                else:
-                    view(i, box).copy_(chunk)
+                chunks.append(flat[offset: offset + n].view(box[1] - box[0], box[3] - box[2]))
+                views.append(view(i, box))
                 offset += n
+        if copy_out:
+            _copy(chunks, views)
+        else:
+            _copy(views, chunks)
