@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
+from hybridflow.engine.lora import is_adapter_param, lora_factors
 from hybridflow.rollout.tp_layout import Slice, TPLayout, check_divisible, param_slice
 from hybridflow.rollout.weights import arch_spec
 
@@ -187,8 +188,6 @@ class Resharder:
 
     def _batches(self) -> tuple[list[_Batch], dict[str, str]]:
         """One exchange per decoder layer, then one for the rest; and tied names → the name they alias."""
-        from hybridflow.engine.lora import is_adapter_param, lora_factors
-
         layers: dict[int, _Batch] = {}
         rest = _Batch()
         seen: dict[int, str] = {}
