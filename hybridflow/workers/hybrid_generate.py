@@ -1,6 +1,11 @@
 """Generation on a trained engine's own parameters (hybrid engine): the rollout engine beside a `TrainEngine`, and
 the train → generate → train switch around one `generate` — shared by the PPO actor and the DPO policy (whose
-validation measures greedy task accuracy)."""
+validation measures greedy task accuracy).
+
+Tensor-parallel generation (`rollout.tensor_model_parallel_size` = tp > 1): the driver's data-parallel split over the N
+training ranks is kept; the tp consecutive ranks of a generation group (`rollout/reshard.py`) join their chunks into
+one batch (a small all-gather of prompts), generate it together with the same prompts and seeds, and each rank returns
+only its own rows — so outputs arrive at the driver once each, in order, with no change to dispatch or collection."""
 
 from __future__ import annotations
 
@@ -8,10 +13,12 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.config import Config
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
+from hybridflow.rollout.reshard import tp_group_ranks
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
@@ -30,9 +37,36 @@ def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Tokenizer,
     )
 
 
-def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto) -> DataProto:
+def tp_group(rank: int, world: int, tp: int) -> dist.ProcessGroup | None:
+    """This rank's generation group, created once at set-up (every rank creates every group, in the same order, as
+    `new_group` requires); None when tp == 1."""
+    if tp == 1:
+        return None
+    mine = None
+    for ranks in tp_group_ranks(world, tp):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def join_group_prompts(prompts: DataProto, group: dist.ProcessGroup) -> tuple[DataProto, tuple[int, int]]:
+    """The prompt chunks of every rank of `group` in rank order (the batch the whole group generates) and this rank's
+    rows [start, stop) in it."""
+    parts: list[DataProto | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, prompts, group=group)
+    start = sum(len(p) for p in parts[: dist.get_rank(group)])
+    return DataProto.concat(parts), (start, start + len(prompts))
+
+
+def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto,
+                group: dist.ProcessGroup | None = None) -> DataProto:
     """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways (the rollout
-    engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`)."""
+    engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`). `group`: this
+    rank's tensor-parallel generation group (`tp_group`), whose members generate their joined prompts."""
+    rows = None
+    if group is not None:
+        prompts, rows = join_group_prompts(prompts, group)
     t0 = time.perf_counter()
     engine.to_mode("generate")
     rollout.sync_weights()
@@ -42,6 +76,9 @@ def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto)
     engine.to_mode("train")
     t3 = time.perf_counter()
     out = out.to("cpu")
+    if rows is not None:  # this rank's prompts, each with its rollout.n responses (consecutive rows)
+        n = len(out) // len(prompts)
+        out = out.select_idxs(torch.arange(rows[0] * n, rows[1] * n))  # a copy: a view would ship the whole batch
     out.meta_info.pop("seeds", None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
     engine_metrics = out.meta_info.get("metrics") or {}  # cache alloc, graph capture, decode steps
     out.meta_info["metrics"] = {**engine_metrics, "timing/switch": (t1 - t0) + (t3 - t2), "timing/generate": t2 - t1}
