@@ -88,7 +88,6 @@ def test_verl_keys_in_a_yaml_file(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "no tensor parallelism"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "no sequence parallelism"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor.ppo_micro_batch_size_per_gpu"),
     ("actor_rollout_ref.rollout.engine_kwargs.x=1", "docs/verl-keys.md"),
