@@ -23,6 +23,9 @@ from hybridflow.rollout.forward import DecodeOps, rms_norm
 from hybridflow.rollout.tp_layout import TPLayout, check_divisible, local_spec, param_slice, take, vocab_range
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, arch_spec
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated); the output stacks along dim 0
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class TPContext:
     """This rank's tensor-parallel group: `layout` (size, rank), the whole model's `spec` and the rank's `local`
@@ -56,9 +59,9 @@ class TPContext:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[size, *t.shape]: every rank's `t`, in rank order."""
-        out = t.new_empty((self.size, *t.shape))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-        return out
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+        _all_gather_single(out, t.contiguous(), group=self.group)
+        return out.view(self.size, *t.shape)
 
     # --------------------------------------------------------------------------------------- forward pieces
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
