@@ -100,6 +100,13 @@ def test_verl_keys_without_equivalent_name_key_and_why(override, expected) -> No
     assert "Did you mean" not in str(err.value)
 
 
+def test_rollout_tensor_parallel_size_maps_to_ours() -> None:
+    cfg = load_config([], ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert cfg.rollout.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="rollout.tensor_model_parallel_size"):
+        load_config([], ["rollout.tensor_model_parallel_size=0"])
+
+
 def test_every_mapping_targets_a_real_key_and_is_documented() -> None:
     defaults = load_defaults_dict()
     for entry in VERL_KEYS.values():
