@@ -5,8 +5,6 @@ heads than ranks: replicated). One spawn of 4 ranks (processes are costly here):
 
 from __future__ import annotations
 
-import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -32,11 +30,17 @@ def _model(kind: str) -> torch.nn.Module:
     if kind == "qwen2":  # q/k/v biases, tied embeddings, 8 query / 2 KV heads
         cfg = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
-    else:  # one KV head: replicated on every rank
+    else:  # one KV head: replicated on every rank; q/k/v/o biases
         cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)
+                          num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                          attention_bias=True)  # o_proj bias: added once, after the all-reduce
     cfg.initializer_range = 0.2  # peaky logits, as rollout_helpers.make_model
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to zero, where adding one on every rank would go unseen
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return model
 
 
 def _engines(model: torch.nn.Module, ctx: TPContext) -> tuple[RolloutEngine, RolloutEngine]:
@@ -96,10 +100,10 @@ def _check(kind: str, group: dist.ProcessGroup | None, ranged: bool) -> None:
     torch.testing.assert_close(b[1], a[1], atol=2e-5, rtol=0)
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, store_dir: str) -> None:
     """Four ranks: groups {0, 1} and {2, 3} check TP=2 (one model each), then all four check TP=4."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     try:
@@ -113,14 +117,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_tensor_parallel_generation_equals_one_device():
-    mp.spawn(_worker, args=(4, _free_port()), nprocs=4, join=True)
+def test_tensor_parallel_generation_equals_one_device(tmp_path):
+    mp.spawn(_worker, args=(4, str(tmp_path)), nprocs=4, join=True)
 
 
 def test_group_size_must_match_the_config_key():
