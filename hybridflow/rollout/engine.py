@@ -32,13 +32,7 @@ from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
 from hybridflow.rollout.sampling import SamplingParams, ShardedSampler, build_sampler, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
 from hybridflow.rollout.tensor_parallel import TPContext, reference_slices
-from hybridflow.rollout.weights import (
-    ModelWeights,
-    WeightView,
-    arch_spec,
-    tp_model_weights,
-    unsupported_reason,
-)
+from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +114,7 @@ class RolloutEngine:
                 self._weights = self._view.build()
             else:
                 local = reference_slices(self.module, self.tp) if local is None else local
-                self._weights = tp_model_weights(local, self.tp.spec, self.tp.layout, self.dtype, self.device)
+                self._weights = self.tp.model_weights(local, self.dtype, self.device)
         if self._runner is not None:
             self._runner.set_weights(self._weights)
         if self.device.type == "cuda":

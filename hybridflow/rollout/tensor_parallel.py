@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridflow.rollout.forward import DecodeOps, rms_norm
 from hybridflow.rollout.tp_layout import TPLayout, check_divisible, local_spec, param_slice, take, vocab_range
-from hybridflow.rollout.weights import ArchSpec, LayerWeights, arch_spec
+from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights, arch_spec, tp_model_weights
 
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated); the output stacks along dim 0
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,6 +50,10 @@ class TPContext:
     @property
     def size(self) -> int:
         return self.layout.size
+
+    def model_weights(self, local: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelWeights:
+        """This rank's `ModelWeights` from its slices {HF parameter name: tensor} (`weights.tp_model_weights`)."""
+        return tp_model_weights(local, self.spec, self.layout, dtype, device)
 
     # ------------------------------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
