@@ -223,7 +223,8 @@ class ShardedSampler:
     `candidates` best entries in one all-gather (2 numbers each) and every rank runs `sample`'s sorted draw on the
     merged list — exact, since the global top-k is among the ranks' top-k. With top_k set that is tp·k entries a row;
     top-p alone needs the whole sorted distribution, so every rank gathers its full shard (V entries a row: what
-    gathering the logits costs)."""
+    gathering the logits costs). The same tokens as `sample` up to fp32 rounding of the log-sum-exp (the Triton
+    kernel's near-tie caveat applies against one GPU). Eager torch: chosen once per engine, like `build_sampler`'s."""
 
     def __init__(self, tp: TPContext) -> None:
         self.tp = tp
@@ -263,7 +264,8 @@ class ShardedSampler:
                           s[:, None].double()], dim=-1)
         g = self.tp.all_gather(part)  # [tp, N, 2C + 2]
         lse = _logsumexp(g[:, :, 2 * C], g[:, :, 2 * C + 1])
-        probs = torch.exp(g[:, :, :C].transpose(0, 1).reshape(N, -1) - lse[:, None]).float()  # rank-major: id order
+        # ranks in order, each sorted stably: equal probabilities stay in token-id order, as in `sample`
+        probs = torch.exp(g[:, :, :C].transpose(0, 1).reshape(N, -1) - lse[:, None]).float()
         ids = g[:, :, C: 2 * C].transpose(0, 1).reshape(N, -1).long()
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         return _draw_sorted(sorted_p, ids.gather(-1, order), top_k, top_p, u_N)
