@@ -105,7 +105,8 @@ class RolloutEngine:
     def sync_weights(self, local: dict[str, torch.Tensor] | None = None) -> float:
         """Make the next generate use the module's current parameters; returns seconds spent. (The worker's
         `timing/switch` times the whole train↔generate switch around it.) Tensor parallel: `local` = this rank's
-        slices {HF parameter name: tensor} (`weights.tp_model_weights`); None = cut from the whole module."""
+        slices {HF parameter name: tensor} (`weights.tp_model_weights`); None = cut from the whole module (as a generate
+        after `release_cache` does: give the slices again first when the module is sharded)."""
         if self._fallback is not None:
             return 0.0
         t0 = time.perf_counter()
