@@ -314,6 +314,7 @@ class RolloutConfig:
     kv_cache_tokens: int | None  # explicit KV budget in tokens (overrides gpu_memory_utilization; used on CPU)
     enforce_eager: bool  # no CUDA graphs
     free_cache_engine: bool  # release the KV cache when switching back to training
+    tensor_model_parallel_size: int  # ranks of one generation group (tensor parallelism); 1 = off
     seed: int
     val_kwargs: ValSamplingConfig
     multi_turn: MultiTurnConfig
@@ -327,6 +328,8 @@ class RolloutConfig:
         _check(0.0 < self.gpu_memory_utilization < 1.0, "rollout.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1)")
         _one_of("rollout.name", self.name, ("hybrid", "hf"))
+        _check(self.tensor_model_parallel_size >= 1, "rollout.tensor_model_parallel_size",
+               self.tensor_model_parallel_size, "must be >= 1 (1 = no tensor parallelism)")
         _check(not (self.multi_turn.enable and self.name == "hf"), "rollout.multi_turn.enable", True,
                "needs our engine (rollout.name=hybrid): the hf fallback generates one turn")
         _check(not (self.agent.mode == "server" and self.multi_turn.enable), "rollout.agent.mode", "server",

@@ -3,7 +3,7 @@
 Each entry was checked for meaning, not only for name: verl's `ppo_mini_batch_size` counts prompts like ours,
 `*_micro_batch_size_per_gpu` samples per GPU like ours, and verl's `trainer.save_freq=-1` (never save) is our
 `trainer.checkpoint.save_freq=0`. A verl key without an equivalent is an error naming the key and why; a key whose
-verl value matches what hybridflow always does (e.g. `rollout.tensor_model_parallel_size=1`) is accepted and
+verl value matches what hybridflow always does (e.g. `reward_model.reward_manager=naive`) is accepted and
 logged. Every mapping logs one line ("verl key X → hybridflow key Y"). The table is docs/verl-keys.md.
 """
 
@@ -66,7 +66,6 @@ def _filter_overlong(key: str, value: Any) -> Any:
     raise _Skip
 
 
-_TP = _only(1, "the rollout engine runs on the actor's FSDP weights, one GPU per process (no tensor parallelism)")
 _ACTOR = ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
           "ppo_epochs", "shuffle", "grad_clip", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
           "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tau_pos", "tau_neg")
@@ -101,8 +100,8 @@ VERL_KEYS: dict[str, VerlKey] = {
     "actor_rollout_ref.rollout.name": VerlKey("rollout.name", "vllm/sglang → our engine (hybrid)", _rollout_name),
     "actor_rollout_ref.rollout.gpu_memory_utilization": VerlKey(
         "rollout.gpu_memory_utilization", "ours: share of the memory free after the model loads, for the KV cache"),
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": VerlKey(None, "only 1: no rollout tensor parallelism",
-                                                                    _TP),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": VerlKey("rollout.tensor_model_parallel_size",
+                                                                    "ranks of one generation group"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": VerlKey("actor.log_prob_micro_batch_size_per_gpu",
                                                                            _SAMPLES),
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": VerlKey("actor.log_prob_max_token_len_per_gpu"),

@@ -6,7 +6,9 @@ samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout
 `attention_mask`, `position_ids`; with a `weight_check` (partial rollouts, rollout/versions.py) also
 `rollout_policy_version` [B*n, R], the policy version that sampled each token. With `rollout.agent.mode=server` the
 rows come from agents talking to an OpenAI-compatible endpoint over this engine (`agent_rollout.py`). Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
-only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training.
+only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training. With
+`tp` (a `TPContext`, rollout.tensor_model_parallel_size ranks) each rank of the group holds its slices of the weights
+and of the KV cache, and every rank of the group returns the same rows.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
-from hybridflow.rollout.sampling import SamplingParams, build_sampler, row_seed
+from hybridflow.rollout.sampling import SamplingParams, ShardedSampler, build_sampler, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
+from hybridflow.rollout.tensor_parallel import TPContext, reference_slices
 from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -50,8 +53,15 @@ class RolloutEngine:
                  pad_token_id: int, max_prompt_length: int, max_response_length: int,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, check_every: int | None = None,
-                 tokenizer: Tokenizer | None = None, chat_template: str | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, chat_template: str | None = None,
+                 tp: TPContext | None = None) -> None:
         self.cfg = rollout_cfg
+        size = 1 if tp is None else tp.size
+        if size != rollout_cfg.tensor_model_parallel_size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={rollout_cfg.tensor_model_parallel_size} but the "
+                             f"engine was given a tensor-parallel group of {size}: the workers build the group from "
+                             "that key (pass tp=TPContext(...) of that size)")
+        self.tp = tp if size > 1 else None
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
         self.agent = _agent_rollout(rollout_cfg, tokenizer, chat_template, pad_token_id, max_prompt_length,
@@ -80,6 +90,9 @@ class RolloutEngine:
         if self._fallback is not None and self.agent is not None:
             raise ValueError(f"rollout.agent.mode=server needs our engine, but it falls back to HF generate "
                              f"({reason}); use a supported (Llama-family) model")
+        if self.tp is not None and (self._fallback is not None or self.agent is not None):
+            raise ValueError(f"rollout.tensor_model_parallel_size={self.tp.size} needs our engine on a "
+                             f"Llama-family model ({reason or 'rollout.agent.mode=server is per rank'}); set it to 1")
         if self._fallback is not None and self.session is not None:
             raise ValueError(f"rollout.multi_turn.enable=true needs our engine, but it falls back to HF generate "
                              f"({reason}); disable multi_turn or use a supported (Llama-family) model")
@@ -89,19 +102,25 @@ class RolloutEngine:
             if self.dtype != param_dtype:
                 logger.info("rollout: generation in %s from %s parameters (cast into reused buffers at each "
                             "sync_weights)", self.dtype, param_dtype)
-            self.spec = arch_spec(module)
-            self._view = WeightView(module, self.dtype, self.device)
+            self.spec = arch_spec(module) if self.tp is None else self.tp.local
+            self._view = WeightView(module, self.dtype, self.device) if self.tp is None else None
         self._weights: ModelWeights | None = None
         self._runner: ModelRunner | None = None
 
-    def sync_weights(self) -> float:
+    def sync_weights(self, local: dict[str, torch.Tensor] | None = None) -> float:
         """Make the next generate use the module's current parameters; returns seconds spent. (The worker's
-        `timing/switch` times the whole train↔generate switch around it.)"""
+        `timing/switch` times the whole train↔generate switch around it.) Tensor parallel: `local` = this rank's
+        slices {HF parameter name: tensor} (`weights.tp_model_weights`); None = cut from the whole module (as a generate
+        after `release_cache` does: give the slices again first when the module is sharded)."""
         if self._fallback is not None:
             return 0.0
         t0 = time.perf_counter()
         with torch.no_grad():
-            self._weights = self._view.build()
+            if self.tp is None:
+                self._weights = self._view.build()
+            else:
+                local = reference_slices(self.module, self.tp) if local is None else local
+                self._weights = self.tp.model_weights(local, self.dtype, self.device)
         if self._runner is not None:
             self._runner.set_weights(self._weights)
         if self.device.type == "cuda":
@@ -140,9 +159,9 @@ class RolloutEngine:
             rope = RopeTable(self.module, cache.max_len, self.dtype, self.device)
             # the forward's pieces and the sampler, chosen once for this device (torch, compiled, Triton)
             ops = DecodeOps.for_device(self.device, self.compile_decode)
-            sampler = build_sampler(self.device, self.compile_decode)
+            sampler = build_sampler(self.device, self.compile_decode) if self.tp is None else ShardedSampler(self.tp)
             self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
-                                       use_graphs=self.use_graphs, ops=ops, sampler=sampler)
+                                       use_graphs=self.use_graphs, ops=ops, sampler=sampler, tp=self.tp)
             self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
         return self._runner
 
@@ -163,6 +182,7 @@ class RolloutEngine:
         seeds = meta.get("seeds")
         if seeds is None:  # fresh per call and per data-parallel rank, reproducible from rollout.seed
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = rank if self.tp is None else self.tp.first_rank  # one set of seeds per tensor-parallel group
             base = row_seed(row_seed(params.seed, self._calls), rank)
             return [row_seed(base, i * n + j) for i in range(B) for j in range(n)]
         seeds = [int(s) for s in (seeds.tolist() if hasattr(seeds, "tolist") else seeds)]

@@ -133,6 +133,7 @@ MLPFn = Callable[[torch.Tensor, torch.Tensor, LayerWeights, float], torch.Tensor
 MLPNormFn = Callable[[torch.Tensor, torch.Tensor, LayerWeights, torch.Tensor, float],
                      tuple[torch.Tensor, torch.Tensor]]  # `mlp_block_norm`
 EmbedNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.embedding(ids, table), F.linear(x, lm_head)
 
 
 class RangeAttention(Protocol):
@@ -181,6 +182,10 @@ class DecodeOps:
     # `kv_store` and `attention` set (their torch references take cos/sin too), i.e. our CUDA kernels.
     qkv_project: QKVProjectFn = qkv_project
     rope_in_kernels: bool = True
+    # The token embedding and the LM head; tensor parallelism (`tensor_parallel.TPContext.decode_ops`) replaces
+    # them, `mlp_block*` and `embed_norm` with pieces that all-reduce over the group.
+    embed: LinearFn = F.embedding
+    logits: LinearFn = F.linear
 
     @classmethod
     def compiled(cls) -> DecodeOps:
@@ -199,6 +204,9 @@ class DecodeOps:
         if attention is None:
             return ops
         return dataclasses.replace(ops, attention=attention, kv_store=_triton_kv_store(device))
+
+
+EAGER_OPS = DecodeOps()  # the eager torch pieces (prefill and the SDPA extension always run these)
 
 
 @functools.lru_cache(maxsize=1)
@@ -249,12 +257,14 @@ class RopeTable:
 
 
 def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
-            pos_BP: torch.Tensor, cache: KVCache, slots_M: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
-    """Run left-padded prompts, copy prompt b's K/V into cache slots where src == b; return last logits [B, V]."""
+            pos_BP: torch.Tensor, cache: KVCache, slots_M: torch.Tensor, src_M: torch.Tensor,
+            ops: DecodeOps = EAGER_OPS) -> torch.Tensor:
+    """Run left-padded prompts, copy prompt b's K/V into cache slots where src == b; return last logits [B, V].
+    Eager: of `ops` only `embed`, `mlp_block` and `logits` are used (the tensor-parallel pieces)."""
     B, P = ids_BP.shape
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     group = spec.num_heads // spec.num_kv_heads
-    x = F.embedding(ids_BP, w.embed)
+    x = ops.embed(ids_BP, w.embed)
     cos, sin = rope.cos[pos_BP], rope.sin[pos_BP]
     causal = torch.ones(P, P, dtype=torch.bool, device=ids_BP.device).tril()
     # Pad query rows see only themselves (no NaN from all-masked rows); real rows see real keys up to themselves.
@@ -267,9 +277,9 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
+        x = ops.mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
     last = rms_norm(x[:, -1], w.norm, spec.eps)
-    return F.linear(last, w.lm_head)
+    return ops.logits(last, w.lm_head)
 
 
 def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok_b: torch.Tensor,
@@ -290,7 +300,7 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     if fuse:
         x, xn = ops.embed_norm(tok_b, w.embed, w.layers[0].ln1, spec.eps)
     else:
-        x = F.embedding(tok_b, w.embed)
+        x = ops.embed(tok_b, w.embed)
     if ops.attention is None:  # additive mask built once per step (not converted from bool inside every layer)
         valid = valid_bT[:, :kv_len]
         attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
@@ -323,7 +333,7 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
             x, xn = ops.mlp_block_norm(x, o.reshape(b, -1), lw, nxt, spec.eps)
         else:
             x = ops.mlp_block(x, o.reshape(b, -1), lw, spec.eps)
-    return F.linear(xn if fuse else rms_norm(x, w.norm, spec.eps), w.lm_head)
+    return ops.logits(xn if fuse else rms_norm(x, w.norm, spec.eps), w.lm_head)
 
 
 def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, ids_N: torch.Tensor,
@@ -350,7 +360,7 @@ def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeO
     if fuse:
         x, xn = ops.embed_norm(ids_N, w.embed, w.layers[0].ln1, spec.eps)
     else:
-        x = F.embedding(ids_N, w.embed)
+        x = ops.embed(ids_N, w.embed)
     cos, sin = rope.cos[pos_N], rope.sin[pos_N]
     for layer, lw in enumerate(w.layers):
         q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps) if fuse else ops.qkv(x, lw, cos, sin, heads, spec.eps)
@@ -361,7 +371,7 @@ def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeO
             x, xn = ops.mlp_block_norm(x, o.reshape(N, -1), lw, w.layers[layer + 1].ln1, spec.eps)
         else:
             x = ops.mlp_block(x, o.reshape(N, -1), lw, spec.eps)
-    return F.linear(rms_norm(x[last_S], w.norm, spec.eps), w.lm_head)
+    return ops.logits(rms_norm(x[last_S], w.norm, spec.eps), w.lm_head)
 
 
 def _store_kv_torch(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, col_N: torch.Tensor,
@@ -372,7 +382,7 @@ def _store_kv_torch(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torc
 
 def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch.Tensor, pos_SK: torch.Tensor,
                  lens: list[int], cache: KVCache, slots_S: torch.Tensor, col0: list[int],
-                 valid_XT: torch.Tensor) -> torch.Tensor:
+                 valid_XT: torch.Tensor, ops: DecodeOps = EAGER_OPS) -> torch.Tensor:
     """Multi-turn extension of S slots in one forward: slot `slots_S[i]` appends the first `lens[i]` tokens of row i of
     `ids_SK` (right-padded) at cache columns [col0[i], col0[i] + lens[i]); each token attends to its slot's
     valid columns before col0 and causally to the new ones. Padding tokens write nothing and are not returned.
@@ -383,7 +393,7 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     heads of a kv head ride on SDPA's query axis (q [S, Hkv, G*K, D] against [S, Hkv, end, D]: no K/V copies), and
     SDPA is held to the memory-efficient / math kernels: cuDNN's builds a plan per new shape (~0.6 ms of host time
     per layer on an H200) and every call here has a new (S, K, end). Eager for the same reason (a compiled graph
-    would recompile)."""
+    would recompile); of `ops` only the tensor-parallel pieces are used, as in `prefill`."""
     S, K = ids_SK.shape
     dev = ids_SK.device
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -400,7 +410,7 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     mask_SKC = valid_XT[slots_S, :end][:, None, :] & (c[None, None, :] <= cols_SK[:, :, None])
     hkv, group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
     mask = mask_SKC[:, None, None].expand(S, 1, group, K, end).reshape(S, 1, group * K, end)  # once, all layers
-    x = F.embedding(ids_SK, w.embed)
+    x = ops.embed(ids_SK, w.embed)
     cos, sin = rope.cos[pos_SK], rope.sin[pos_SK]
     with sdpa_kernel(_EXTEND_BACKENDS):
         for layer, lw in enumerate(w.layers):
@@ -412,6 +422,6 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
             qg = q.view(S, K, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(S, hkv, group * K, d)
             o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # [S, Hkv, G*K, D]
             o = o.view(S, hkv, group, K, d).permute(0, 3, 1, 2, 4).reshape(S, K, hkv * group * d)
-            x = mlp_block(x, o, lw, spec.eps)
+            x = ops.mlp_block(x, o, lw, spec.eps)
     last = x[torch.arange(S, device=dev), last_S]
-    return F.linear(rms_norm(last, w.norm, spec.eps), w.lm_head)
+    return ops.logits(rms_norm(last, w.norm, spec.eps), w.lm_head)

@@ -19,9 +19,10 @@ import numpy
 import torch
 
 from hybridflow.rollout import forward
-from hybridflow.rollout.forward import DecodeOps, RopeTable
+from hybridflow.rollout.forward import EAGER_OPS, DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
-from hybridflow.rollout.sampling import Sampler, SamplingParams, sample, sampler_values
+from hybridflow.rollout.sampling import Sampler, SamplingParams, ShardedSampler, sample, sampler_values
+from hybridflow.rollout.tensor_parallel import TPContext
 from hybridflow.rollout.weights import ArchSpec, ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,21 @@ def _pow2(x: int, floor: int) -> int:
 
 class ModelRunner:
     """Owns the KV cache and slot state; `admit` prefills prompts into slots, `step_` decodes all live slots.
-    `ops` (the forward's pieces) and `sampler` are the engine's choice for its device."""
+    `ops` (the forward's pieces) and `sampler` are the engine's choice for its device. With `tp` (tensor
+    parallelism) `spec`, `weights` and `cache` are this rank's (`tp.local`), the ops get the group's pieces and the
+    sampler is a `ShardedSampler`; token ids, stop ids and top_k stay global (`vocab`)."""
 
     def __init__(self, spec: ArchSpec, weights: ModelWeights, rope: RopeTable, cache: KVCache, *, pad_id: int,
-                 max_new_tokens: int, use_graphs: bool, ops: DecodeOps, sampler: Sampler) -> None:
+                 max_new_tokens: int, use_graphs: bool, ops: DecodeOps, sampler: Sampler,
+                 tp: TPContext | None = None) -> None:
         self.spec, self.weights, self.rope, self.cache = spec, weights, rope, cache
-        self.ops: DecodeOps = ops
+        self.tp = tp
+        self.vocab = spec.vocab if tp is None else tp.spec.vocab
+        # prefill and the SDPA extension run eagerly; a failed capture falls back to these as well
+        self.eager_ops = EAGER_OPS if tp is None else tp.decode_ops(EAGER_OPS)
+        self.ops: DecodeOps = ops if tp is None else tp.decode_ops(ops)
         self.sampler: Sampler = sampler
+        self._eager_sampler: Sampler = sample if tp is None else sampler
         self.pad_id, self.R, self.use_graphs = pad_id, max_new_tokens, use_graphs
         S, T = cache.slots, cache.max_len
         dev = cache.k[0].device
@@ -82,9 +91,9 @@ class ModelRunner:
         self.out_tok = torch.full((S, max_new_tokens + 1), pad_id, **zeros)
         self.out_logp = torch.zeros(S, max_new_tokens + 1, dtype=torch.float32, device=dev)
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
-        self.top_k = torch.tensor(spec.vocab, device=dev)
+        self.top_k = torch.tensor(self.vocab, device=dev)
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
-        self.is_stop = torch.zeros(spec.vocab, dtype=torch.bool, device=dev)  # vocab lookup: any number of stop ids
+        self.is_stop = torch.zeros(self.vocab, dtype=torch.bool, device=dev)  # vocab lookup: any number of stop ids
         self.mode = "sample"
         self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}  # (b, L, mode) -> graph
         self._pool = None
@@ -102,17 +111,19 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------- configuration
     def set_sampling(self, params: SamplingParams, eos_ids: list[int]) -> None:
         stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
-        bad = [t for t in stops if not 0 <= t < self.spec.vocab]
+        bad = [t for t in stops if not 0 <= t < self.vocab]
         if bad:
-            raise ValueError(f"stop/eos token ids {bad} are outside the vocabulary [0, {self.spec.vocab})")
+            raise ValueError(f"stop/eos token ids {bad} are outside the vocabulary [0, {self.vocab})")
         self.is_stop.fill_(False)
         if stops:
             self.is_stop[torch.tensor(stops, device=self.device)] = True
-        temperature, top_k, top_p = sampler_values(params, self.spec.vocab)
+        temperature, top_k, top_p = sampler_values(params, self.vocab)
         self.temperature.fill_(temperature)
         self.top_k.fill_(top_k)
         self.top_p.fill_(top_p)
         self.mode = params.mode
+        if isinstance(self.sampler, ShardedSampler) and self.sampler.set_top_k(params.top_k):
+            self.graphs = {key: g for key, g in self.graphs.items() if key[2] != "filtered"}
 
     def set_weights(self, weights: ModelWeights) -> None:
         """New views; captured graphs are dropped only if any tensor moved (zero-copy weights never move)."""
@@ -132,7 +143,8 @@ class ModelRunner:
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         src = torch.arange(B, device=dev).repeat_interleave(n)
-        logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t, src)
+        logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t, src,
+                                 self.eager_ops)
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
         tok, logp = self.sampler(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
                                  torch.zeros_like(seeds_t))
@@ -288,7 +300,7 @@ class ModelRunner:
         ids, pos = ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
         ids[:, 0] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
         return forward.extend_batch(self.weights, self.spec, self.rope, ids, pos, lens, self.cache, slots_t, col0,
-                                    self.valid)
+                                    self.valid, self.eager_ops)
 
     # --------------------------------------------------------------------------------------------------- decode
     def _eager_step(self, b: int, L: int, mode: str) -> None:
@@ -349,10 +361,10 @@ class ModelRunner:
                 t[:b].copy_(saved)
             self.graphs.clear()
             self.ext_graphs.clear()
-            if self.ops.is_compiled or self.ops.attention is not None or self.sampler is not sample:
+            if self.ops.is_compiled or self.ops.attention is not None or self.sampler is not self._eager_sampler:
                 logger.warning("CUDA-graph capture with compiled ops / Triton kernels failed (%s: %s); retrying "
                                "with eager torch ops", type(err).__name__, err)
-                self.ops, self.sampler = DecodeOps(), sample
+                self.ops, self.sampler = self.eager_ops, self._eager_sampler
                 self.ensure_graph(b, L)
                 return
             logger.warning("CUDA-graph capture failed (%s: %s); decoding eagerly (slow)", type(err).__name__, err)

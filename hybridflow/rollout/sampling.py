@@ -8,7 +8,8 @@ single passes over the vocab — no sort and no scan (an inverse-CDF sampler nee
 ~0.9 ms per decode step on an H200 and a construct Inductor failed to compile). top-k/top-p needs the sorted
 distribution anyway, so it draws one uniform per row and inverts the CDF of the filtered, sorted probabilities.
 Which implementation samples (`Sampler`: torch, compiled torch, or the Triton kernel of sample_kernel.py) is
-decided once per engine by `build_sampler`.
+decided once per engine by `build_sampler`; with tensor parallelism, `ShardedSampler` draws the same tokens from
+each rank's vocab shard.
 
 Legend: N rows being sampled, V vocab.
 """
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hybridflow.rollout import sample_kernel
+from hybridflow.rollout.tensor_parallel import TPContext
 from hybridflow.rollout.triton_util import triton_available
 from hybridflow.utils.compile import GuardedCompile
 
@@ -107,9 +109,10 @@ def uniform_from_counter(seeds_N: torch.Tensor, steps_N: torch.Tensor) -> torch.
     return (_row_hash(seeds_N, steps_N) >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def gumbel_from_counter(seeds_N: torch.Tensor, steps_N: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [N, V] (float32) from (seed[i], step[i], v) only."""
-    v = torch.arange(vocab, device=seeds_N.device, dtype=torch.long)
+def gumbel_from_counter(seeds_N: torch.Tensor, steps_N: torch.Tensor, vocab: int, start: int = 0) -> torch.Tensor:
+    """Standard Gumbel noise [N, vocab] (float32) from (seed[i], step[i], v) only, for token ids v in
+    [start, start + vocab) (a tensor-parallel rank's shard draws the noise one device draws for those ids)."""
+    v = torch.arange(start, start + vocab, device=seeds_N.device, dtype=torch.long)
     x = _mix32((_row_hash(seeds_N, steps_N)[:, None] + v[None, :] * _GOLDEN_V) & _M32)
     u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1): both logs stay finite
     return -torch.log(-torch.log(u))
@@ -152,16 +155,22 @@ def sample(logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k:
     if mode != "filtered":
         raise ValueError(f"sampling mode={mode!r}; choose one of {MODES}")
     u = uniform_from_counter(seeds_N, steps_N)
-    # Order as in HF generate: temperature, then top-k, then top-p on the renormalised top-k distribution.
     probs = torch.softmax(scaled, dim=-1)
     sorted_p, sorted_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
+    return _draw_sorted(sorted_p, sorted_idx, top_k, top_p, u)
+
+
+def _draw_sorted(sorted_p: torch.Tensor, sorted_idx: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 u_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `filtered` draw from probabilities sorted descending (ties in token order) and their token ids.
+    Order as in HF generate: temperature, then top-k, then top-p on the renormalised top-k distribution."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
     kept = sorted_p * (rank < top_k)
     z_k = kept.sum(dim=-1, keepdim=True)
     exclusive = torch.cumsum(kept, dim=-1) - kept
     kept = kept * (exclusive < top_p * z_k)
     z = kept.sum(dim=-1)
-    j = _inverse_cdf(kept, u)
+    j = _inverse_cdf(kept, u_N)
     p_j = kept.gather(-1, j[:, None]).squeeze(-1)
     tok = sorted_idx.gather(-1, j[:, None]).squeeze(-1)
     return tok, torch.log(p_j / z)
@@ -204,3 +213,69 @@ def sampler_values(params: SamplingParams, vocab_size: int) -> tuple[float, int,
     softmax's), top_k off = the whole vocabulary. The model runner fills its graph-captured 0-d tensors with these."""
     temperature = params.temperature if params.do_sample else 1.0
     return temperature, params.top_k if params.top_k > 0 else vocab_size, params.top_p
+
+
+class ShardedSampler:
+    """`sample` over the vocab shards of a tensor-parallel group (`TPContext`), the logits never gathered: rank r
+    holds logits [N, V/tp] of token ids [vocab_start, ...) (padding -inf) and every rank returns the same global ids.
+
+    `greedy` / `sample`: each rank draws the noise one device would draw for its ids (`gumbel_from_counter` over
+    its global columns), takes its best score, and one all-gather of 5 numbers a row (local max and sum of exp, best
+    score, its id and logit; float64, exact for ids) lets every rank pick the winner (ties: the lowest id, as
+    torch.argmax) and the global logsumexp of its log-prob. `filtered` (top-k / top-p): each rank contributes its
+    `candidates` best entries in one all-gather (2 numbers each) and every rank runs `sample`'s sorted draw on the
+    merged list — exact, since the global top-k is among the ranks' top-k. With top_k set that is tp·k entries a row;
+    top-p alone needs the whole sorted distribution, so every rank gathers its full shard (V entries a row: what
+    gathering the logits costs). The same tokens as `sample` up to fp32 rounding of the log-sum-exp (the Triton
+    kernel's near-tie caveat applies against one GPU). Eager torch: chosen once per engine, like `build_sampler`'s."""
+
+    def __init__(self, tp: TPContext) -> None:
+        self.tp = tp
+        self.candidates = tp.local.vocab  # entries a rank contributes in `filtered` (`set_top_k`)
+
+    def set_top_k(self, top_k: int) -> bool:
+        """The host value of top_k (<= 0: off) fixes the candidates per rank; True when that count changed (a
+        captured `filtered` graph holds the old one)."""
+        rows = self.tp.local.vocab
+        candidates = min(top_k, rows) if top_k > 0 else rows
+        changed, self.candidates = candidates != self.candidates, candidates
+        return changed
+
+    def __call__(self, logits_NV: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, seeds_N: torch.Tensor, steps_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled = logits_NV.float() / temperature
+        start = self.tp.vocab_start
+        m = scaled.amax(dim=-1)
+        s = torch.exp(scaled - m.nan_to_num(neginf=0.0)[:, None]).sum(dim=-1)  # a padding-only shard: m=-inf, s=0
+        if mode == "filtered":
+            return self._filtered(scaled, m, s, top_k, top_p, uniform_from_counter(seeds_N, steps_N))
+        if mode not in MODES:
+            raise ValueError(f"sampling mode={mode!r}; choose one of {MODES}")
+        score = scaled if mode == "greedy" else scaled + gumbel_from_counter(seeds_N, steps_N, scaled.shape[-1], start)
+        idx = score.argmax(dim=-1)
+        best, x = score.gather(-1, idx[:, None])[:, 0], scaled.gather(-1, idx[:, None])[:, 0]
+        g = self.tp.all_gather(torch.stack([t.double() for t in (m, s, best, x, idx + start)], dim=-1))  # [tp, N, 5]
+        win = g[:, :, 2].argmax(dim=0)  # the first rank among equal scores holds the lowest id
+        pick = g.gather(0, win[None, :, None].expand(1, -1, g.shape[-1]))[0]
+        return pick[:, 4].long(), (pick[:, 3] - _logsumexp(g[:, :, 0], g[:, :, 1])).float()
+
+    def _filtered(self, scaled: torch.Tensor, m: torch.Tensor, s: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, u_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        C, N = self.candidates, scaled.shape[0]
+        vals, idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        part = torch.cat([vals[:, :C].double(), (idx[:, :C] + self.tp.vocab_start).double(), m[:, None].double(),
+                          s[:, None].double()], dim=-1)
+        g = self.tp.all_gather(part)  # [tp, N, 2C + 2]
+        lse = _logsumexp(g[:, :, 2 * C], g[:, :, 2 * C + 1])
+        # ranks in order, each sorted stably: equal probabilities stay in token-id order, as in `sample`
+        probs = torch.exp(g[:, :, :C].transpose(0, 1).reshape(N, -1) - lse[:, None]).float()
+        ids = g[:, :, C: 2 * C].transpose(0, 1).reshape(N, -1).long()
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        return _draw_sorted(sorted_p, ids.gather(-1, order), top_k, top_p, u_N)
+
+
+def _logsumexp(m_RN: torch.Tensor, s_RN: torch.Tensor) -> torch.Tensor:
+    """log sum_r s_r·exp(m_r) over the ranks' local maxima m and sums of exp(x - m) [tp, N]; a rank of padding
+    only (m = -inf, s = 0) adds nothing."""
+    top = m_RN.amax(dim=0)
+    return top + torch.log((s_RN * torch.exp(m_RN - top)).sum(dim=0))

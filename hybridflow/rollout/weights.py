@@ -18,13 +18,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hybridflow.rollout.build_plan import ADDMM, COPY, STACKED, BuildPlan, Recorder
+
+if TYPE_CHECKING:  # tp_layout reads ArchSpec from here
+    from hybridflow.rollout.tp_layout import TPLayout
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +132,51 @@ def arch_spec(module: nn.Module) -> ArchSpec:
     return ArchSpec(num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
                     num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab=cfg.vocab_size,
                     eps=float(cfg.rms_norm_eps))
+
+
+# The name of a decoder parameter from `layers.` / `embed_tokens.` / `norm.` / `lm_head.` on, whatever wraps it.
+_LOCAL_NAME = re.compile(r"(?:^|\.)((?:layers\.\d+|embed_tokens|norm|lm_head)\.[\w.]+)$")
+
+
+def tp_model_weights(local: Mapping[str, torch.Tensor], spec: ArchSpec, layout: TPLayout, dtype: torch.dtype,
+                     device: torch.device) -> ModelWeights:
+    """`ModelWeights` of one tensor-parallel rank from its slices {HF parameter name: local tensor} (PEFT's
+    `base_layer.` stripped, LoRA merged; slices as `tp_layout.param_slice` cuts them, e.g. by the resharding or
+    `tensor_parallel.reference_slices`). `spec` is the whole model's. Tensors already in `dtype` on `device` are
+    used as they are (the caller's storage: hand the same tensors each switch and CUDA graphs stay valid); tied
+    embeddings (no `lm_head.weight`) share the embedding shard."""
+    byname = {}
+    for name, t in local.items():
+        m = _LOCAL_NAME.search(name.replace("base_layer.", ""))
+        if m is not None:
+            byname[m.group(1)] = t
+
+    def get(name: str, required: bool = True) -> torch.Tensor | None:
+        t = byname.get(name)
+        if t is None and required:
+            raise KeyError(f"tp_model_weights: no slice named ...{name} among {len(local)} tensors")
+        return None if t is None else t.detach().to(device=device, dtype=dtype)
+
+    q_rows = spec.num_heads // layout.size * spec.head_dim
+    if get("layers.0.self_attn.q_proj.weight").shape[0] != q_rows:
+        raise ValueError(f"q_proj slice has {byname['layers.0.self_attn.q_proj.weight'].shape[0]} rows; rank "
+                         f"{layout.rank} of {layout.size} holds {q_rows} (tp_layout.param_slice cuts the slices)")
+    layers = []
+    for i in range(spec.num_layers):
+        a, f = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        layers.append(LayerWeights(
+            ln1=get(f"layers.{i}.input_layernorm.weight"), ln2=get(f"layers.{i}.post_attention_layernorm.weight"),
+            q=get(a + "q_proj.weight"), k=get(a + "k_proj.weight"), v=get(a + "v_proj.weight"),
+            o=get(a + "o_proj.weight"), q_bias=get(a + "q_proj.bias", False), k_bias=get(a + "k_proj.bias", False),
+            v_bias=get(a + "v_proj.bias", False), o_bias=get(a + "o_proj.bias", False),
+            q_norm=get(a + "q_norm.weight", False), k_norm=get(a + "k_norm.weight", False),
+            gate=get(f + "gate_proj.weight"), up=get(f + "up_proj.weight"), down=get(f + "down_proj.weight")))
+    embed = get("embed_tokens.weight")
+    lm_head = get("lm_head.weight", required=False)
+    weights = ModelWeights(embed=embed, layers=layers, norm=get("norm.weight"),
+                           lm_head=embed if lm_head is None else lm_head, owned_buffers=True)
+    weights.ptrs = tuple(t.data_ptr() for t in weights.tensors())
+    return weights
 
 
 def _is_fsdp(module: nn.Module) -> bool:

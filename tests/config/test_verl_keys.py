@@ -88,7 +88,6 @@ def test_verl_keys_in_a_yaml_file(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "no tensor parallelism"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "no sequence parallelism"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor.ppo_micro_batch_size_per_gpu"),
     ("actor_rollout_ref.rollout.engine_kwargs.x=1", "docs/verl-keys.md"),
@@ -99,6 +98,13 @@ def test_verl_keys_without_equivalent_name_key_and_why(override, expected) -> No
         load_config([], [override])
     assert override.split("=")[0] in str(err.value) and expected in str(err.value)
     assert "Did you mean" not in str(err.value)
+
+
+def test_rollout_tensor_parallel_size_maps_to_ours() -> None:
+    cfg = load_config([], ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert cfg.rollout.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="rollout.tensor_model_parallel_size"):
+        load_config([], ["rollout.tensor_model_parallel_size=0"])
 
 
 def test_every_mapping_targets_a_real_key_and_is_documented() -> None:
