@@ -63,6 +63,41 @@ def _node_and_state(host: Any) -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), digest.hexdigest()
 
 
+def _join_weight_group(host: Any, address: tuple[str, int]) -> tuple[str, str]:
+    """Inside a worker on another node than actor rank 0: join its weight group as the one receiver, as a rollout
+    worker of trainer.mode=one_step_off does (`RolloutWorker.join_weight_group`)."""
+    import torch
+
+    from hybridflow.workers.weight_collective import WeightReceiver
+
+    host.weight_receiver = WeightReceiver(tuple(address), 1, 2, torch.device("cpu"), 60.0)
+    return host.weight_receiver.backend, ray.get_runtime_context().get_node_id()
+
+
+def _receive_weights(host: Any, msg: Any) -> dict[str, Any]:
+    buckets, _seconds = host.weight_receiver.receive(msg)
+    return {name: t.clone() for bucket in buckets for name, t in bucket.tensors()}
+
+
+def check_weight_group_across_nodes(trainer: PPOTrainer) -> None:
+    """The collective weight transport's group (actor rank 0 → one receiver on another node, gloo) forms at the
+    address rank 0 publishes (its node's IP, never loopback) and carries the weights bit-exact."""
+    import torch
+
+    hosts = trainer.groups.owners[0]._handles  # noqa: SLF001
+    address = trainer.groups.actor.open_weight_sender(1, 60.0)[0]
+    assert address[0] == ray.util.get_node_ip_address() and not address[0].startswith("127."), address
+    joined = hosts[2].__ray_call__.remote(_join_weight_group, address)
+    msg, _finished = trainer.groups.actor.stage_weights(1 << 14)[0]
+    backend, node = ray.get(joined, timeout=60)
+    assert backend == "gloo" and node != ray.get_runtime_context().get_node_id(), (backend, node)
+    held = ray.get(hosts[2].__ray_call__.remote(_receive_weights, msg), timeout=60)
+    sent = {name: t for bucket in trainer.groups.actor.weight_buckets(1 << 30)[0] for name, t in bucket.tensors()}
+    assert len(msg.specs) > 1 and sorted(held) == sorted(sent), (len(msg.specs), sorted(held))
+    for name, t in sent.items():
+        assert torch.equal(held[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
 def rank_nodes_and_states(trainer: PPOTrainer) -> list[tuple[str, str]]:
     handles = trainer.groups.owners[0]._handles  # noqa: SLF001 - the test asks each actor where it runs
     return ray.get([h.__ray_call__.remote(_node_and_state) for h in handles], timeout=60)
@@ -86,6 +121,8 @@ def test_ppo_gae_across_three_nodes_node_loss_then_resume_from_remote(
         if run["n"] == 1 and self.global_step == 3:  # steps 1-2 saved and mirrored; rank 2's node goes
             lost = seen[1, 3][2][0]
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == lost))
+        if run["n"] == 2:
+            check_weight_group_across_nodes(self)
         return step(self, batch)
 
     monkeypatch.setattr(PPOTrainer, "step", step_with_node_loss)
