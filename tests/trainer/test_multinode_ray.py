@@ -3,7 +3,8 @@ gloo): one rank per node, checkpoints mirrored to an fsspec remote (`file://`, s
 node of rank 2 removed mid-run ends the run `failed` naming node, rank and stage; with the local checkpoints gone
 and a freshly joined node, the same command resumes from the remote with bit-exact actor and critic state.
 
-One cluster, one run and one resume: starting workers dominates the cost (~25 s per run on a loaded 2-core machine).
+One cluster, one run and one resume: starting the raylets and the workers dominates the cost (each run spends
+25-60 s bringing up its three workers on a loaded 2-core machine; the steps take seconds).
 """
 
 from __future__ import annotations
