@@ -153,6 +153,11 @@ class CheckpointManager:
         def finalize() -> None:
             if rank != 0:
                 return
+            missing = [r for r in range(self.world_size) if not (work / _rank_file(r)).is_file()]
+            if missing:  # they wrote to their own node's disk: committing would publish a step without their shards
+                raise RuntimeError(f"rank 0 does not see rank(s) {missing}'s files in {work}: {self.root} "
+                                   "(trainer.default_local_dir) is not one directory every node shares; put it on a "
+                                   "filesystem all nodes mount (NFS, a shared volume)")
             if driver is not None:
                 write_component(work / PAYLOAD, driver[0], driver[1], "safetensors", 0, None)
             (work / EXTRA).write_text(extra_text, encoding="utf-8")

@@ -95,6 +95,15 @@ class RemoteMirror:
                 name = fh.read().strip() or None
         return atomic.newest(self.list_complete(), name, self.base_url)
 
+    def has_checkpoint(self) -> bool:
+        """A complete checkpoint at the base or in a sub-directory of it (roles in their own groups save there)."""
+        if self.list_complete():
+            return True
+        base = self._path()
+        subdirs = [e["name"] for e in self.fs.ls(base, detail=True) if e["type"] == "directory"] \
+            if self.fs.exists(base) else []
+        return any(RemoteMirror(self.url(posixpath.basename(d.rstrip("/")))).list_complete() for d in subdirs)
+
     def download(self, name: str, local_root: Path) -> Path:
         """Fetch remote checkpoint `name` into `<local_root>/<name>` atomically (temp dir + rename)."""
         if not self.is_complete(name):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from hybridflow.checkpoint import atomic
+from hybridflow.checkpoint.remote import RemoteMirror
 from hybridflow.config import Config
 from hybridflow.tracking.jsonl import EVENTS_FILE, METRICS_FILE
 
@@ -34,8 +35,8 @@ class RunDirInUse(ValueError):
 
 def will_resume(cfg: Config) -> bool:
     """Whether the checkpoint policy will resume: `resume_mode=path`, or `auto` with a complete checkpoint in
-    `trainer.default_local_dir` (or in a role's sub-directory). A remote directory counts as resumable (it is not
-    listed here)."""
+    `trainer.default_local_dir` (or in a role's sub-directory), else in the `trainer.default_hdfs_dir` mirror (a
+    run on fresh machines resumes from there). A remote `default_local_dir` counts as resumable (it is not listed)."""
     t = cfg.trainer
     if t.resume_mode == "path":
         return True
@@ -43,7 +44,9 @@ def will_resume(cfg: Config) -> bool:
         return False
     if "://" in t.default_local_dir:
         return True
-    return atomic.find_latest_of_run(Path(t.default_local_dir)) is not None
+    if atomic.find_latest_of_run(Path(t.default_local_dir)) is not None:
+        return True
+    return bool(t.default_hdfs_dir) and RemoteMirror(t.default_hdfs_dir).has_checkpoint()
 
 
 def check_fresh_run_dir(cfg: Config) -> None:
@@ -62,7 +65,8 @@ def check_fresh_run_dir(cfg: Config) -> None:
                        EVENTS_FILE, run_dir)
         return
     why = ("trainer.resume_mode=disable" if t.resume_mode == "disable" else
-           f"there is no checkpoint to resume in trainer.default_local_dir={t.default_local_dir}")
+           f"there is no checkpoint to resume in trainer.default_local_dir={t.default_local_dir}"
+           + (f" or trainer.default_hdfs_dir={t.default_hdfs_dir}" if t.default_hdfs_dir else ""))
     raise ValueError(
         f"trainer.run_dir={t.run_dir} holds another run's metrics, and this run starts from scratch ({why}). Give "
         "this run its own directory (trainer.experiment_name=NAME or trainer.run_dir=DIR), resume the earlier run "

@@ -187,6 +187,17 @@ def test_unwritable_target_raises_clear_error(tmp_path: Path, async_save: bool) 
     mgr.close()  # the error was reported once; close is clean afterwards
 
 
+def test_commit_refuses_a_step_whose_other_ranks_wrote_elsewhere(tmp_path: Path) -> None:
+    """Ranks on other nodes with a `default_local_dir` on their own disks: rank 0 sees only its own files and must
+    not publish (mark complete, point `latest` at, mirror) a step that lacks theirs."""
+    mgr = CheckpointManager(tmp_path / "ck", f"file://{tmp_path}/remote", async_save=False)
+    mgr.world_size = 2  # rank 1 is on another node: its rank file and shards land on that node's disk
+    with pytest.raises(CheckpointWriteError, match=r"rank\(s\) \[1\].*not one directory every node shares"):
+        mgr.save(1, {"m": {"w": torch.ones(2)}})
+    assert atomic.find_latest(tmp_path / "ck") is None and not (tmp_path / "remote").exists()
+    mgr.close()
+
+
 def test_non_json_extra_fails_in_caller(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(TypeError, match="JSON"):

@@ -99,3 +99,26 @@ def test_a_run_whose_roles_saved_apart_counts_as_resumable(tmp_path: Path) -> No
     assert atomic.find_latest_of_run(tmp_path / "ckpt") is not None
     assert atomic.find_latest_of_run(tmp_path / "ckpt").name == "global_step_4"
     assert will_resume(cfg)
+
+
+def test_a_run_with_its_checkpoints_only_in_the_mirror_counts_as_resumable(tmp_path: Path) -> None:
+    """A run restarted on fresh machines (no local checkpoint) resumes from `trainer.default_hdfs_dir`: the fresh-run
+    check must see the mirror's checkpoints, at its root or under a role's sub-directory, not refuse the run."""
+    from hybridflow.checkpoint import atomic
+    from hybridflow.trainer.run_dir import check_fresh_run_dir, will_resume
+
+    remote = tmp_path / "object_store"
+    cfg = _cfg(tmp_path, "trainer.checkpoint.save_freq=1", f"trainer.default_hdfs_dir=file://{remote}")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (remote / "global_step_3").mkdir(parents=True)  # a save that never finished in the mirror: no marker
+    assert not will_resume(cfg)
+    with pytest.raises(ValueError, match=f"trainer.default_hdfs_dir=file://{remote}"):
+        check_fresh_run_dir(cfg)
+    step = remote / "critic" / "global_step_2"
+    step.mkdir(parents=True)
+    (step / atomic.MARKER).write_text(json.dumps({"complete": True, "step": 2}))
+    assert will_resume(cfg)
+    step.rename(remote / "global_step_2")  # one group: at the mirror's root
+    assert will_resume(cfg)
+    check_fresh_run_dir(cfg)
