@@ -1,4 +1,4 @@
-"""The three `trainer.mode`s side by side on the quickstart task from the committed SFT checkpoint (issue 27).
+"""The three `trainer.mode`s side by side on the quickstart task from the committed SFT checkpoint.
 
     python -m benchmarks.async_modes [--steps 10] [--modes sync,one_step_off,async] [a.b=c ...]
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/controller.py                 # local + Ray with 2 and 4 workers (CPU, gloo)
     .venv/bin/python benchmarks/controller.py --workers 2 --calls 200 --json out.json
 
-Targets (issue 3): local dispatch < 0.1 ms, Ray empty call <= 2 ms on one node, group start <= 5 s.
+Targets: local dispatch < 0.1 ms, Ray empty call <= 2 ms on one node, group start <= 5 s.
 """
 
 from __future__ import annotations

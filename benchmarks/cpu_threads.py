@@ -1,4 +1,4 @@
-"""CPU thread defaults on a busy machine (issue 25 item 6): seconds per SFT step of the quickstart's tiny model.
+"""CPU thread defaults on a busy machine: seconds per SFT step of the quickstart's tiny model.
 
     python -m benchmarks.cpu_threads [--steps 40]
 

@@ -1,4 +1,4 @@
-"""Decode-step micro-benchmark for issue 25 item 2: the engine's decode composition against the ones it replaced,
+"""Decode-step micro-benchmark: the engine's decode composition against the ones it replaced,
 all with the engine's GPU ops (torch.compile'd pieces, Triton attention / KV store / sampler).
 
 Run on one GPU from the repo root:  python3 -m benchmarks.decode_fusion [--out $OUT/decode_fusion.json]

@@ -1,4 +1,4 @@
-"""Decode projections at few rows (issue 25 item 2): cuBLAS (`F.linear`) against a Triton GEMM with split-K.
+"""Decode projections at few rows: cuBLAS (`F.linear`) against a Triton GEMM with split-K.
 
 At 256 rows a decode projection of the 0.5B/1.5B shapes is a sub-microsecond job by bytes and by FLOPs, but cuBLAS's
 tiles give it a few dozen CTAs and a serial walk over K, so each call costs several microseconds. This measures, per

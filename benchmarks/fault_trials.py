@@ -1,4 +1,4 @@
-"""Fault trials (issue 20): kill -9 during async checkpoint saves, a Ray worker killed during PPO training, and a
+"""Fault trials: kill -9 during async checkpoint saves, a Ray worker killed during PPO training, and a
 Ray worker that hangs inside a training stage.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fault_trials --ckpt-trials 16 --ray-trials 3 \

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The device calls on one H200 that measure what issues 12 and 25 report, each tool in its own process:
+# The device calls on one H200 that measure the step, decode and update numbers, each tool in its own process:
 #   run(kind=nvidia-h200, carry=[".whl"], command="BENCH_COMMIT=<sha> ROUND_PART=1 bash benchmarks/gpu_round.sh", timeout_s=600)
 # 1. TRL's GRPOTrainer (HF generate, no vLLM) on the anchor workload at 0.5B and 1.5B, FIRST, so that our table
 #    (which reads trl_<preset>.json from the same directory) carries the speed-up column (wheels from .whl or
 #    .whl-trl: trl, datasets, dill, multiprocess, xxhash),
 # 2. our GRPO step loop, tuned, 0.5B and 1.5B, with the profile (busy fraction, top kernels, idle gaps),
 # 3. the same loop with the default config (`auto` sizes) at 0.5B and 1.5B,
-# 4. PPO with a critic (GAE) at 0.5B, default config, with the profile (issue 25 item 5).
+# 4. PPO with a critic (GAE) at 0.5B, default config, with the profile.
 # All four stages need ~10-12 minutes, over one call's 10: ROUND_PART=1 runs stages 1-3 (TRL, tuned and defaults
 # side by side in one call), ROUND_PART=2 stage 4; unset = all.
 # The GPU tests need a call of their own (`bash benchmarks/gpu_tests.sh`): with the benchmarks beside them they were

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests with CUDA paths, on one H200, in a device call of their own (issue 25 item 7: beside the benchmarks they
+# The tests with CUDA paths, on one H200, in a device call of their own (beside the benchmarks they
 # were cut at 83% by a 120 s limit):
 #   run(kind=nvidia-h200, command="bash benchmarks/gpu_tests.sh", timeout_s=600)
 set -u

@@ -1,4 +1,4 @@
-"""Weak-start recovery, hybridflow GRPO vs TRL's GRPOTrainer (issue 19 item 3): same start, same sample budget,
+"""Weak-start recovery, hybridflow GRPO vs TRL's GRPOTrainer: same start, same sample budget,
 same scorer, one greedy evaluator for both.
 
     python -m benchmarks.learning --seeds 0-2 --sides ours,trl --out runs/learning [--recipe robust] [a.b=c ...]

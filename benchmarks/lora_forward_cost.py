@@ -1,4 +1,4 @@
-"""The other way to give the rollout W + (alpha/r)·B·A (issue 24): a low-rank term in the engine's forward instead of
+"""The other way to give the rollout W + (alpha/r)·B·A: a low-rank term in the engine's forward instead of
 merging at each switch. This measures what that term alone would add to one rollout — a lower bound on its cost,
 since the forward itself is not built — to compare with the measured merge switch (`benchmarks/lora_gpu.py
 --parts switch_0.5b`).

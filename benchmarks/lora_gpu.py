@@ -1,4 +1,4 @@
-"""LoRA and 7B on one GPU (issue 24): hybridflow GRPO with LoRA at the Qwen2.5-7B shape, full fine-tuning beside
+"""LoRA and 7B on one GPU: hybridflow GRPO with LoRA at the Qwen2.5-7B shape, full fine-tuning beside
 it, and TRL's GRPOTrainer with the same PEFT config as the anchor, in one device call.
 
 One H200 (≤ 9 min; installs the carried TRL wheels first):  bash benchmarks/lora_gpu_round.sh

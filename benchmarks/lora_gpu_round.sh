@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H200 for issue 24 (LoRA, 7B on one GPU, TRL + PEFT anchor), ≤ 9 min of parts:
+# One device call on one H200 (LoRA, 7B on one GPU, TRL + PEFT anchor), ≤ 9 min of parts:
 #   run(kind=nvidia-h200, carry=[".whl"], timeout_s=600,
 #       command="BENCH_COMMIT=<short sha> bash benchmarks/lora_gpu_round.sh")
 # TRL's wheels (trl, datasets, dill, multiprocess, xxhash) come from .whl/ (or .whl-trl/); peft, accelerate and

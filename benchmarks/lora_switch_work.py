@@ -1,4 +1,4 @@
-"""Work of one hybrid-engine switch, counted on CPU (issue 24): the aten ops (≈ kernels on a GPU; a `_foreach_*` op
+"""Work of one hybrid-engine switch, counted on CPU: the aten ops (≈ kernels on a GPU; a `_foreach_*` op
 counts once though CUDA may launch it in a few chunks), bytes read / written and bytes of fresh temporaries of one
 `WeightView.build` — the rollout's weight view, LoRA deltas merged — without a GPU.
 

@@ -1,4 +1,4 @@
-"""Multi-turn rollout throughput (issue 23 item 7): 256 trajectories x 3 assistant turns with a simulated 50 ms tool,
+"""Multi-turn rollout throughput: 256 trajectories x 3 assistant turns with a simulated 50 ms tool,
 against the single-turn engine on the same number of generated tokens, and KV reuse against re-prefilling history.
 
 Run on one GPU:  PYTHONPATH=. python3 benchmarks/multi_turn.py --out $OUT/multi_turn.json

@@ -1,4 +1,4 @@
-"""The quickstart's learning over seeds × CPU numerics: the numbers behind the README's range (issue 19).
+"""The quickstart's learning over seeds × CPU numerics: the numbers behind the README's range.
 
     python -m benchmarks.quickstart_seeds --seeds 0-7 --numerics default,avx2 --jobs 2 --out runs/qs_seeds [k=v ...]
 

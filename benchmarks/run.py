@@ -4,7 +4,7 @@ Run on one GPU:  PYTHONPATH=/tmp/site:. python3 -m benchmarks.trl_grpo --out $OU
                  PYTHONPATH=. python3 -m benchmarks.run --suite gpu --out $OUT
 CPU smoke test:  PYTHONPATH=. python3 -m benchmarks.run --preset tiny --device cpu --prompts 4 --n 2 \
                      --prompt-len 16 --response-len 8 --steps 1 --out /tmp/bench
-Workload (issue 12): 32 prompts x 8 samples, 256 random prompt tokens + 256 response tokens (ignore_eos), KL off,
+Workload: 32 prompts x 8 samples, 256 random prompt tokens + 256 response tokens (ignore_eos), KL off,
 bf16, one optimizer step per generation (on-policy, so old_log_prob is skipped) — the same as
 `benchmarks/trl_grpo.py`. Batches are built here (random token ids) and fed to `PPOTrainer.step`, so the step
 loop is the trainer's own. Reported per preset: `timing/*`, tokens/s, decode % of the HBM roofline, actor-update

@@ -8,7 +8,7 @@ word per model token id, so every prompt is exactly that many tokens), `n` sampl
 tokens forced (min_new_tokens), KL off (beta=0), bf16 autocast over fp32 weights, one optimizer step per
 generation batch (per_device_train_batch_size=n*prompts/ga, gradient_accumulation_steps=ga). TRL is imported only
 here; hybridflow does not depend on it. Step time = time between consecutive optimizer-step ends.
-`--lora-rank R` (issue 24): TRL's own PEFT path (`GRPOTrainer(peft_config=LoraConfig(r=R, lora_alpha, all-linear))`,
+`--lora-rank R`: TRL's own PEFT path (`GRPOTrainer(peft_config=LoraConfig(r=R, lora_alpha, all-linear))`,
 TRL's defaults otherwise: adapters upcast to fp32, gradient checkpointing on); with `--dtype bfloat16` the frozen
 base is held in bf16, as ours is. `benchmarks/lora_gpu.py` calls `run()`.
 """

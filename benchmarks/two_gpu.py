@@ -1,8 +1,8 @@
-"""Two-GPU benchmark (issue 13): the GRPO step loop on the Ray backend on 1 vs N GPUs with the same global batch,
+"""Two-GPU benchmark: the GRPO step loop on the Ray backend on 1 vs N GPUs with the same global batch,
 PPO with a critic and a larger shape on N GPUs, the hybrid-engine switch against an all-gather bound, and a kill
 test (one rank SIGKILLed mid-step: how long until the driver names it).
 
-GPU (2×H200, Ray carried as wheels; see the device command in the report of issue 13):
+GPU (2×H200, Ray carried as wheels):
     PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.two_gpu --out $OUT
 CPU check (2 gloo ranks on Ray, tiny model, seconds per step):
     OMP_NUM_THREADS=1 PYTHONPATH=. python3 -m benchmarks.two_gpu --device cpu --case grpo:tiny:1 \

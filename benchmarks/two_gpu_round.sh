@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on two H200s (issue 13), Ray carried as wheels in .whl (../shared/tools/device-wheels.sh ray==2.60.0):
+# One device call on two H200s, Ray carried as wheels in .whl (../shared/tools/device-wheels.sh ray==2.60.0):
 #   run(kind=nvidia-h200-x2, carry=[".whl"], command="bash benchmarks/two_gpu_round.sh", timeout_s=600)
 # 1. (TESTS=1, default) the GPU kernel and engine tests in-process on GPU 0,
 # 2. GRPO 1.5B with 64 prompts x 8 (512 rows) on 1 then 2 GPUs, then the kill test,

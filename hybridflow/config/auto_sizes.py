@@ -1,5 +1,5 @@
 """`auto` sizes: micro-batches, the log-prob chunk and whether the KV cache is freed, chosen from the model's shape,
-the sequence lengths and the GPU's memory when the config is loaded (issue 25: a config that sets nothing should run
+the sequence lengths and the GPU's memory when the config is loaded (a config that sets nothing should run
 near the settings measured fastest on one H200).
 
 On CPU every `auto` resolves to the value that was the default before (16 / 32 samples, 1,024-token chunks, free the

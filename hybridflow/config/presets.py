@@ -8,7 +8,7 @@ values set in that same layer (the same YAML file, or the command line) and in l
 
 from __future__ import annotations
 
-# `robust`: an lr warm-up, the one model-size-independent change that never hurt in issue 19's measurements (the
+# `robust`: an lr warm-up, the one model-size-independent change that never hurt in the learning measurements (the
 # quickstart's GRPO from 8 warm starts on a Xeon: gains 29.7 / 35.2 / 43.4 with it, 29.3 / 35.2 / 42.2 without). It
 # sets no lr: the lr that works depends on the model (1e-4 for the tiny model, 1e-6 to 3e-6 at 1B+), and lr 3e-4 with
 # warm-up recovered a weak start LESS than 1e-4 without (docs/benchmarks.md, "Weak-start recovery vs TRL").

@@ -1,4 +1,4 @@
-"""A recorded `WeightView.build`, replayed at later switches instead of walking the model again (issue 24).
+"""A recorded `WeightView.build`, replayed at later switches instead of walking the model again.
 
 Walking the model (module attributes, PEFT wrappers, DTensor shards, buffer keys, merge grouping) costs ~5 ms of
 Python per LoRA switch at 0.5B — more than the GPU work it launches. The walk's result depends only on which tensor

@@ -2,7 +2,7 @@
 
 Why: torch's default is one intra-op thread per core. On a machine where another process is busy, those threads
 spin-wait for a core they do not get: `hybridflow sft` on the tiny model took 3.7-5.2 s a step with the default
-threads on a busy 2-core box and 0.09 s with one thread (issue 25). `auto` uses the cores that are free now
+threads on a busy 2-core box and 0.09 s with one thread. `auto` uses the cores that are free now
 (cores minus the 1-minute load average, at least 1); the CLI also sets OpenMP's passive wait policy before torch
 loads (`OMP_WAIT_POLICY=PASSIVE`, unless set), so a thread that waits sleeps instead of spinning. An explicit
 `OMP_NUM_THREADS` in the environment, or `trainer.cpu_threads=N`, wins.

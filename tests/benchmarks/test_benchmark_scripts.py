@@ -64,7 +64,7 @@ def test_cpu_step_7b_benchmark_smoke(tmp_path):
 
 
 def test_lora_switch_work_counts_one_merge_per_projection():
-    """The CPU op/byte count of one hybrid switch (issue 24): LoRA = one base copy + one baddbmm_ per adapted
+    """The CPU op/byte count of one hybrid switch: LoRA = one base copy + one baddbmm_ per adapted
     projection (7 with all-linear), full fine-tuning = one cast copy; both report the bytes moved."""
     proc = run_module("benchmarks.lora_switch_work", "--preset", "tiny", "--layers", "3", "--rank", "4", "--full",
                 timeout=300)
@@ -74,7 +74,7 @@ def test_lora_switch_work_counts_one_merge_per_projection():
 
 
 def test_lora_forward_cost_reports_the_low_rank_terms_of_a_rollout():
-    """The low-rank-term alternative to merging (issue 24): the script times the two GEMMs per adapted projection for
+    """The low-rank-term alternative to merging: the script times the two GEMMs per adapted projection for
     every decode step and the prefill, and its rollout total is decode × response length + prefill."""
     proc = run_module("benchmarks.lora_forward_cost", "--device", "cpu", "--preset", "tiny", "--layers", "2", "--rank", "4",
                 "--rows", "4", "--prompt-len", "8", "--response-len", "3", "--iters", "3", timeout=300)

@@ -1,4 +1,4 @@
-"""CPU thread defaults (issue 25 item 6): auto = the free cores, explicit settings win, passive OpenMP waits."""
+"""CPU thread defaults: auto = the free cores, explicit settings win, passive OpenMP waits."""
 
 import os
 import subprocess

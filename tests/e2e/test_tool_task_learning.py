@@ -1,5 +1,5 @@
 """Learning on the built-in tool task (`tool_calculator`, examples/tool_calculator.yaml), tested by stage so a failure
-names the stage (issue 23 item 6).
+names the stage.
 
 0. The user path (`hybridflow quickstart --config examples/tool_calculator.yaml`, a few SFT steps) runs and reports.
 1. SFT: the committed warm start `tests/assets/sft_tool_calculator`

@@ -1,4 +1,4 @@
-"""Per-family logit parity against transformers (issue 24 item 6), tiny random configs in fp32 on the CPU.
+"""Per-family logit parity against transformers, tiny random configs in fp32 on the CPU.
 
 For every model type in `SUPPORTED_MODEL_TYPES`: (a) our rollout forward — prefill of left-padded prompts, then
 several decode steps through the KV cache — against one HF forward of the whole rows, and a sampled generate's

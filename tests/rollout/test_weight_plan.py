@@ -1,4 +1,4 @@
-"""The recorded build plan of the rollout's weight view (rollout/build_plan.py, issue 24): a replayed build gives
+"""The recorded build plan of the rollout's weight view (rollout/build_plan.py): a replayed build gives
 exactly the weights of a fresh view after in-place parameter updates; a replaced parameter, moved storage or changed
 LoRA state makes the plan stale (rebuilt the slow way, still exact); only the first build (and the first after
 `release`) walks the model."""

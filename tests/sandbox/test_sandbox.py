@@ -1,4 +1,4 @@
-"""The sandbox blocks each escape found by the fault tests (issue 20) in BOTH isolated modes — bubblewrap and our
+"""The sandbox blocks each escape found by the fault tests in BOTH isolated modes — bubblewrap and our
 own namespaces launcher: writes outside its tmpfs, reads of the project tree / host files / home, a `setsid`
 grandchild outliving the timeout, `_socket` to a loopback listener, a fork bomb, an 8 GB allocation. It refuses
 to run unisolated unless allowed, per-row limits only lower the caps, and the `code` scorer still scores."""

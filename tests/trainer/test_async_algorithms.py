@@ -1,4 +1,4 @@
-"""Algorithms in the non-sync modes (issue 27): ReMax's greedy baseline and LoRA work on the separate rollout
+"""Algorithms in the non-sync modes: ReMax's greedy baseline and LoRA work on the separate rollout
 workers (DAPO dynamic sampling and online DPO: test_async_dynamic_sampling.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (`algorithm.filter_groups`) and online DPO in the non-sync modes (issue 27): the driver scores
+"""DAPO dynamic sampling (`algorithm.filter_groups`) and online DPO in the non-sync modes: the driver scores
 each finished request, keeps the informative groups and asks the rollout workers for more prompts while a batch is
 short; online DPO takes its batches from the driver and sends its weights after each update."""
 

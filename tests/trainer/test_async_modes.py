@@ -1,4 +1,4 @@
-"""trainer.mode one_step_off / async (issue 27) on the local backend: bit-exact weight sync, one_step_off equals
+"""trainer.mode one_step_off / async on the local backend: bit-exact weight sync, one_step_off equals
 sync at a zero-effect learning rate, staleness accounting and its bound, resume, config errors."""
 
 from __future__ import annotations

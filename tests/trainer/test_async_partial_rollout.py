@@ -1,4 +1,4 @@
-"""trainer.async.partial_rollout=continue (issue 27): the rollout worker takes weights sent while a generate call runs
+"""trainer.async.partial_rollout=continue: the rollout worker takes weights sent while a generate call runs
 at its next decode-chunk boundary; every token keeps the version that sampled it; the driver's staleness accounting
 and bound use each row's oldest token. Local backend (the Ray path: test_async_ray.py; the engine side: tests/rollout/test_rollout_token_versions.py)."""
 

@@ -1,4 +1,4 @@
-"""trainer.mode=one_step_off on Ray (issue 27): the rollout worker is its own process; when it dies mid-run the
+"""trainer.mode=one_step_off on Ray: the rollout worker is its own process; when it dies mid-run the
 trainer stops at once with an error that names the rollout group, the call and the rank — no hang. Async on Ray:
 partial rollouts, and a resume that keeps the rollouts generated before a stop."""
 

@@ -1,4 +1,4 @@
-"""Honest run status (issue 20, item 3): every trainer closes its run in one place. `run_end` says `failed` for a
+"""Honest run status: every trainer closes its run in one place. `run_end` says `failed` for a
 NonFiniteError stop (PPO said `finished`), `interrupted` for Ctrl-C and SIGTERM; a failing cleanup never replaces
 the run's own error; a resume into the same run directory logs each step once (item 5)."""
 

@@ -1,4 +1,4 @@
-"""A Ray worker killed mid-run (issue 20, item 3): the error the user sees names the call that failed and the dead
+"""A Ray worker killed mid-run: the error the user sees names the call that failed and the dead
 rank (not the `close_checkpoints` cleanup that fails after it), and `run_end` records `failed` with both."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """trainer.weight_sync.transport=collective on Ray (gloo on CPU): the weights reach the rollout worker bit-exact over
 the weight group while one_step_off trains, and a rollout worker that dies in the middle of a broadcast stops the
-run with an error naming it — no hang (issue 27)."""
+run with an error naming it — no hang."""
 
 from __future__ import annotations
 
