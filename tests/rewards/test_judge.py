@@ -143,3 +143,13 @@ def test_unparsed_verdicts_and_too_long_prompts_get_the_fallback(judge_dir, tmp_
     # "Q:What is 99+99? A:#### 98 T:198 V:" is 35 characters: not judged (an error); the others are unparsed
     assert out.scores.tolist() == [-2.0] * 5
     assert (out.metrics["reward/judge_unparsed"], out.metrics["reward/judge_errors"]) == (4.0, 1.0)
+
+
+def test_preflight_accepts_a_judge_source_and_checks_its_directory(judge_dir) -> None:
+    from hybridflow.preflight import preflight_errors
+
+    sources = "reward.sources=[{name: judge, weight: 1.0}]"
+    good = load_config([], [sources, f"reward.judge.path={judge_dir}"])
+    assert preflight_errors(good, data=False) == []
+    bad = load_config([], [sources, f"reward.judge.path={judge_dir.parent}/none/judge"])
+    assert any("reward.judge.path" in e and "config.json" in e for e in preflight_errors(bad, data=False))
