@@ -1,19 +1,15 @@
 """An LLM judge as the only training reward: GRPO from the committed SFT checkpoint (`tests/assets/sft_arithmetic`,
-17.6% greedy accuracy) with the reward `reward.judge` gives, from the committed tiny judge
-(`tests/assets/judge_arithmetic`, regenerate: tests/assets/make_judge_checkpoint.py), raises the TRUE accuracy: the
-rule scorer runs beside it at weight 0, so validation accuracy is the rule's `acc`, never the judge's opinion.
-The judge's agreement with the rule is checked on the SFT policy's own samples. Default numerics here, the AVX2
-emulation in a child process (the ISA switches are read when torch loads).
-
-Margins: below the minimum over 5 RL seeds x {default, AVX2} (docs/benchmarks.md, "LLM-as-judge reward").
+17.6% greedy accuracy), rewarded by the committed tiny judge (`tests/assets/judge_arithmetic`, regenerate:
+tests/assets/make_judge_checkpoint.py), raises the TRUE accuracy: the rule scorer runs beside it at weight 0, so
+validation accuracy is the rule's `acc`, never the judge's opinion, and each training batch's judge mean is compared
+with its rule accuracy.
+The judge's agreement with the rule is checked on the SFT policy's own samples. Default numerics only: the margin is
+set below the minimum over 5 RL seeds x {default, AVX2 emulation} (docs/benchmarks.md, "LLM-as-judge reward"), so
+a second run under AVX2 would add CI time, not a check.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,13 +24,17 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SFT_CHECKPOINT = ROOT / "tests" / "assets" / "sft_arithmetic"
 JUDGE = ROOT / "tests" / "assets" / "judge_arithmetic"
-AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 JUDGE_OVERRIDES = ("reward.sources=[{name: judge, weight: 1.0}, {name: rule, weight: 0.0}]", f"reward.judge.path={JUDGE}",
                    "reward.judge.template='{response} T:{ground_truth} V:'",
                    "reward.judge.verdict_regex='([01])'", "reward.judge.max_new_tokens=2",
                    "reward.judge.max_prompt_length=32", "reward.judge.batch_size=512")
 RL_STEPS = 10
-MIN_GAIN = 0.50  # placeholder until calibrated
+# Over 5 RL seeds x {default, AVX2} at RL_STEPS (docs/benchmarks.md, "LLM-as-judge reward"): the rule-scored gain
+# was 81.6 / 82.4 / 82.4 points (min / median / max; 17.6% -> 99.2-100%, as GRPO on the rule reward itself), and the
+# largest gap per run between a training batch's judge mean and its rule accuracy 0.020 / 0.022 / 0.029; no verdict
+# was unparsed.
+MIN_GAIN = 0.70
+MAX_BATCH_GAP = 0.06
 # On 1024 of the SFT policy's samples (256 held-out problems x 4, temperature 1, 33% right) the committed judge
 # agreed with the rule on 99.8%; on 1024 held-out synthetic rows of its training mix, 99.4% (provenance.json).
 MIN_AGREEMENT = 0.97
@@ -94,6 +94,8 @@ def judge_agreement(samples: int = 4) -> dict[str, float]:
 def _assert_learns(run: dict[str, list[float]], label: str) -> None:
     acc = run["acc"]
     assert len(acc) >= 2, f"{label}: no validation after step 0: {run}"
+    gap = max(abs(j - r) for j, r in zip(run["judge"], run["rule_acc"]))
+    assert gap <= MAX_BATCH_GAP and len(run["judge"]) == RL_STEPS, f"{label}: judge vs rule per batch: {run}"
     assert acc[-1] - acc[0] >= MIN_GAIN, (f"GRPO with the judge reward ({label}): rule-scored validation accuracy "
                                           f"{[round(a, 3) for a in acc]} rose {acc[-1] - acc[0]:+.3f}, needs >= "
                                           f"{MIN_GAIN}; judge means {[round(x, 3) for x in run['judge']]}, rule "
@@ -107,15 +109,3 @@ def test_judge_agrees_with_the_rule_on_policy_samples() -> None:
 
 def test_grpo_with_judge_reward_raises_true_accuracy(tmp_path: Path) -> None:
     _assert_learns(judge_grpo_from_checkpoint(tmp_path), "default numerics")
-
-
-def test_grpo_with_judge_reward_learns_under_avx2_numerics(tmp_path: Path) -> None:
-    code = ("import importlib.util, json, sys; from pathlib import Path;"
-            "spec = importlib.util.spec_from_file_location('judge_learning', sys.argv[2]);"
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m);"
-            "print(json.dumps(m.judge_grpo_from_checkpoint(Path(sys.argv[1]))))")
-    env = {**os.environ, **AVX2, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), __file__], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"GRPO with the judge under AVX2 emulation failed:\n{proc.stderr[-3000:]}"
-    _assert_learns(json.loads(proc.stdout.strip().splitlines()[-1]), "AVX2 emulation")
