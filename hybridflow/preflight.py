@@ -210,9 +210,14 @@ def _reward_errors(cfg: Config, files: list[str]) -> list[str]:
 
     load_builtin_scorers()
     for name in names:
-        if name not in ("rule", "custom", "model") and name not in REWARD_FUNCTIONS:
+        if name not in ("rule", "custom", "model", "judge") and name not in REWARD_FUNCTIONS:
             out.append(f"reward.sources names {name!r}, which is not a registered reward function, 'rule', "
-                       f"'custom' or 'model'; registered: {', '.join(REWARD_FUNCTIONS.names())}")
+                       f"'custom', 'model' or 'judge'; registered: {', '.join(REWARD_FUNCTIONS.names())}")
+    judge = Path(r.judge.path or "").expanduser()
+    hub_id = not judge.exists() and str(r.judge.path).count("/") == 1  # "org/name": resolved in the local HF cache
+    if "judge" in names and not hub_id and not (judge / "config.json").is_file():
+        out.append(f"reward.judge.path={r.judge.path!r} is not a local HF model directory (no config.json); point it "
+                   "at the judge model's directory")
     scorers = set(names)
     if "rule" in names and files:
         sources = _data_sources(files)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -427,6 +428,38 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class JudgeConfig:
+    """LLM-as-judge (`reward.sources` entry `judge`): a frozen causal LM reads `template` filled with the prompt, the
+    response and the ground truth, and its generated verdict is parsed into the score (rewards/judge.py)."""
+
+    path: str | None  # HF directory of the judge model (with its tokenizer; may differ from the policy's)
+    template: str  # {prompt}, {response} and {ground_truth} are replaced by the row's text
+    verdict_regex: str  # the first match's one group, read as a number, is the score
+    verdict_fn: str | None  # "file.py:function": function(text) -> float | None (None = unparsed); replaces the regex
+    temperature: float  # 0 = greedy
+    max_new_tokens: int
+    max_prompt_length: int  # judge tokens; a longer filled template is an error (fallback_score)
+    batch_size: int  # judge prompts per generate call
+    fallback_score: float  # score of an unparsed verdict or a failed row (counted: reward/judge_unparsed, _errors)
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "reward.judge.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        for key in ("max_new_tokens", "max_prompt_length", "batch_size"):
+            _check(getattr(self, key) >= 1, f"reward.judge.{key}", getattr(self, key), "must be >= 1")
+        _check(math.isfinite(self.fallback_score), "reward.judge.fallback_score", self.fallback_score,
+               "must be a finite number, e.g. 0.0")
+        _check(self.verdict_fn is None or ".py:" in self.verdict_fn, "reward.judge.verdict_fn", self.verdict_fn,
+               "must be 'file.py:function' (a function of the judge's text returning a float or None), or null")
+        if self.verdict_fn is None:
+            try:
+                groups = re.compile(self.verdict_regex).groups
+            except re.error as err:
+                raise ValueError(f"reward.judge.verdict_regex={self.verdict_regex!r}: not a regex ({err})") from None
+            _check(groups == 1, "reward.judge.verdict_regex", self.verdict_regex,
+                   "must have exactly one group, the score, e.g. 'Score: *([0-9.]+)'")
+
+
+@dataclass(frozen=True)
 class LengthPenaltyConfig:
     enable: bool
     coef: float  # reward -= coef * response_length / max_response_length
@@ -462,6 +495,7 @@ class RewardConfig:
     sources: list[RewardSourceConfig] | None  # null = custom when reward.custom names a function, else rule
     custom: CustomRewardConfig | list[CustomRewardConfig]  # one function, or several mixed by their weights
     reward_model: RewardModelConfig
+    judge: JudgeConfig
     sandbox: SandboxConfig
     num_workers: int  # processes scoring responses (0 = in the driver process)
     overlap: bool  # score while the log-prob / value stages run on the workers
@@ -485,6 +519,8 @@ class RewardConfig:
                "give at least one source, e.g. [{name: rule, weight: 1.0}]")
         _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 seconds")
         _check(self.num_workers >= 0, "reward.num_workers", self.num_workers, "must be >= 0")
+        _check(self.judge.path is not None or all(s.name != "judge" for s in self.sources), "reward.judge.path",
+               None, "reward.sources names 'judge': set it to the judge model's HF directory")
         _check(math.isfinite(self.success_threshold), "reward.success_threshold", self.success_threshold,
                "must be a finite number (a response counts as correct when its score >= it), e.g. 1.0")
 

@@ -3,7 +3,8 @@
 Sources are mixed by weight (`reward.sources`): `rule` (the scorer chosen by each row's data_source), `custom`
 (`reward.custom`: one function `path` + `name`, or a list of them, each a source named after it, weighted by the
 custom source's weight times its own), `model` (precomputed `rm_scores` [B] or [B, R] in the batch, from the reward
-model worker) or any REWARD_FUNCTIONS name. `reward.reward_model.score_norm=running` whitens the RM scores by the
+model worker), `judge` (an LLM judge's parsed verdict, `reward.judge`: rewards/judge.py) or any REWARD_FUNCTIONS
+name. `reward.reward_model.score_norm=running` whitens the RM scores by the
 running mean/std of the training batches and `score_clip` bounds them: an RM's scale is arbitrary, and a response
 it over-rates must not outweigh the other sources. Scorers run in a `ScoringPool` kept alive between calls; a
 scorer that raises, times out, or returns NaN or a non-number (a reward is an int/float, or a dict with a numeric
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +29,7 @@ import torch
 
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.custom import Spec, resolve
+from hybridflow.rewards.judge import JudgeFn
 from hybridflow.rewards.penalties import length_penalty, overlong_penalty
 from hybridflow.rewards.pool import InlineScorer, Item, ItemResult, ScoringPool
 from hybridflow.rewards.registry import reward_fn_name
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODEL_SOURCE = "model"
+JUDGE_SOURCE = "judge"
 
 
 @dataclass
@@ -111,7 +115,8 @@ class RewardManager:
     """`manager(batch) -> (token_level_scores [B, R], metrics)`; `manager.score(batch)` → `RewardOutput` with
     per-row arrays (what validation needs). Call `close()` (or use as a context manager) to stop the pool."""
 
-    def __init__(self, reward_cfg: RewardConfig, tokenizer: Tokenizer, max_response_length: int) -> None:
+    def __init__(self, reward_cfg: RewardConfig, tokenizer: Tokenizer, max_response_length: int,
+                 judge: JudgeFn | None = None) -> None:
         self.cfg = reward_cfg
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
@@ -124,7 +129,7 @@ class RewardManager:
                     self._fixed_specs[name] = spec
                 continue
             self.sources.append((source.name, float(source.weight)))
-            if source.name not in ("rule", MODEL_SOURCE):
+            if source.name not in ("rule", MODEL_SOURCE, JUDGE_SOURCE):
                 self._fixed_specs[source.name] = ("fn", source.name)
         for spec in self._fixed_specs.values():
             resolve(spec)  # fail now with the fix, and forked workers inherit the loaded function (no cold start)
@@ -136,6 +141,10 @@ class RewardManager:
         self._scorer = ScoringPool(n, reward_cfg.timeout_s) if n > 0 else InlineScorer(reward_cfg.timeout_s)
         self._logged_failures: set[tuple[str, str]] = set()  # (data_source, kind) already logged
         self._rm_moments = RunningMoments() if reward_cfg.reward_model.score_norm == "running" else None
+        self.judge = judge  # trainer/judge.py: build_judge(reward_cfg)
+        if judge is None and any(n == JUDGE_SOURCE for n, _ in self.sources):
+            raise ValueError("reward.sources names 'judge' but no judge model was given: build the RewardManager "
+                             "with judge=hybridflow.trainer.judge.build_judge(cfg.reward)")
         self.total_errors = 0
         self.total_timeouts = 0
 
@@ -158,11 +167,13 @@ class RewardManager:
         extras: dict[str, np.ndarray] = {}
         metrics: dict[str, float] = {}
         status = np.array(["ok"] * n, dtype=object)
-        if any(name != MODEL_SOURCE for name, _ in self.sources):
+        if any(name not in (MODEL_SOURCE, JUDGE_SOURCE) for name, _ in self.sources):
             fn_scores, extras, metrics, status = self._run_functions(batch, solutions, data_sources)
             source_scores.update(fn_scores)
         if any(name == MODEL_SOURCE for name, _ in self.sources):
             source_scores[MODEL_SOURCE] = self._model_scores(batch, update_stats, metrics)
+        if self.judge is not None:
+            source_scores[JUDGE_SOURCE] = self._judge_scores(batch, solutions, metrics)
         raw = sum(w * source_scores[name] for name, w in self.sources)
         lengths = mask.sum(-1).cpu().numpy()
         final = raw + self._penalties(lengths, metrics)
@@ -179,6 +190,8 @@ class RewardManager:
 
     def close(self) -> None:
         self._scorer.close()
+        if self.judge is not None:
+            self.judge.close()
 
     def __enter__(self) -> RewardManager:
         return self
@@ -219,7 +232,7 @@ class RewardManager:
         reward_model = batch.non_tensor_batch.get("reward_model", np.array([None] * n, dtype=object))
         extra_info = batch.non_tensor_batch.get("extra_info", np.array([None] * n, dtype=object))
         truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in reward_model]
-        names = [name for name, _ in self.sources if name != MODEL_SOURCE]
+        names = [name for name, _ in self.sources if name not in (MODEL_SOURCE, JUDGE_SOURCE)]
         rule_specs = {ds: ("fn", reward_fn_name(ds)) for ds in set(data_sources)} if "rule" in names else {}
         self._check_sandbox(rule_specs.values())
         items: list[Item] = []
@@ -274,6 +287,21 @@ class RewardManager:
             metrics["reward/model/clip_frac"] = float((np.abs(scores) > rm_cfg.score_clip).mean())
             scores = np.clip(scores, -rm_cfg.score_clip, rm_cfg.score_clip)
         return scores
+
+    def _judge_scores(self, batch: DataProto, solutions: list[str], metrics: dict[str, float]) -> np.ndarray:
+        """The judge's verdict on each (prompt, response, ground truth); the prompt is the policy's prompt text."""
+        n = len(solutions)
+        prompts_BP = batch.batch["prompts"].cpu()
+        pad = self.tokenizer.pad_token_id
+        prompts = [self.tokenizer.decode([t for t in row if t != pad], skip_special_tokens=True)
+                   for row in prompts_BP.tolist()]
+        reward_model = batch.non_tensor_batch.get("reward_model", np.array([None] * n, dtype=object))
+        truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in reward_model]
+        t0 = time.perf_counter()
+        verdicts = self.judge(prompts, solutions, truths)
+        metrics.update(verdicts.metrics())
+        metrics["timing/judge"] = time.perf_counter() - t0
+        return verdicts.scores
 
     def _penalties(self, lengths: np.ndarray, metrics: dict[str, float]) -> np.ndarray:
         total = np.zeros(len(lengths))

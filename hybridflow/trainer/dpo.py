@@ -34,6 +34,7 @@ from hybridflow.engine import EngineSpec, HeadRequest
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager
 from hybridflow.trainer.dpo_validation import scored_val_prompts
+from hybridflow.trainer.judge import build_judge
 from hybridflow.trainer.metrics import reduce_metrics
 from hybridflow.trainer.ref_cache import ReferenceLogps
 from hybridflow.trainer.rm import build_preference_datasets
@@ -72,7 +73,8 @@ class DPOAlgorithm(SupervisedAlgorithm):
         self.reward_fn: RewardManager | None = None
         self.greedy: Validator | None = None  # generates and scores, as `hybridflow train` validates
         if self.prompt_ds is not None:
-            self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length)
+            self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length,
+                                           build_judge(cfg.reward))
             self.greedy = Validator(cfg, self.prompt_ds, self.group, self.reward_fn, tracker=tracker)
         if self.sec.precompute_ref and self.needs_reference:
             self.precompute_reference()

@@ -33,6 +33,7 @@ from hybridflow.rewards import RewardManager
 from hybridflow.trainer.async_driver import build_driver
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.dynamic_sampling import InformativeGroups, combine_reward_metrics
+from hybridflow.trainer.judge import build_judge
 from hybridflow.trainer.loop import Algorithm, Trainer
 from hybridflow.trainer.metrics import (
     compute_data_metrics,
@@ -70,7 +71,8 @@ class PPOAlgorithm(Algorithm):
         if len(self.loader) == 0:
             raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} prompts is larger than the training "
                              f"set ({len(self.train_ds)} prompts) with drop_last: lower the batch size or add data")
-        self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length)
+        self.reward_fn = RewardManager(cfg.reward, self.tokenizer, cfg.data.max_response_length,
+                                       build_judge(cfg.reward))
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         t = cfg.trainer  # a step count set → the data cycles until it is reached (config/plan.py)
         self.total_epochs = None if t.total_training_steps else t.total_epochs
