@@ -54,6 +54,7 @@ class _EngineSettings:
     enforce_eager: bool = True
     free_cache_engine: bool = True
     gpu_memory_utilization: float = 0.5
+    tensor_model_parallel_size: int = 1
 
 
 class Judge:
