@@ -124,3 +124,17 @@ def test_a_teacher_of_another_size_from_a_directory(tmp_path: Path, monkeypatch)
     want = (batch.batch[keys.TEACHER_LOG_PROBS.name] - batch.batch["rollout_log_probs"]) * mask
     torch.testing.assert_close(batch.batch["advantages"], want)
     assert metrics["distill/reverse_kl"] > 0.01  # two random models disagree
+
+
+@pytest.mark.parametrize("extra", [("model.lora.rank=4",), ("trainer.mode=one_step_off",)], ids=["lora", "one_step_off"])
+def test_distillation_runs_with_lora_and_the_async_modes(tmp_path: Path, extra: tuple[str, ...]):
+    from hybridflow.trainer.ppo import PPOTrainer
+
+    trainer = PPOTrainer(_config(tmp_path, "algorithm.adv_estimator=distill", "teacher.preset=tiny",
+                                 "trainer.checkpoint.save_freq=0", *extra))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert len(history) == 1 and np.isfinite(history[0]["distill/reverse_kl"]), history
+    assert history[0]["timing/teacher"] > 0
