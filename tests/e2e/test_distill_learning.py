@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts, not an installed package
 from benchmarks.distill_seeds import STEPS, distill, gap_closed  # noqa: E402
 
-# Share of the student-teacher accuracy gap closed in STEPS steps, below the minimum seen (docs/benchmarks.md):
-# MIN_GAP_CLOSED_PLACEHOLDER
-MIN_GAP_CLOSED = 0.5
+# Share of the student-teacher greedy-accuracy gap closed in STEPS = 5 steps, below the minimum seen: over 5 seeds x 2
+# numerics 17.6% -> 99.6% in every run with the teacher at 94.5%, 106.6% of the gap (the student passes its teacher);
+# at 10 steps 98.4 / 98.4 / 99.2% (min / median / max), 105.1 / 105.1 / 106.1% (docs/benchmarks.md).
+MIN_GAP_CLOSED = 0.90
 
 
 def test_distillation_closes_most_of_the_gap_to_the_teacher(tmp_path: Path) -> None:
