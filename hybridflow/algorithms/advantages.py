@@ -5,6 +5,8 @@ Every estimator takes one uniform keyword set and ignores what it does not use, 
 [B, T] float32 and exactly 0 outside `response_mask`. Sequence-level ("outcome") estimators use the masked sum
 of token rewards as the sequence score. Legend: B batch (responses), T response length.
 
+`distill` (on-policy distillation) is per token: the teacher's minus the student's log-prob of each sampled token.
+
 Groups of size 1 (one response per uid): `grpo` and `rloo` give advantage 0 (no baseline can be formed);
 `reinforce_plus_plus_baseline` subtracts the group mean (= the score itself, so 0) before batch whitening.
 """
@@ -218,3 +220,38 @@ def remax_advantage(
         returns = masked_discounted_returns(r, m, 1.0)
         adv = (returns - baseline_rewards.float()[:, None]) * m
     return adv, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("distill")
+def distill_advantage(
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    teacher_log_probs: Tensor | None = None,
+    log_probs: Tensor | None = None,
+    task_reward_weight: float = 0.0,
+    index: np.ndarray | Sequence | Tensor | None = None,
+    norm_adv_by_std: bool = True,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """On-policy distillation: log π_teacher(y_t) − log π_student(y_t) at each sampled token (the negative
+    reverse-KL estimate), plus `task_reward_weight` × the GRPO advantage of the task reward.
+
+    Undiscounted and per token, not a reward-to-go: each token is credited with its own divergence only (the
+    teacher already judges every prefix, so summing later tokens' terms adds variance, not signal). Not whitened:
+    the log-ratio's sign and size are the signal (a whitened advantage would push up tokens both models agree on
+    whenever the batch mean is negative). `log_probs` are the sampling policy's. returns == advantages.
+    """
+    r, m = _prep(token_level_rewards, response_mask)
+    for name, lp in (("teacher_log_probs", teacher_log_probs), ("log_probs", log_probs)):
+        if lp is None or lp.shape != r.shape:
+            got = None if lp is None else tuple(lp.shape)
+            raise ValueError(f"distill needs {name} shaped {tuple(r.shape)} (the teacher's and the sampling policy's "
+                             f"log-probs of the sampled tokens), got {got}; set teacher.model_path")
+    with torch.no_grad():
+        adv_BT = (teacher_log_probs.float() - log_probs.float()) * m
+        if task_reward_weight:
+            task_BT, _ = grpo_advantage(token_level_rewards=r, response_mask=m, index=index,
+                                        norm_adv_by_std=norm_adv_by_std)
+            adv_BT = adv_BT + task_reward_weight * task_BT
+    return adv_BT, adv_BT

@@ -35,6 +35,7 @@ class Resolved:
     use_critic: bool
     use_reference: bool  # KL in reward or as a loss, or online DPO, needs reference log-probs
     use_reward_model: bool
+    use_teacher: bool  # on-policy distillation: the teacher's log-probs of the sampled tokens
     # False when strictly on-policy (one epoch, one mini-batch): the loss's ratio is then 1 and its old log-probs
     # are the update's own, detached. True with the KL in the reward (the driver's KL(actor‖ref) then reads the
     # actor's log-probs from the same engine path as the reference's, so it is exactly 0 at step 1; the KL loss
@@ -96,6 +97,7 @@ def resolve(cfg: Config) -> Resolved:
         use_critic=use_critic,
         use_reference=use_reference,
         use_reward_model=cfg.reward.reward_model.enable or any(s.name == "model" for s in cfg.reward.sources),
+        use_teacher=cfg.algorithm.adv_estimator == "distill",
         recompute_old_log_prob=cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg)
         or cfg.algorithm.rollout_is.mode is not None
         or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),

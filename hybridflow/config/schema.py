@@ -365,6 +365,28 @@ class RefConfig:
     ema: EMAConfig
 
 
+@dataclass(frozen=True)
+class TeacherConfig:
+    """On-policy distillation (`algorithm.adv_estimator=distill`): a frozen teacher scores the student's samples."""
+
+    model_path: str | None  # HF dir of the teacher (same tokenizer as the student, any size); null = `preset`
+    preset: str | None  # random-init preset when no model_path (benchmarks); null with no model_path = no teacher
+    task_reward_weight: float  # advantage = (teacher - student log-prob) + weight x the GRPO advantage of the reward
+    log_prob_micro_batch_size_per_gpu: int
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.task_reward_weight) and self.task_reward_weight >= 0, "teacher.task_reward_weight",
+               self.task_reward_weight, "must be a finite number >= 0 (0 = distillation only, e.g. 0.5 to mix in "
+               "the task reward)")
+        _check(self.log_prob_micro_batch_size_per_gpu >= 1, "teacher.log_prob_micro_batch_size_per_gpu",
+               self.log_prob_micro_batch_size_per_gpu, "must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.model_path is not None or self.preset is not None
+
+
 # --------------------------------------------------------------------------------------------------- critic
 @dataclass(frozen=True)
 class CriticConfig:
@@ -871,6 +893,7 @@ class Config:
     rollout: RolloutConfig
     actor_rollout: ActorRolloutConfig
     ref: RefConfig
+    teacher: TeacherConfig
     critic: CriticConfig
     reward: RewardConfig
     algorithm: AlgorithmConfig

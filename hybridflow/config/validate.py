@@ -15,7 +15,7 @@ def validate_config(cfg: Config, command: str = "train") -> None:
     if rl and not errors:
         errors += _batch_errors(cfg)
     if rl:
-        errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg)
+        errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg) + _teacher_errors(cfg)
     errors += _lora_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
@@ -167,3 +167,19 @@ def _online_dpo_errors(cfg: Config) -> list[str]:
     if cfg.ref.ema.enable:
         errs.append("dpo.online=true uses the starting policy as its frozen reference; set ref.ema.enable=false")
     return errs
+
+
+def _teacher_errors(cfg: Config) -> list[str]:
+    """On-policy distillation needs a teacher, and a teacher is only loaded for it."""
+    t, estimator = cfg.teacher, cfg.algorithm.adv_estimator
+    if estimator == "distill" and not t.enabled:
+        return ["algorithm.adv_estimator=distill needs a teacher: set teacher.model_path=<HF dir with the student's "
+                "tokenizer> (or teacher.preset for a random-init shape)"]
+    if estimator != "distill" and t.enabled:
+        return [f"teacher.model_path={t.model_path!r} / teacher.preset={t.preset!r} with algorithm.adv_estimator="
+                f"{estimator}: the teacher is only used by on-policy distillation; set algorithm.adv_estimator="
+                "distill, or teacher.model_path=null and teacher.preset=null"]
+    if t.model_path is not None and t.preset is not None:
+        return [f"teacher.model_path={t.model_path!r} and teacher.preset={t.preset!r}: give one (the preset is for "
+                "random-init benchmarks); set teacher.preset=null"]
+    return []

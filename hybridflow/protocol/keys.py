@@ -65,6 +65,8 @@ TOKEN_LEVEL_SCORES = _k("token_level_scores", "B R", "float", "reward", "mixed r
 OLD_LOG_PROBS = _k("old_log_probs", "B R", "float", "old_log_prob", "log-probs of the sampling policy, recomputed")
 ENTROPY = _k("entropy", "B R", "float", "old_log_prob", "per-token entropy of the sampling policy")
 REF_LOG_PROB = _k("ref_log_prob", "B R", "float", "ref", "log-probs of the reference policy")
+TEACHER_LOG_PROBS = _k("teacher_log_probs", "B R", "float", "teacher",
+                       "on-policy distillation: the frozen teacher's log-probs of the sampled tokens")
 VALUES = _k("values", "B R", "float", "values", "critic values before the update")
 TOKEN_LEVEL_REWARDS = _k("token_level_rewards", "B R", "float", "adv", "token_level_scores, minus KL if in reward")
 ADVANTAGES = _k("advantages", "B R", "float", "adv", "advantage estimates (0 on pads)")
@@ -77,7 +79,7 @@ EXTRA_INFO = _k("extra_info", "B", "object", "data", "free-form row info passed 
 KEYS: dict[str, Key] = {k.name: k for k in (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SEEDS, PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS,
     POLICY_VERSION, ROLLOUT_POLICY_VERSION, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES,
-    OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, VALUES,
+    OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, TEACHER_LOG_PROBS, VALUES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
@@ -107,9 +109,10 @@ REWARD = Stage("reward", (RESPONSES, RESPONSE_MASK), (TOKEN_LEVEL_SCORES,),
 REWARD_MODEL_SCORE = Stage("reward_model", MODEL_INPUTS, (RM_SCORES,))
 OLD_LOG_PROB = Stage("old_log_prob", MODEL_INPUTS, (OLD_LOG_PROBS, ENTROPY))
 REF = Stage("ref", MODEL_INPUTS, (REF_LOG_PROB,))
+TEACHER = Stage("teacher", MODEL_INPUTS, (TEACHER_LOG_PROBS,))
 VALUES_STAGE = Stage("values", MODEL_INPUTS, (VALUES,))
 ADV = Stage("adv", (TOKEN_LEVEL_SCORES, RESPONSE_MASK, UID), (TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS),
-            optional=(OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, REF_LOG_PROB, VALUES, BASELINE_REWARDS))
+            optional=(OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, REF_LOG_PROB, TEACHER_LOG_PROBS, VALUES, BASELINE_REWARDS))
 UPDATE_CRITIC = Stage("update_critic", (*MODEL_INPUTS, RESPONSE_MASK, VALUES, RETURNS), ())
 UPDATE_ACTOR = Stage("update_actor", (*MODEL_INPUTS, RESPONSE_MASK, ADVANTAGES), (),
                      optional=(OLD_LOG_PROBS, REF_LOG_PROB, ROLLOUT_LOG_PROBS))

@@ -154,6 +154,7 @@ class PPOAlgorithm(Algorithm):
             Stage("balance", self._balance, timed=False),  # rows spread evenly over the data-parallel ranks
             WorkerCall("old_log_prob", self.old_log_prob, keys.OLD_LOG_PROB) if res.recompute_old_log_prob else None,
             WorkerCall("ref", self.ref_log_prob, keys.REF) if res.use_reference else None,
+            WorkerCall("teacher", self.teacher_log_prob, keys.TEACHER) if res.use_teacher else None,
             WorkerCall("values", self.values, keys.VALUES_STAGE) if critic else None,
             Stage("adv", self.advantages, keys.ADV),
             WorkerCall("update_critic", self.update_critic, keys.UPDATE_CRITIC) if critic else None,
@@ -306,6 +307,10 @@ class PPOAlgorithm(Algorithm):
         """4. Log-probs of the reference policy (only when KL is used)."""
         return self.actor.compute_ref_log_prob(batch, beside=beside)
 
+    def teacher_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
+        """4b. Log-probs of the frozen teacher (on-policy distillation only)."""
+        return self.actor.compute_teacher_log_prob(batch, beside=beside)
+
     def values(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
         """5. Critic values before the update."""
         return self.groups.critic.compute_values(batch, beside=beside)
@@ -326,10 +331,15 @@ class PPOAlgorithm(Algorithm):
         else:
             b["token_level_rewards"] = b["token_level_scores"]
         metrics["kl/coef"] = float(self.kl_ctrl.value)
+        teacher = b.get(keys.TEACHER_LOG_PROBS.name)
+        if teacher is not None:  # the distillation gap: E[log π_student − log π_teacher] on the sampled tokens
+            metrics["distill/reverse_kl"] = float(masked_mean(keys.sampling_log_probs(b) - teacher, mask))
         adv, ret = compute_advantage(
             alg.adv_estimator, token_level_rewards=b["token_level_rewards"], response_mask=mask,
             index=batch.non_tensor_batch["uid"], values=b.get("values"), gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std=alg.norm_adv_by_std, baseline_rewards=b.get("baseline_rewards"),
+            norm_adv_by_std=alg.norm_adv_by_std, baseline_rewards=b.get("baseline_rewards"), teacher_log_probs=teacher,
+            log_probs=keys.sampling_log_probs(b) if teacher is not None else None,
+            task_reward_weight=self.cfg.teacher.task_reward_weight,
         )
         b["advantages"], b["returns"] = adv, ret
         return batch

@@ -20,7 +20,14 @@ from hybridflow.engine.lora import merged_state_dict
 from hybridflow.engine.update import UpdatePlan
 from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto, keys
-from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
+from hybridflow.workers.engine_specs import (
+    actor_head,
+    actor_plan,
+    actor_spec,
+    ref_head,
+    ref_spec,
+    teacher_spec,
+)
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on, tp_group
 from hybridflow.workers.losses import make_actor_loss
 from hybridflow.workers.supervised_losses import build_loss
@@ -39,6 +46,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         self.actor: TrainEngine  # built by init_model
         self.rollout: RolloutEngine
         self.ref: TrainEngine | None = None  # only when a reference policy is used
+        self.teacher: TrainEngine | None = None  # only for on-policy distillation (algorithm.adv_estimator=distill)
         self._weight_sender: WeightSender | None = None  # rank 0, weight_sync.transport=collective
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -51,6 +59,9 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         # reference is the actor with its adapters disabled
         if self.res.use_reference and not cfg.model.lora.enabled:
             self.ref = TrainEngine(ref_spec(cfg), device=self.device)
+        if self.res.use_teacher:
+            self.teacher = TrainEngine(teacher_spec(cfg), device=self.device)
+            check_teacher_vocab(self.teacher.module, len(self.tokenizer), cfg.teacher.model_path)
         self.rollout = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device)
         self.tp_group = tp_group(self.rank, self.world_size, getattr(cfg.rollout, "tensor_model_parallel_size", 1))
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
@@ -80,6 +91,15 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
             assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
             out = self.ref.infer(data, ref_head(self.cfg), beside=beside)
         return DataProto.from_dict({keys.REF_LOG_PROB.name: out["log_probs"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @keys.checked_stage(keys.TEACHER)
+    def compute_teacher_log_prob(self, data: DataProto, beside: Callable[[], object] | None = None) -> DataProto:
+        """On-policy distillation: the frozen teacher's log-probs of the student's sampled tokens, at the sampling
+        temperature (as the reference's)."""
+        assert self.teacher is not None, "compute_teacher_log_prob needs a teacher (algorithm.adv_estimator=distill)"
+        out = self.teacher.infer(data, ref_head(self.cfg), beside=beside)
+        return DataProto.from_dict({keys.TEACHER_LOG_PROBS.name: out["log_probs"]})
 
     # ------------------------------------------------------------------------------------------- update
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
@@ -184,12 +204,22 @@ class ActorRolloutRefGroup(CheckpointingGroup):
     generate_sequences = gathered(ActorRolloutRefWorker.generate_sequences)
     compute_log_prob = gathered(ActorRolloutRefWorker.compute_log_prob)
     compute_ref_log_prob = gathered(ActorRolloutRefWorker.compute_ref_log_prob)
+    compute_teacher_log_prob = gathered(ActorRolloutRefWorker.compute_teacher_log_prob)
     update_actor = per_rank(ActorRolloutRefWorker.update_actor)
     update_actor_preference = per_rank(ActorRolloutRefWorker.update_actor_preference)
     update_ref_ema = per_rank(ActorRolloutRefWorker.update_ref_ema)
     weight_buckets = per_rank(ActorRolloutRefWorker.weight_buckets)
     open_weight_sender = per_rank(ActorRolloutRefWorker.open_weight_sender)
     stage_weights = per_rank(ActorRolloutRefWorker.stage_weights)
+
+
+def check_teacher_vocab(teacher: torch.nn.Module, tokenizer_size: int, path: str | None) -> None:
+    """The teacher scores the student's token ids, so its vocabulary must cover the student's tokenizer."""
+    vocab = teacher.config.vocab_size
+    if vocab < tokenizer_size:
+        raise ValueError(f"teacher.model_path={path!r} has a vocabulary of {vocab} tokens but the student's tokenizer "
+                         f"has {tokenizer_size}: the teacher must use the student's tokenizer (same family); pick a "
+                         "teacher of the student's family")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

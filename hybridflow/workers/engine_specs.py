@@ -9,8 +9,11 @@ they were built from a dressed-up actor/critic config.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hybridflow.config import Config
 from hybridflow.config.resolved import RoleBatch
+from hybridflow.config.schema import LoraConfig
 from hybridflow.engine.model_forward import HeadRequest
 from hybridflow.engine.spec import EngineSpec, MicroBatching, OptimizerSpec
 from hybridflow.engine.update import UpdatePlan
@@ -50,6 +53,17 @@ def ref_spec(cfg: Config) -> EngineSpec:
 
 def ref_head(cfg: Config) -> HeadRequest:
     return HeadRequest("lm", cfg.rollout.temperature, REF_LOGPROB_CHUNK, False)
+
+
+def teacher_spec(cfg: Config) -> EngineSpec:
+    """On-policy distillation's frozen teacher: `teacher.model_path` (or the random-init `teacher.preset`), its own
+    shape, so the student's `model.override_config` and LoRA do not apply; the student's tokenizer, dtype and kernels
+    do (the teacher scores the student's token ids)."""
+    t, m = cfg.teacher, cfg.model
+    model = replace(m, path=t.model_path, preset=t.preset or m.preset, override_config={},
+                    tokenizer_path=m.tokenizer_path or m.path, lora=LoraConfig())
+    return EngineSpec(model=model, head="lm", fsdp=t.fsdp, packed=cfg.data.use_packed_dataset,
+                      infer_batching=MicroBatching(t.log_prob_micro_batch_size_per_gpu))
 
 
 def critic_spec(cfg: Config, total_training_steps: int | None = None) -> EngineSpec:

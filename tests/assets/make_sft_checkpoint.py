@@ -3,9 +3,11 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py                  # sft_arithmetic/
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py tool_calculator  # sft_tool_calculator/
+    OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py arithmetic_clean # sft_arithmetic_clean/
 
-`arithmetic`: the config of `hybridflow quickstart` (hybridflow/config/quickstart.yaml); `tool_calculator`: the
-tool-use recipe (examples/tool_calculator.yaml); default seeds. Writes the HF directory and `provenance.json`
+`arithmetic`: the config of `hybridflow quickstart` (hybridflow/config/quickstart.yaml); `arithmetic_clean`: the same
+without label noise (the distillation test's teacher); `tool_calculator`: the tool-use recipe
+(examples/tool_calculator.yaml); default seeds. Writes the HF directory and `provenance.json`
 (steps, val loss, versions, CPU). Float rounding differs between machines, so a regenerated checkpoint is
 equivalent, not bit-identical.
 """
@@ -23,11 +25,14 @@ import torch
 
 ASSETS = Path(__file__).resolve().parent
 ROOT = ASSETS.parents[1]
-RECIPES = {  # name -> (config, asset directory, config as named in provenance.json)
-    "arithmetic": (ROOT / "hybridflow" / "config" / "quickstart.yaml", ASSETS / "sft_arithmetic",
-                   "hybridflow/config/quickstart.yaml (default seeds)"),
+QUICKSTART = ROOT / "hybridflow" / "config" / "quickstart.yaml"
+RECIPES = {  # name -> (config, asset directory, config as named in provenance.json, overrides)
+    "arithmetic": (QUICKSTART, ASSETS / "sft_arithmetic", "hybridflow/config/quickstart.yaml (default seeds)", ()),
+    "arithmetic_clean": (QUICKSTART, ASSETS / "sft_arithmetic_clean",
+                         "hybridflow/config/quickstart.yaml with sft.label_noise=0 (default seeds)",
+                         ("sft.label_noise=0",)),
     "tool_calculator": (ROOT / "examples" / "tool_calculator.yaml", ASSETS / "sft_tool_calculator",
-                        "examples/tool_calculator.yaml (default seeds)"),
+                        "examples/tool_calculator.yaml (default seeds)", ()),
 }
 
 
@@ -38,10 +43,11 @@ def main(recipe: str = "arithmetic") -> None:
     from hybridflow.tracking import Tracker
     from hybridflow.trainer.sft import run_sft
 
-    config, asset, named = RECIPES[recipe]
+    config, asset, named, overrides = RECIPES[recipe]
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config([config], [f"trainer.run_dir={tmp}/run", "trainer.logger=[jsonl]", "trainer.test_freq=50"])
+        cfg = load_config([config], [f"trainer.run_dir={tmp}/run", "trainer.logger=[jsonl]", "trainer.test_freq=50",
+                                     *overrides])
         with Tracker.from_config(cfg) as tracker:
             out = run_sft(cfg, out_dir=Path(tmp) / "hf", tracker=tracker)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -18,6 +18,15 @@ def test_grpo_step_benchmark_runs_on_cpu(tmp_path):
     assert "| tiny |" in (tmp_path / "bench.md").read_text()
 
 
+def test_distillation_step_benchmark_runs_on_cpu(tmp_path):
+    run_module("benchmarks.distill", "--student", "tiny", "--teacher", "tiny", "--device", "cpu", "--warmup", "0",
+               "--no-tuned", *SMALL, "--out", str(tmp_path), timeout=600)
+    results = json.loads((tmp_path / "distill.json").read_text())["results"]
+    assert set(results) == {"grpo", "distill (tiny teacher)"}
+    assert results["distill (tiny teacher)"]["median"]["timing/teacher"] > 0
+    assert "timing/teacher" not in results["grpo"]["median"]
+
+
 def test_weak_start_learning_benchmark_smoke(tmp_path):
     """Issue 19's weak-start benchmark in its smoke mode: a 4-step weak start, 2 GRPO steps of ours with the robust
     preset, the shared greedy evaluation on 16 held-out problems. The TRL side is not part of the smoke mode (TRL is
