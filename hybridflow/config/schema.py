@@ -468,6 +468,8 @@ class JudgeConfig:
         _check(self.temperature >= 0, "reward.judge.temperature", self.temperature, "must be >= 0 (0 = greedy)")
         for key in ("max_new_tokens", "max_prompt_length", "batch_size"):
             _check(getattr(self, key) >= 1, f"reward.judge.{key}", getattr(self, key), "must be >= 1")
+        _check("{response}" in self.template, "reward.judge.template", self.template,
+               "must contain {response} (the judge has to read the answer it scores)")
         _check(math.isfinite(self.fallback_score), "reward.judge.fallback_score", self.fallback_score,
                "must be a finite number, e.g. 0.0")
         _check(self.verdict_fn is None or ".py:" in self.verdict_fn, "reward.judge.verdict_fn", self.verdict_fn,
@@ -643,13 +645,16 @@ class CheckpointConfig:
             _check(self.keep_last_n >= 1, "trainer.checkpoint.keep_last_n", self.keep_last_n, "must be >= 1 or null")
 
 
+LOWER_IS_BETTER = ("loss", "nll", "error", "err", "perplexity", "ppl", "kl", "wer", "cer")  # rollback.mode=auto
+
+
 @dataclass(frozen=True)
 class RollbackConfig:
     enable: bool  # reload the best checkpoint on the health monitor's val_drop (trainer.health.val_drop_patience)
     metric: str
     lr_scale: float
     max_rollbacks: int
-    mode: str = "auto"  # max | min | auto (min when the metric's name says loss/error/perplexity, else max)
+    mode: str = "auto"  # max | min | auto (min when a word of the metric's name is in LOWER_IS_BETTER, else max)
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "max", "min"):
@@ -658,7 +663,8 @@ class RollbackConfig:
     def higher_is_better(self) -> bool:
         if self.mode != "auto":
             return self.mode == "max"
-        return not any(w in self.metric.lower() for w in ("loss", "error", "perplexity", "ppl"))
+        words = re.split(r"[/_.\-]", self.metric.lower())  # whole words: val/nll, val/error_rate; not "applicability"
+        return not any(w in LOWER_IS_BETTER for w in words)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ row-parallel one) and are merged on the slice, W_slice + s·B_slice·A_slice; th
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -177,7 +178,7 @@ class Resharder:
             m.reshard()
 
     def _part(self, key: str, p: torch.Tensor, sl_of: dict[int, Slice | None]) -> _Part:
-        rows, cols = p.shape[0], p[0].numel() if p.dim() > 1 else 1
+        rows, cols = p.shape[0], math.prod(p.shape[1:])  # shapes only: p[0] on a DTensor would all-gather it
         wants = tuple(_box(sl_of[r], rows, cols) for r in range(self.tp))
         sl, shape = sl_of[self.layout.rank], list(p.shape)
         pad = 0

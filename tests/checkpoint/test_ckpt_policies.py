@@ -52,6 +52,8 @@ def test_a_loss_metric_rolls_back_when_it_rises_not_when_it_improves() -> None:
     cfg = RollbackConfig(enable=True, metric="val/loss", lr_scale=1.0, max_rollbacks=2)  # mode auto → lower is better
     assert not cfg.higher_is_better() and RollbackConfig(True, "val/reward", 1.0, 2).higher_is_better()
     assert RollbackConfig(True, "val/loss", 1.0, 2, mode="max").higher_is_better()
+    assert not RollbackConfig(True, "val/nll", 1.0, 2).higher_is_better()  # whole words of the name, not substrings
+    assert RollbackConfig(True, "val/applicability", 1.0, 2).higher_is_better()
     mon = HealthMonitor(SimpleNamespace(gen_time_warn_s=1.0, update_jitter_warn_s=0.1, jitter_window=5,
                                         val_drop_patience=2, memory_warn_frac=0.95), rollback_metric="val/loss",
                         higher_is_better=cfg.higher_is_better())

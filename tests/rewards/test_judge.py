@@ -60,6 +60,8 @@ def test_config_errors_name_the_key() -> None:
         load_config([], ["reward.sources=[{name: judge, weight: 1.0}]"])
     with pytest.raises(ValueError, match=r"reward.judge.verdict_fn"):
         load_config([], ["reward.judge.verdict_fn=verdict"])
+    with pytest.raises(ValueError, match=r"reward.judge.template.*\{response\}"):
+        load_config([], ["reward.judge.template='{prompt} Score:'"])
     cfg = load_config([], ["reward.sources=[{name: judge, weight: 1.0}]", "reward.judge.path=/j"])
     with pytest.raises(ValueError, match="build_judge"):  # a judge source needs the judge model handed in
         RewardManager(cfg.reward, TOK, max_response_length=8)

@@ -66,8 +66,13 @@ def _expected_bytes_in(model: torch.nn.Module, full: dict[str, torch.Tensor], wo
 
 
 def _check(model: torch.nn.Module, ref: dict[str, torch.Tensor], tp: int, exact: bool = True) -> dict[str, float]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
     resharder = Resharder(model, tp, torch.float32)
-    got, metrics = resharder.reshard()
+    with CommDebugMode() as comm:  # only the planned exchanges: no DTensor op may gather a whole parameter
+        got, metrics = resharder.reshard()
+    gathers = {str(op): n for op, n in comm.get_comm_counts().items() if "all_gather" in str(op)}
+    assert not gathers, gathers
     spec, layout = arch_spec(model), generation_layout(resharder.rank, tp)
     assert set(got) == set(ref), sorted(set(got) ^ set(ref))
     for name, full in ref.items():
