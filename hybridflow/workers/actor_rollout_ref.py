@@ -21,7 +21,7 @@ from hybridflow.engine.update import UpdatePlan
 from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import actor_head, actor_plan, actor_spec, ref_head, ref_spec
-from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on, tp_group
+from hybridflow.workers.hybrid_generate import TPGeneration, build_engine_rollout, generate_on, tp_group
 from hybridflow.workers.losses import make_actor_loss
 from hybridflow.workers.supervised_losses import build_loss
 from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
@@ -38,6 +38,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         self.cfg, self.res = cfg, resolve(cfg)
         self.actor: TrainEngine  # built by init_model
         self.rollout: RolloutEngine
+        self.tp: TPGeneration | None = None  # rollout.tensor_model_parallel_size > 1
         self.ref: TrainEngine | None = None  # only when a reference policy is used
         self._weight_sender: WeightSender | None = None  # rank 0, weight_sync.transport=collective
 
@@ -51,8 +52,8 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         # reference is the actor with its adapters disabled
         if self.res.use_reference and not cfg.model.lora.enabled:
             self.ref = TrainEngine(ref_spec(cfg), device=self.device)
-        self.rollout = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device)
-        self.tp_group = tp_group(self.rank, self.world_size, getattr(cfg.rollout, "tensor_model_parallel_size", 1))
+        group = tp_group(self.rank, self.world_size, cfg.rollout.tensor_model_parallel_size)
+        self.rollout, self.tp = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device, group)
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
                                        rollout_is=cfg.algorithm.rollout_is)
 
@@ -61,7 +62,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @keys.checked_stage(keys.GEN)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Train → generate → train on the same weights (`hybrid_generate.generate_on`)."""
-        return generate_on(self.actor, self.rollout, prompts, self.tp_group)
+        return generate_on(self.actor, self.rollout, prompts, self.tp)
 
     # ------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
