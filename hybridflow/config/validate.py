@@ -15,7 +15,9 @@ def validate_config(cfg: Config, command: str = "train") -> None:
     if rl and not errors:
         errors += _batch_errors(cfg)
     if rl:
-        errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg) + _tp_errors(cfg, command)
+        errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg)
+    if rl or command == "dpo":
+        errors += _tp_errors(cfg, command)
     errors += _lora_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
@@ -160,7 +162,7 @@ def _tp_errors(cfg: Config, command: str) -> list[str]:
         errs.append(f"{key} with trainer.mode={t.mode}: the separate rollout workers receive whole weights, not "
                     "per-rank tensor-parallel slices; use trainer.mode=sync or rollout.tensor_model_parallel_size=1")
     if command == "dpo":
-        errs.append(f"{key} with online DPO: its policy worker generates on one rank; set "
+        errs.append(f"{key} with hybridflow dpo: the DPO policy worker generates on one rank; set "
                     "rollout.tensor_model_parallel_size=1")
     if cfg.rollout.multi_turn.enable:
         errs.append(f"{key} with rollout.multi_turn.enable=true: every rank of a group would run the tools itself "

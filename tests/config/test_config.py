@@ -163,7 +163,8 @@ def test_tensor_parallel_generation_errors_name_the_keys() -> None:
         load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", "trainer.mode=async"])
     with pytest.raises(ConfigError, match=rf"{tp}=2 with rollout.multi_turn.enable=true"):
         load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", "rollout.multi_turn.enable=true"])
-    with pytest.raises(ConfigError, match=rf"{tp}=2 with online DPO"):
-        load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", "dpo.online=true", "rollout.n=4"],
-                    command="dpo")
+    for online in ("true", "false"):
+        with pytest.raises(ConfigError, match=rf"{tp}=2 with hybridflow dpo"):
+            load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", f"dpo.online={online}", "rollout.n=4"],
+                        command="dpo")
     assert load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=4"]).rollout.tensor_model_parallel_size == 2
