@@ -16,6 +16,8 @@ def validate_config(cfg: Config, command: str = "train") -> None:
         errors += _batch_errors(cfg)
     if rl:
         errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg) + _teacher_errors(cfg)
+    if rl or command == "dpo":
+        errors += _tp_errors(cfg, command)
     errors += _lora_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
@@ -141,6 +143,34 @@ def _mode_errors(cfg: Config) -> list[str]:
         if b % chunk:
             errs.append(f"trainer.async.chunk_prompts={chunk} must divide data.train_batch_size={b} (a training "
                         f"batch is whole generation requests); e.g. trainer.async.chunk_prompts={_divisor(b)}")
+    return errs
+
+
+def _tp_errors(cfg: Config, command: str) -> list[str]:
+    """rollout.tensor_model_parallel_size > 1: generation groups of consecutive actor ranks (rollout/reshard.py)."""
+    tp, t = cfg.rollout.tensor_model_parallel_size, cfg.trainer
+    if tp == 1:
+        return []
+    key = f"rollout.tensor_model_parallel_size={tp}"
+    world = sum(process_on_nodes(cfg))
+    errs = []
+    if world % tp:
+        errs.append(f"{key} must divide the actor's {world} processes (trainer.nnodes={t.nnodes} x "
+                    f"trainer.n_gpus_per_node={t.n_gpus_per_node}, or resource_pool.process_on_nodes): set it to a "
+                    f"divisor of {world}, e.g. {_largest_divisor_at_most(world, tp)}")
+    if t.mode != "sync":
+        errs.append(f"{key} with trainer.mode={t.mode}: the separate rollout workers receive whole weights, not "
+                    "per-rank tensor-parallel slices; use trainer.mode=sync or rollout.tensor_model_parallel_size=1")
+    if command == "dpo":
+        errs.append(f"{key} with hybridflow dpo: the DPO policy worker generates on one rank; set "
+                    "rollout.tensor_model_parallel_size=1")
+    if cfg.rollout.multi_turn.enable:
+        errs.append(f"{key} with rollout.multi_turn.enable=true: every rank of a group would run the tools itself "
+                    "and must get the same answers; set rollout.tensor_model_parallel_size=1 for multi-turn rollouts")
+    if cfg.rollout.name == "hf" or cfg.rollout.agent.mode == "server":
+        errs.append(f"{key} with rollout.name={cfg.rollout.name}, rollout.agent.mode={cfg.rollout.agent.mode}: HF "
+                    "generate and the agent endpoint run one whole model per rank; use rollout.name=hybrid with "
+                    "rollout.agent.mode=builtin, or rollout.tensor_model_parallel_size=1")
     return errs
 
 

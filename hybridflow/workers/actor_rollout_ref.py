@@ -28,7 +28,7 @@ from hybridflow.workers.engine_specs import (
     ref_spec,
     teacher_spec,
 )
-from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on, tp_group
+from hybridflow.workers.hybrid_generate import TPGeneration, build_engine_rollout, generate_on, tp_group
 from hybridflow.workers.losses import make_actor_loss
 from hybridflow.workers.supervised_losses import build_loss
 from hybridflow.workers.weight_collective import BroadcastStats, CollectiveWeights, WeightSender
@@ -45,6 +45,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         self.cfg, self.res = cfg, resolve(cfg)
         self.actor: TrainEngine  # built by init_model
         self.rollout: RolloutEngine
+        self.tp: TPGeneration | None = None  # rollout.tensor_model_parallel_size > 1
         self.ref: TrainEngine | None = None  # only when a reference policy is used
         self.teacher: TrainEngine | None = None  # only for on-policy distillation (algorithm.adv_estimator=distill)
         self._weight_sender: WeightSender | None = None  # rank 0, weight_sync.transport=collective
@@ -62,8 +63,8 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         if self.res.use_teacher:
             self.teacher = TrainEngine(teacher_spec(cfg), device=self.device)
             check_teacher_vocab(self.teacher.module, len(self.tokenizer), cfg.teacher.model_path)
-        self.rollout = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device)
-        self.tp_group = tp_group(self.rank, self.world_size, getattr(cfg.rollout, "tensor_model_parallel_size", 1))
+        group = tp_group(self.rank, self.world_size, cfg.rollout.tensor_model_parallel_size)
+        self.rollout, self.tp = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device, group)
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
                                        rollout_is=cfg.algorithm.rollout_is)
 
@@ -72,7 +73,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     @keys.checked_stage(keys.GEN)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Train → generate → train on the same weights (`hybrid_generate.generate_on`)."""
-        return generate_on(self.actor, self.rollout, prompts, self.tp_group)
+        return generate_on(self.actor, self.rollout, prompts, self.tp)
 
     # ------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -5,11 +5,14 @@ validation measures greedy task accuracy).
 Tensor-parallel generation (`rollout.tensor_model_parallel_size` = tp > 1): the driver's data-parallel split over the N
 training ranks is kept; the tp consecutive ranks of a generation group (`rollout/reshard.py`) join their chunks into
 one batch (a small all-gather of prompts), generate it together with the same prompts and seeds, and each rank returns
-only its own rows — so outputs arrive at the driver once each, in order, with no change to dispatch or collection."""
+only its own rows — so outputs arrive at the driver once each, in order, with no change to dispatch or collection.
+At each switch the `Resharder` (built once, like the group and the `TPContext`) cuts this rank's slices out of the
+FSDP2 shards and `sync_weights(local=...)` installs them; its byte counts join the step's `rollout/` metrics."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +21,8 @@ import torch.distributed as dist
 from hybridflow.config import Config
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import build_rollout
-from hybridflow.rollout.reshard import tp_group_ranks
+from hybridflow.rollout.reshard import Resharder, tp_group_ranks
+from hybridflow.rollout.tensor_parallel import TPContext
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
@@ -26,15 +30,28 @@ if TYPE_CHECKING:
     from hybridflow.rollout import RolloutEngine
 
 
-def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Tokenizer, device: torch.device
-                         ) -> RolloutEngine:
-    """A rollout engine over `engine`'s module (`rollout.*`, `data.max_prompt_length` / `max_response_length`)."""
+@dataclass(frozen=True)
+class TPGeneration:
+    """What a rank of a tensor-parallel generation group keeps from set-up to the end of the run."""
 
-    return build_rollout(
+    group: dist.ProcessGroup
+    context: TPContext
+    resharder: Resharder
+
+
+def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Tokenizer, device: torch.device,
+                         group: dist.ProcessGroup | None = None) -> tuple[RolloutEngine, TPGeneration | None]:
+    """A rollout engine over `engine`'s module (`rollout.*`, `data.max_prompt_length` / `max_response_length`) and,
+    with `group` (this rank's `tp_group`), its tensor-parallel context and resharder."""
+    tp = None if group is None else TPContext.for_module(engine.module, group)
+    rollout = build_rollout(
         engine.module, cfg.rollout, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
-        device=device, tokenizer=tokenizer, chat_template=cfg.data.chat_template,
+        device=device, tokenizer=tokenizer, chat_template=cfg.data.chat_template, tp=tp,
     )
+    if tp is None:
+        return rollout, None
+    return rollout, TPGeneration(group, tp, Resharder(engine.module, tp.size, rollout.dtype))
 
 
 def tp_group(rank: int, world: int, tp: int) -> dist.ProcessGroup | None:
@@ -60,16 +77,21 @@ def join_group_prompts(prompts: DataProto, group: dist.ProcessGroup) -> tuple[Da
 
 
 def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto,
-                group: dist.ProcessGroup | None = None) -> DataProto:
+                tp: TPGeneration | None = None) -> DataProto:
     """Train → generate → train on the same weights; `timing/switch` is the mode switch both ways (the rollout
-    engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`). `group`: this
-    rank's tensor-parallel generation group (`tp_group`), whose members generate their joined prompts."""
-    rows = None
-    if group is not None:
-        prompts, rows = join_group_prompts(prompts, group)
+    engine itself releases its KV cache at the end of `generate` when `rollout.free_cache_engine`). `tp`: this
+    rank's tensor-parallel generation group, whose members generate their joined prompts on resharded slices."""
+    rows, reshard_metrics = None, {}
+    if tp is not None:
+        prompts, rows = join_group_prompts(prompts, tp.group)
     t0 = time.perf_counter()
     engine.to_mode("generate")
-    rollout.sync_weights()
+    if tp is None:
+        rollout.sync_weights()
+    else:
+        local, reshard_metrics = tp.resharder.reshard()
+        rollout.sync_weights(local=local)
+        del local  # the engine holds what it needs (weights.tp_model_weights)
     t1 = time.perf_counter()
     out = rollout.generate(seeds_to_meta(prompts))
     t2 = time.perf_counter()
@@ -81,7 +103,7 @@ def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto,
         out = out.select_idxs(torch.arange(rows[0] * n, rows[1] * n))  # a copy: a view would ship the whole batch
     out.meta_info.pop("seeds", None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
     engine_metrics = out.meta_info.get("metrics") or {}  # cache alloc, graph capture, decode steps
-    out.meta_info["metrics"] = {**engine_metrics, "timing/switch": (t1 - t0) + (t3 - t2), "timing/generate": t2 - t1}
+    out.meta_info["metrics"] = {**engine_metrics, **reshard_metrics, "timing/switch": (t1 - t0) + (t3 - t2), "timing/generate": t2 - t1}
     return out
 
 

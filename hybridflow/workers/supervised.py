@@ -67,7 +67,7 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         if self.ref_spec is not None:
             self.ref = TrainEngine(self.ref_spec, device=self.device)
         if self.generates:
-            self.rollout = build_engine_rollout(self.cfg, self.engine, load_tokenizer(self.cfg.model), self.device)
+            self.rollout, _ = build_engine_rollout(self.cfg, self.engine, load_tokenizer(self.cfg.model), self.device)
 
     # ------------------------------------------------------------------------------------------------ train
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)

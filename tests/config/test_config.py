@@ -152,3 +152,19 @@ def test_cli_config_exit_codes(capsys) -> None:
     assert "trainer.nnodes" in err and "resource_pool.process_on_nodes" in err
     assert main(["config", "validate", "trainer.checkpont.save_freq=1"]) == 2
     assert "trainer.checkpoint" in capsys.readouterr().err
+
+
+def test_tensor_parallel_generation_errors_name_the_keys() -> None:
+    tp = "rollout.tensor_model_parallel_size"
+    with pytest.raises(ConfigError, match=rf"{tp}=2 must divide the actor's 3 processes .*n_gpus_per_node=3.* e\.g\. 1"):
+        load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=3", "data.train_batch_size=48",
+                               "actor.ppo_mini_batch_size=12"])
+    with pytest.raises(ConfigError, match=rf"{tp}=2 with trainer.mode=async.*trainer.mode=sync"):
+        load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", "trainer.mode=async"])
+    with pytest.raises(ConfigError, match=rf"{tp}=2 with rollout.multi_turn.enable=true"):
+        load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", "rollout.multi_turn.enable=true"])
+    for online in ("true", "false"):
+        with pytest.raises(ConfigError, match=rf"{tp}=2 with hybridflow dpo"):
+            load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=2", f"dpo.online={online}", "rollout.n=4"],
+                        command="dpo")
+    assert load_config(overrides=[f"{tp}=2", "trainer.n_gpus_per_node=4"]).rollout.tensor_model_parallel_size == 2

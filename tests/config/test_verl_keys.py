@@ -101,7 +101,7 @@ def test_verl_keys_without_equivalent_name_key_and_why(override, expected) -> No
 
 
 def test_rollout_tensor_parallel_size_maps_to_ours() -> None:
-    cfg = load_config([], ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    cfg = load_config([], ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"])
     assert cfg.rollout.tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="rollout.tensor_model_parallel_size"):
         load_config([], ["rollout.tensor_model_parallel_size=0"])

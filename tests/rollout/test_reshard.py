@@ -18,7 +18,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.reshard import Resharder, generation_layout, tp_group_ranks
 from hybridflow.rollout.tp_layout import param_slice, take
 from hybridflow.rollout.weights import arch_spec
-from hybridflow.workers.hybrid_generate import generate_on, tp_group
+from hybridflow.workers.hybrid_generate import TPGeneration, generate_on, tp_group
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -123,11 +123,16 @@ class _Engine:
         pass
 
 
+class _Resharder:
+    def reshard(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return {"w": torch.ones(1)}, {"rollout/reshard_bytes_in": 4.0}
+
+
 class _Rollout:
     """Two responses per prompt, each its prompt's seed; remembers the seeds it was given."""
 
-    def sync_weights(self) -> None:
-        pass
+    def sync_weights(self, local: dict[str, torch.Tensor]) -> None:
+        self.local = local
 
     def generate(self, prompts: DataProto) -> DataProto:
         self.seeds = torch.tensor(prompts.meta_info["seeds"])
@@ -140,7 +145,9 @@ def _check_generation_groups(rank: int) -> None:
     group = tp_group(rank, 4, 2)
     own = torch.arange(3) + 10 * rank
     rollout = _Rollout()
-    out = generate_on(_Engine(), rollout, DataProto.from_single_dict({"seeds": own}), group)
+    out = generate_on(_Engine(), rollout, DataProto.from_single_dict({"seeds": own}),
+                      TPGeneration(group, None, _Resharder()))
+    assert list(rollout.local) == ["w"] and out.meta_info["metrics"]["rollout/reshard_bytes_in"] == 4.0
     first = rank - rank % 2
     assert rollout.seeds.tolist() == [*range(10 * first, 10 * first + 3), *range(10 * first + 10, 10 * first + 13)]
     assert out.batch["responses"][:, 0].tolist() == own.repeat_interleave(2).tolist(), (rank, out.batch)
