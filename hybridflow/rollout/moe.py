@@ -14,7 +14,7 @@ Legend: N tokens, H hidden, E experts, k experts per token, I expert intermediat
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -160,3 +160,23 @@ def recording(layers: list[object]) -> Iterator[list[list[torch.Tensor]]]:
     finally:
         for moe in moes:
             moe.sink = None
+
+
+def has_moe(layers: list[object]) -> bool:
+    return any(getattr(lw, "moe", None) is not None for lw in layers)
+
+
+def record_routes(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object], layers: list[object],
+                  ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, rows_per_call: int
+                  ) -> torch.Tensor:
+    """`routed_experts` [B, L, moe layers, k] (int16): the experts each token is routed to when `run(ids, mask,
+    pos)` (a prefill over `rows_per_call` rows at a time) forwards the rows; pads route too (ignored downstream)."""
+    B, L = ids_BL.shape
+    chunks = []
+    for i in range(0, B, rows_per_call):
+        rows = slice(i, i + rows_per_call)
+        with recording(layers) as sinks:
+            run(ids_BL[rows], mask_BL[rows], pos_BL[rows])
+        n = ids_BL[rows].shape[0]
+        chunks.append(torch.stack([s[0].view(n, L, -1) for s in sinks], dim=2).to(torch.int16))
+    return torch.cat(chunks)
