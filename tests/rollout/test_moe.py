@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from rollout_helpers import EOS, PAD, make_engine, make_prompts, rollout_cfg
+from rollout_helpers import EOS, PAD, make_engine, make_prompts
 from test_model_families import VOCAB, hf_response_logprobs, make_family, train_engine_for
 
 from hybridflow.engine import HeadRequest, moe_replay
