@@ -10,7 +10,7 @@ import torch.distributed as dist
 from rollout_helpers import EOS, PAD, make_engine, make_prompts
 from test_model_families import VOCAB, hf_response_logprobs, make_family, train_engine_for
 
-from hybridflow.engine import HeadRequest, moe_replay
+from hybridflow.engine import HeadRequest, UpdatePlan, moe_replay, train_update
 from hybridflow.rollout import RolloutEngine, moe
 
 P, R = 10, 6
@@ -111,7 +111,8 @@ def test_trainer_replays_the_rollout_routing(replay, gloo, tmp_path):
         for gate in moe_replay.routers(model):
             gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
     overrides = ["actor.moe.routing_replay=true"] if replay else []
-    res = train_engine_for(model, tmp_path, *overrides).infer(out, HeadRequest("lm", temperature=1.0))
+    engine = train_engine_for(model, tmp_path, *overrides)
+    res = engine.infer(out, HeadRequest("lm", temperature=1.0))
     mask = out.batch["response_mask"]
     ours = res["log_probs"] * mask
     metrics = moe_replay.metrics(res, out.batch)
@@ -121,3 +122,18 @@ def test_trainer_replays_the_rollout_routing(replay, gloo, tmp_path):
     torch.testing.assert_close(ours, forced if replay else own, atol=1e-4, rtol=0)
     gap_ref = ((forced if replay else own) - out.batch["rollout_log_probs"]).abs()[mask.bool()].mean()
     assert metrics["moe/logprob_gap"] == pytest.approx(float(gap_ref), abs=1e-4)
+    # one FSDP2 update through the (replayed) MoE layers: routers and experts get gradients and move
+    before = {n: _full(p).clone() for n, p in engine.module.named_parameters() if "mlp.gate." in n or "experts" in n}
+    train_update(engine, out, _push_up, HeadRequest("lm", temperature=1.0), UpdatePlan(6))
+    after = dict(engine.module.named_parameters())
+    assert len(before) == 6 and all(not torch.equal(before[n], _full(after[n])) for n in before)
+    pushed = engine.infer(out, HeadRequest("lm", temperature=1.0))["log_probs"] * mask
+    assert (pushed - ours).sum() > 0
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def _push_up(outputs, micro, norm):
+    return -(outputs["log_probs"] * micro.batch["response_mask"]).sum() / norm["token-mean"], {}
