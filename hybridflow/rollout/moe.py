@@ -76,7 +76,7 @@ def check_parallel(module: nn.Module, rollout_cfg: object) -> None:
                          "rollout.tensor_model_parallel_size=1")
 
 
-def build_weights(get: object, mlp: nn.Module, cfg: object, lora_names: list[str]) -> MoEWeights:
+def build_weights(get: Callable[[nn.Module, str, str], torch.Tensor | None], mlp: nn.Module, cfg: object, lora_names: list[str]) -> MoEWeights:
     """The layer's MoE views through `get(owner, attr, role)` (WeightView._get: zero copy, cast or gathered)."""
     if lora_names:
         raise ValueError(f"LoRA adapts MoE router/expert weights ({lora_names[0]}, ...): the rollout engine merges "
@@ -111,6 +111,8 @@ def experts_grouped(x_NH: torch.Tensor, idx_Nk: torch.Tensor, scores_Nk: torch.T
     """Sum over each token's k experts of score · SwiGLU_e(x): assignments sorted by expert, one pair of matmuls
     per hit expert over its tokens, added back in expert order (HF's order: the same fp32 bits on CPU)."""
     N, k = idx_Nk.shape
+    if N == 0:
+        return torch.zeros_like(x_NH)
     flat = idx_Nk.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # host sync: per-expert sizes
