@@ -137,3 +137,23 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def _push_up(outputs, micro, norm):
     return -(outputs["log_probs"] * micro.batch["response_mask"]).sum() / norm["token-mean"], {}
+
+
+def test_lora_on_attention_and_shared_expert_is_merged(gloo, tmp_path):
+    """`all-linear` LoRA on Qwen2-MoE adapts attention and the shared expert (and its gate); the experts and the
+    router are not Linear modules in transformers, so they stay base weights. Generation merges the adapters."""
+    engine = train_engine_for(make_family("qwen2_moe"), tmp_path, "model.lora.rank=4", "model.lora.alpha=8")
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if "lora_B" in name:
+                (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.1)
+    adapted = {n.split(".mlp.")[1] for n, m in engine.module.named_modules() if hasattr(m, "lora_A") and ".mlp." in n}
+    assert {"shared_expert.gate_proj", "shared_expert_gate"} <= adapted
+    assert not any(a == "gate" or a.startswith("experts") for a in adapted), adapted
+    rollout = make_engine(engine.module, P, R)
+    assert rollout._fallback is None
+    out = rollout.generate(make_prompts(3, P, VOCAB, seed=3, meta={"n": 2}))
+    ref = engine.infer(out, HeadRequest("lm", temperature=1.0))["log_probs"] * out.batch["response_mask"]
+    base = hf_response_logprobs(make_family("qwen2_moe"), out)
+    assert (ref - base).abs().max() > 1e-2  # the adapters change the outputs
+    torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=1e-4, rtol=0)
