@@ -5,7 +5,7 @@ In: `input_ids`/`attention_mask`/`position_ids` [B, P], left-padded; meta_info m
 samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout_log_probs`, `input_ids`,
 `attention_mask`, `position_ids`; with a `weight_check` (partial rollouts, rollout/versions.py) also
 `rollout_policy_version` [B*n, R], the policy version that sampled each token; with an MoE model
-`routed_experts` (`_routing`). With `rollout.agent.mode=server` the
+`routed_experts`, the experts prefill and each decode step chose (multi-turn: `_routing`). With `rollout.agent.mode=server` the
 rows come from agents talking to an OpenAI-compatible endpoint over this engine (`agent_rollout.py`). Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
 only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training.
 """
@@ -236,7 +236,9 @@ class RolloutEngine:
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
         out = self._assemble(ids_d, mask_d, pos_d, params.n, res)
-        if self._fallback is None and moe.has_moe(self._weights.layers):
+        if res.routes is not None and not isinstance(res, MultiTurnResult):
+            out.batch[keys.ROUTED_EXPERTS.name] = res.routes  # recorded by prefill and each decode step
+        elif self._fallback is None and moe.has_moe(self._weights.layers):
             out.batch[keys.ROUTED_EXPERTS.name] = self._routing(out)
         out = out.to(dev_in)
         out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
@@ -252,7 +254,7 @@ class RolloutEngine:
         return out
 
     def _routing(self, out: DataProto) -> torch.Tensor:
-        """`routed_experts` of the final rows (prompt, response, multi-turn context): the experts this engine's
+        """`routed_experts` of multi-turn rows (whose extensions are not recorded): the experts this engine's
         forward picks for each token, recomputed by one prefill pass over the rows with the rollout's weights and
         dtype after decoding (decode's batch shapes may round differently: rare flips at near-ties)."""
         t0 = time.perf_counter()

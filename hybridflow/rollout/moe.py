@@ -173,6 +173,19 @@ def has_moe(layers: list[object]) -> bool:
     return any(getattr(lw, "moe", None) is not None for lw in layers)
 
 
+def route_buffer(layers: list[object], rows: int, cols: int, device: torch.device) -> torch.Tensor | None:
+    """[rows, cols, moe layers, k] int16 zeros for recorded routes; None for a dense model."""
+    moes = [lw.moe for lw in layers if getattr(lw, "moe", None) is not None]
+    if not moes:
+        return None
+    return torch.zeros(rows, cols, len(moes), moes[0].top_k, dtype=torch.int16, device=device)
+
+
+def stacked(sinks: list[list[torch.Tensor]], *lead: int) -> torch.Tensor:
+    """The last call's expert ids of every MoE layer as [*lead, moe layers, k] int16."""
+    return torch.stack([s[-1] for s in sinks], dim=1).view(*lead, len(sinks), -1).to(torch.int16)
+
+
 def record_routes(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object], layers: list[object],
                   ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor, rows_per_call: int
                   ) -> torch.Tensor:
