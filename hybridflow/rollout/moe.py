@@ -7,7 +7,8 @@ cast. Experts run grouped (tokens sorted by expert, one SwiGLU per hit expert ov
 expert order, as HF does) — data-dependent shapes, so a host sync; under CUDA-graph capture, and for a few tokens
 (`DENSE_MAX_PAIRS`), the dense form runs (every expert over every token, combined with a sparse [tokens, experts]
 weight matrix: static shapes, E/k times the FLOPs).
-`recording` collects each call's chosen experts (the engine's routing for routing replay in the trainer).
+`recording` collects each call's chosen experts: the model runner keeps them per KV slot and column
+(`route_buffer`, int16: slots × max length × MoE layers × k — 0.8 GB at 256 × 4096 × 48 × 8) for routing replay.
 
 Legend: N tokens, H hidden, E experts, k experts per token, I expert intermediate size.
 """

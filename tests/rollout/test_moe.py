@@ -74,6 +74,8 @@ def test_greedy_matches_hf_generate_and_records_hf_routing(family):
     real[torch.arange(4), P + out.batch["response_mask"].sum(-1) - 1] = False  # the last token is never fed back
     want = hf_routes(model, out.batch)
     assert torch.equal(routes.long().sort(-1).values[real], want.sort(-1).values[real])
+    again = engine._routing(out)  # the re-prefill that multi-turn rows use (their extensions are not recorded)
+    assert torch.equal(again.long().sort(-1).values[real], want.sort(-1).values[real])
 
 
 def test_moe_with_tensor_parallel_is_refused():
