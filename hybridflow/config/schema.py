@@ -200,6 +200,13 @@ def _check_optimizer_fits(section: str, optim: OptimConfig, fsdp: FSDPConfig) ->
 
 # --------------------------------------------------------------------------------------------------- actor
 @dataclass(frozen=True)
+class MoEConfig:
+    # Mixture-of-Experts models: the trainer's forwards route each token to the experts the rollout engine chose
+    # (`routed_experts`, engine/moe_replay.py) instead of re-routing with the trainer's numerics
+    routing_replay: bool = False
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     ppo_mini_batch_size: int  # PROMPTS per optimizer step, global
     ppo_micro_batch_size_per_gpu: int  # SAMPLES per forward/backward per GPU
@@ -225,6 +232,7 @@ class ActorConfig:
     fsdp: FSDPConfig
     tau_pos: float = 1.0  # SAPO's gate temperature where the advantage is positive
     tau_neg: float = 1.05  # ... and where it is not (>= tau_pos)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         _check(self.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", self.ppo_mini_batch_size, "must be >= 1")

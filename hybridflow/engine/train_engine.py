@@ -42,6 +42,7 @@ from hybridflow.engine.host_optim import HostOptimizer, cast_params, cut_masters
 from hybridflow.engine.lora import adapters_disabled, apply_lora
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
+from hybridflow.engine.moe_replay import AGREEMENT, ROUTED, routing_replay
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, is_fused
 from hybridflow.engine.optim import set_kind as set_optimizer_kind
 from hybridflow.engine.packing import build_inputs, scatter_to_responses
@@ -214,7 +215,11 @@ class TrainEngine:
         b, r = ids.shape[0], batch["responses"].shape[1]
         # Indices are built where the batch lives (the host, normally) and copied without stalling the GPU.
         inputs = build_inputs(ids, batch["attention_mask"], batch["position_ids"], r, self.spec.packed).to(self.device)
-        out = self.module(hf_inputs=inputs, hf_request=req)
+        with routing_replay(self.module, batch.get(ROUTED), batch["attention_mask"], self.spec.packed,
+                            self.spec.routing_replay, self.device) as agree:
+            out = self.module(hf_inputs=inputs, hf_request=req)
+        if agree[0] is not None and req.kind == "lm":
+            out[AGREEMENT] = agree[0].float().index_select(0, inputs.src_K)
         if req.kind == "score":
             return {"scores": out["values"]}, inputs.num_tokens
         return {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()}, inputs.num_tokens
@@ -259,7 +264,8 @@ class TrainEngine:
             for i, idx in enumerate(self._micro_batches(data, self.spec.infer_batching)):
                 beat(i)
                 index = torch.tensor(idx)
-                out, _ = self._forward_micro({k: data.batch[k][index] for k in INPUT_KEYS}, head)
+                out, _ = self._forward_micro({k: data.batch[k][index] for k in (*INPUT_KEYS, ROUTED)
+                                              if k in data.batch}, head)
                 for k, v in out.items():
                     parts[k].append(v.float())
                 order += idx

@@ -57,6 +57,9 @@ POLICY_VERSION = _k("policy_version", "B", "int", "gen",
 ROLLOUT_POLICY_VERSION = _k("rollout_policy_version", "B R", "int", "gen",
                             "non-sync modes: the policy version that sampled each response token (after the end: "
                             "the row's last)")
+ROUTED_EXPERTS = _k("routed_experts", "B L moe_layers k", "int", "gen",
+                    "MoE models, our engine: the experts each token of input_ids is routed to in each MoE layer "
+                    "(`actor.moe.routing_replay` makes the trainer's forward use them)")
 TURN_REWARDS = _k("turn_rewards", "B R", "float", "gen", "multi-turn: each turn's tool/interaction reward on its "
                   "last model token (added to token_level_scores)")
 BASELINE_REWARDS = _k("baseline_rewards", "B", "float", "gen", "ReMax: the greedy response's reward per row")
@@ -78,8 +81,8 @@ EXTRA_INFO = _k("extra_info", "B", "object", "data", "free-form row info passed 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SEEDS, PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS,
-    POLICY_VERSION, ROLLOUT_POLICY_VERSION, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES, TOKEN_LEVEL_SCORES,
-    OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, TEACHER_LOG_PROBS, VALUES,
+    POLICY_VERSION, ROLLOUT_POLICY_VERSION, ROUTED_EXPERTS, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES,
+    TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, TEACHER_LOG_PROBS, VALUES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
@@ -103,7 +106,7 @@ class Stage:
 
 GEN = Stage("gen", (INPUT_IDS, ATTENTION_MASK), (PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS, INPUT_IDS,
                                                  ATTENTION_MASK, POSITION_IDS),
-           optional=(POSITION_IDS, SEEDS, TURN_REWARDS, POLICY_VERSION, ROLLOUT_POLICY_VERSION))
+           optional=(POSITION_IDS, SEEDS, TURN_REWARDS, POLICY_VERSION, ROLLOUT_POLICY_VERSION, ROUTED_EXPERTS))
 REWARD = Stage("reward", (RESPONSES, RESPONSE_MASK), (TOKEN_LEVEL_SCORES,),
                optional=(RM_SCORES, DATA_SOURCE, TURN_REWARDS))
 REWARD_MODEL_SCORE = Stage("reward_model", MODEL_INPUTS, (RM_SCORES,))

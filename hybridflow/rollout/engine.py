@@ -4,7 +4,8 @@ In: `input_ids`/`attention_mask`/`position_ids` [B, P], left-padded; meta_info m
 `do_sample`, `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seeds`, `validate`). Out (B*n rows, prompt i's
 samples at rows i*n..i*n+n-1): `prompts`, `responses`, `response_mask`, `rollout_log_probs`, `input_ids`,
 `attention_mask`, `position_ids`; with a `weight_check` (partial rollouts, rollout/versions.py) also
-`rollout_policy_version` [B*n, R], the policy version that sampled each token. With `rollout.agent.mode=server` the
+`rollout_policy_version` [B*n, R], the policy version that sampled each token; with an MoE model
+`routed_experts`, the experts prefill and each decode step chose (multi-turn: `_routing`). With `rollout.agent.mode=server` the
 rows come from agents talking to an OpenAI-compatible endpoint over this engine (`agent_rollout.py`). Mode switch: `sync_weights()` after each optimizer step (zero-copy views are
 only re-checked; cast/gathered copies are refreshed), `release_cache()` when going back to training. With
 `tp` (a `TPContext`, rollout.tensor_model_parallel_size ranks) each rank of the group holds its slices of the weights
@@ -23,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridflow.protocol import DataProto
-from hybridflow.rollout.forward import DecodeOps, RopeTable
+from hybridflow.protocol import DataProto, keys
+from hybridflow.rollout import moe
+from hybridflow.rollout.forward import DecodeOps, RopeTable, prefill
 from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
 from hybridflow.rollout.model_runner import ModelRunner
@@ -62,6 +64,7 @@ class RolloutEngine:
                              f"engine was given a tensor-parallel group of {size}: the workers build the group from "
                              "that key (pass tp=TPContext(...) of that size)")
         self.tp = tp if size > 1 else None
+        moe.check_parallel(module, rollout_cfg)
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
         self.agent = _agent_rollout(rollout_cfg, tokenizer, chat_template, pad_token_id, max_prompt_length,
@@ -252,7 +255,12 @@ class RolloutEngine:
             res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new, weight_check)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
-        out = self._assemble(ids_d, mask_d, pos_d, params.n, res).to(dev_in)
+        out = self._assemble(ids_d, mask_d, pos_d, params.n, res)
+        if res.routes is not None and not isinstance(res, MultiTurnResult):
+            out.batch[keys.ROUTED_EXPERTS.name] = res.routes  # recorded by prefill and each decode step
+        elif self._fallback is None and moe.has_moe(self._weights.layers):
+            out.batch[keys.ROUTED_EXPERTS.name] = self._routing(out)
+        out = out.to(dev_in)
         out.non_tensor_batch = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         metrics = {**self.timing, "rollout/decode_steps": res.decode_steps, "rollout/prefills": res.prefills}
         if res.versions is not None:
@@ -264,6 +272,21 @@ class RolloutEngine:
         if self.cfg.free_cache_engine:
             self.release_cache()
         return out
+
+    def _routing(self, out: DataProto) -> torch.Tensor:
+        """`routed_experts` of multi-turn rows (whose extensions are not recorded): the experts this engine's
+        forward picks for each token, recomputed by one prefill pass over the rows with the rollout's weights and
+        dtype after decoding (decode's batch shapes may round differently: rare flips at near-ties)."""
+        t0 = time.perf_counter()
+        r, b = self._runner, out.batch
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        rows = max(1, self.cfg.max_num_batched_tokens // b["input_ids"].shape[1])
+        with torch.no_grad():
+            routes = moe.record_routes(
+                lambda ids, mask, pos: prefill(r.weights, r.spec, r.rope, ids, mask, pos, r.cache, none, none),
+                r.weights.layers, b["input_ids"], b["attention_mask"], b["position_ids"], rows)
+        self.timing["timing/rollout_routing"] = time.perf_counter() - t0
+        return routes
 
     def _assemble(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, n: int,
                   res: GenerateResult) -> DataProto:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridflow.rollout.kv_cache import KVCache
+from hybridflow.rollout.moe import moe_mlp
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
 from hybridflow.utils.compile import GuardedCompile
 
@@ -86,6 +87,8 @@ def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float)
     """Residual stream after o_proj and the SwiGLU MLP; attn [..., H*D]."""
     x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
     xn = rms_norm(x, lw.ln2, eps)
+    if lw.moe is not None:
+        return residual_add(x, moe_mlp(xn, lw.moe))
     if lw.gate_up is not None:
         gate, up = F.linear(xn, lw.gate_up).chunk(2, dim=-1)
     else:

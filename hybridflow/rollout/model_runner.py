@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy
 import torch
 
-from hybridflow.rollout import forward
+from hybridflow.rollout import forward, moe
 from hybridflow.rollout.forward import EAGER_OPS, DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.sampling import Sampler, SamplingParams, ShardedSampler, sample, sampler_values
@@ -103,6 +103,7 @@ class ModelRunner:
         # extension graphs: (tokens bucket, slots bucket) -> (graph, logits); their static inputs [ids, pos, slot,
         # col] and each slot's last-token index
         self.ext_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.routes = moe.route_buffer(weights.layers, S, T, dev)  # MoE: experts of each slot's cache columns
         self.ext_graph_tokens = EXT_GRAPH_TOKENS if use_graphs else 0  # 0: extensions run eagerly
         self._ext_uses: dict[tuple[int, int], int] = {}
         self._ext_in: torch.Tensor | None = None
@@ -143,8 +144,11 @@ class ModelRunner:
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         src = torch.arange(B, device=dev).repeat_interleave(n)
-        logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t, src,
-                                 self.eager_ops)
+        with moe.recording(self.weights.layers) as sinks:
+            logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t,
+                                     src, self.eager_ops)
+        if self.routes is not None:
+            self.routes[slot_t, :P] = moe.stacked(sinks, B, P)[src]
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
         tok, logp = self.sampler(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
                                  torch.zeros_like(seeds_t))
@@ -305,8 +309,11 @@ class ModelRunner:
     # --------------------------------------------------------------------------------------------------- decode
     def _eager_step(self, b: int, L: int, mode: str) -> None:
         T = self.cache.max_len
-        logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
-                                self.cidx[:b], self.valid[:b], self.start[:b], self.cache, L)
+        with moe.recording(self.weights.layers) as sinks:
+            logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
+                                    self.cidx[:b], self.valid[:b], self.start[:b], self.cache, L)
+        if self.routes is not None:  # captured with the step: the graph replays the write
+            self.routes[torch.arange(b, device=self.device), self.cidx[:b]] = moe.stacked(sinks, b)
         resp_len, done = self.resp_len[:b], self.done[:b]
         tok, logp = self.sampler(logits, mode, self.temperature, self.top_k, self.top_p, self.seed[:b], resp_len)
         live = ~done

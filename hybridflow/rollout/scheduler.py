@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.rollout import moe
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.versions import TokenVersions
 from hybridflow.utils.progress import beat
@@ -35,6 +36,7 @@ class GenerateResult:
     # [B*n, R] policy version that sampled each token (with a `weight_check`; None without one)
     versions: torch.Tensor | None = field(default=None, kw_only=True)
     weight_swaps: int = field(default=0, kw_only=True)  # new weights taken mid-call
+    routes: torch.Tensor | None = field(default=None, kw_only=True)  # MoE: [B*n, P+R, moe layers, k] (decode's)
 
 
 class RunState:
@@ -55,6 +57,7 @@ class RunState:
         self.host_steps: dict[int, int] = {}  # live slot -> tokens generated (upper bound known to the host)
         self.decode_steps = self.prefills = 0
         self.versions = TokenVersions(weight_check, B * n, r.R) if weight_check is not None else None
+        self.routes: torch.Tensor | None = None  # MoE: each row's experts per column (set by `Scheduler.run`)
 
     def busy(self) -> bool:
         return bool(self.waiting or self.live)
@@ -88,8 +91,12 @@ class Scheduler:
         `weight_check` (partial rollouts): called before each decode chunk, it may install new weights and returns
         the policy version in effect; the result's `versions` says which version sampled each token."""
         st = RunState(self.runner, ids_BP.shape[0], n, weight_check)
+        r = self.runner
+        st.routes = None if r.routes is None else moe.route_buffer(r.weights.layers, st.tokens.shape[0],
+                                                                   ids_BP.shape[1] + r.R, r.device)
         self._decode(st, ids_BP, mask_BP, pos_BP, n, seeds, max_new)
-        return GenerateResult(st.tokens, st.logps, st.lengths, st.decode_steps, st.prefills, **st.version_fields())
+        return GenerateResult(st.tokens, st.logps, st.lengths, st.decode_steps, st.prefills, **st.version_fields(),
+                              routes=st.routes)
 
     def _decode(self, st: RunState, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int,
                 seeds: list[int], max_new: int) -> None:
@@ -150,6 +157,8 @@ class Scheduler:
             tok, logp, lens = r.harvest(finished)
             rows_t = torch.tensor([st.live.pop(s) for s in finished], device=r.device)
             st.tokens[rows_t], st.logps[rows_t], st.lengths[rows_t] = tok, logp, lens
+            if st.routes is not None:
+                st.routes[rows_t] = r.routes[torch.tensor(finished, device=r.device), :st.routes.shape[1]]
             for s, row in zip(finished, rows_t.tolist()):
                 heapq.heappush(st.free, s)
                 del st.host_steps[s]

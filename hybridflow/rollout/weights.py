@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hybridflow.rollout import moe as moe_ops
 from hybridflow.rollout.build_plan import ADDMM, COPY, STACKED, BuildPlan, Recorder
 
 if TYPE_CHECKING:  # tp_layout reads ArchSpec from here
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # tp_layout reads ArchSpec from here
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *moe_ops.MOE_MODEL_TYPES)
 Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA layer's (B [out, r], A [r, in], alpha/r)
 STACK_BYTES = 256 * 2**20  # the most temporary memory (stacked LoRA factors B, A) the merge allocates at a time
 
@@ -60,6 +61,7 @@ class LayerWeights:
     qkv: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None
+    moe: moe_ops.MoEWeights | None = None  # an MoE layer (gate/up/down are then None)
 
 
 @dataclass
@@ -74,7 +76,8 @@ class ModelWeights:
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.norm, self.lm_head]
         for lw in self.layers:
-            out += [t for t in vars(lw).values() if t is not None]
+            out += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+            out += lw.moe.tensors() if lw.moe is not None else []
         return out
 
     def nbytes(self) -> int:
@@ -112,18 +115,19 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
         return "module.model has no rotary_emb"
     window = getattr(cfg, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
-    if mtype == "mistral" and window is not None:
+    if mtype in ("mistral", "mixtral") and window is not None:
         sliding = True
     if sliding and window is not None and window < max_total_len:
         return f"sliding-window attention (window {window} < prompt+response length {max_total_len})"
-    mlp = inner.layers[0].mlp
-    if getattr(mlp, "gate_proj", None) is None:
+    mlp = next((layer.mlp for layer in inner.layers if not moe_ops.is_moe_layer(layer.mlp)), None)
+    if mlp is not None and getattr(mlp, "gate_proj", None) is None:
         return "MLP is not gate/up/down (SwiGLU)"
-    if any(getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+    if mlp is not None and any(getattr(getattr(mlp, n), "bias", None) is not None
+                               for n in ("gate_proj", "up_proj", "down_proj")):
         return "MLP projections have biases"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act={cfg.hidden_act!r} (only silu)"
-    return None
+    return moe_ops.unsupported_reason(module)
 
 
 def arch_spec(module: nn.Module) -> ArchSpec:
@@ -452,13 +456,19 @@ class WeightView:
             qkv_bias, (qb, kb, vb) = self._get_fused(qkv_owners, qkv_roles, "bias")
         else:
             qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias", r) for o, r in zip(qkv_owners, qkv_roles)]
-        gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
+        if moe_ops.is_moe_layer(mlp):
+            lora = [n for n, m in mlp.named_modules() if hasattr(m, "lora_A") and not n.startswith("shared_expert")]
+            gate_up, gate, up, down = None, None, None, None
+            moe = moe_ops.build_weights(self._get, mlp, self.module.config, lora)
+        else:
+            gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
+            down, moe = self._get(mlp.down_proj, role="down"), None
         return LayerWeights(
             ln1=self._get(layer.input_layernorm, role="ln1"), ln2=self._get(layer.post_attention_layernorm, role="ln2"),
             q=q, k=k, v=v, o=self._get(att.o_proj, role="o"), q_bias=qb, k_bias=kb, v_bias=vb,
             o_bias=self._get(att.o_proj, "bias", "o"), q_norm=self._get(getattr(att, "q_norm", None), role="q_norm"),
             k_norm=self._get(getattr(att, "k_norm", None), role="k_norm"), gate=gate, up=up,
-            down=self._get(mlp.down_proj, role="down"), qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up)
+            down=down, qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up, moe=moe)
 
     def build(self) -> ModelWeights:
         """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved. Replays

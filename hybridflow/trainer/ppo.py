@@ -298,6 +298,7 @@ class PPOAlgorithm(Algorithm):
     def old_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
         """3. Log-probs of the sampling policy, recomputed (and the rollout-IS metrics when the loss applies them)."""
         out = self.actor.compute_log_prob(batch, beside=beside)
+        metrics |= reduce_metrics(out.meta_info.pop("metrics", []))  # MoE: moe/routing_agreement, moe/logprob_gap
         if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:
             metrics |= rollout_is_metrics(out.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                           batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)

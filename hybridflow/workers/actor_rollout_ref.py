@@ -15,7 +15,7 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config, resolve
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
-from hybridflow.engine import TrainEngine, train_update
+from hybridflow.engine import TrainEngine, moe_replay, train_update
 from hybridflow.engine.lora import merged_state_dict
 from hybridflow.engine.update import UpdatePlan
 from hybridflow.models.loader import load_tokenizer
@@ -81,7 +81,9 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
     def compute_log_prob(self, data: DataProto, beside: Callable[[], object] | None = None) -> DataProto:
         """`beside`: host work of the driver, run once the forwards are queued (in-process workers only)."""
         out = self.actor.infer(data, actor_head(self.cfg, entropy=True), beside=beside)
-        return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]})
+        moe = moe_replay.metrics(out, data.batch)  # MoE: routing agreement with the rollout, log-prob gap
+        return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]},
+                                   meta_info={"metrics": moe} if moe else None)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.REF)

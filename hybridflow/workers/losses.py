@@ -23,6 +23,7 @@ from hybridflow.algorithms import (
     rollout_is_weights,
 )
 from hybridflow.config.schema import ActorConfig, CriticConfig, RolloutISConfig
+from hybridflow.engine.moe_replay import AGREEMENT
 from hybridflow.protocol import DataProto
 
 
@@ -86,6 +87,9 @@ class ActorLoss:
             metrics["actor/entropy"] = _local_mean(entropy, mask, mode, global_norm)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
+        if AGREEMENT in outputs:  # MoE with `routed_experts` in the batch (engine/moe_replay.py)
+            agree = (outputs[AGREEMENT] * mask).sum() / mask.sum().clamp(min=1)
+            metrics["moe/update_routing_agreement"] = agree.detach()
         if self.use_kl_loss:
             kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], cfg.kl_loss_type)
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)

@@ -3,7 +3,7 @@
 For every model type in `SUPPORTED_MODEL_TYPES`: (a) our rollout forward — prefill of left-padded prompts, then
 several decode steps through the KV cache — against one HF forward of the whole rows, and a sampled generate's
 log-probs against HF's recomputation; (b) the training forward (`TrainEngine.infer`, FSDP2 on one gloo rank)
-against the same HF recomputation. Families outside it (Gemma-2, Qwen3-MoE) train one step and generate through
+against the same HF recomputation. Families outside it (Gemma-2) train one step and generate through
 the HF fallback, which warns once that generation is slow.
 """
 
@@ -20,7 +20,9 @@ from transformers import (
     Gemma2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -51,12 +53,17 @@ FAMILIES = {
     # head_dim 24 != hidden / heads = 16: the q/k norms and RoPE run over an explicit head_dim
     "qwen3": lambda: Qwen3Config(**_SMALL, head_dim=24, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**_SMALL, sliding_window=4096),  # window wider than the rows: full attention
+    # MoE: 8 experts, 2 per token (rollout/moe.py); Qwen2-MoE adds a gated shared expert and a dense layer
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                                        num_experts_per_tok=2, norm_topk_prob=True),
+    "mixtral": lambda: MixtralConfig(**_SMALL, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**_SMALL, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                        shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                        mlp_only_layers=[1]),
 }
 FALLBACK = {
     "gemma2": lambda: Gemma2Config(**_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                        num_experts_per_tok=2, norm_topk_prob=True),
 }
 
 

@@ -1,0 +1,90 @@
+"""Routing replay for MoE models: the trainer's forward routes each token to the experts the rollout engine chose.
+
+Decision: patch the output of each HF router module (`mlp.gate`, which returns (logits, scores, expert ids)) with a
+forward hook for the duration of one forward, rather than re-implementing the MoE block: the ids become the
+recorded ones and the scores are recomputed from the router's own logits at those ids (softmax, renormalised
+as the family does), so the router still gets gradients. Each call also measures agreement — whether the router's
+own top-k equals the recorded set — so `moe/routing_agreement` is reported with replay on or off.
+
+Legend: B rows, L = P + R columns, N tokens the model sees (B*L padded, or the valid ones packed), M MoE layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+ROUTED = "routed_experts"  # protocol/keys.py ROUTED_EXPERTS
+AGREEMENT = "routing_agreement"  # per response token: 1.0 where every MoE layer chose the recorded experts
+
+
+def routers(module: nn.Module) -> list[nn.Module]:
+    """The router module of each MoE layer, in layer order (the `moe_layers` axis of `routed_experts`)."""
+    inner = getattr(module, "model", module)
+    layers = getattr(inner, "layers", None) or []
+    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+
+
+def _score_rule(module: nn.Module) -> tuple[bool, bool]:
+    """(renormalise the k chosen probabilities, keep scores in fp32) as the family's router does."""
+    cfg = module.config
+    mixtral = cfg.model_type == "mixtral"
+    return mixtral or bool(getattr(cfg, "norm_topk_prob", False)), mixtral
+
+
+@contextlib.contextmanager
+def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL: torch.Tensor, packed: bool,
+                   replay: bool, device: torch.device) -> Iterator[list[torch.Tensor | None]]:
+    """Around one forward of `module` over the rows of `routes_BLMk` (None, or no MoE layer: nothing happens).
+    Yields a one-item list that holds, after the forward, the per-token agreement [N] (bool, all layers)."""
+    gates = routers(module) if routes_BLMk is not None else []
+    result: list[torch.Tensor | None] = [None]
+    if not gates:
+        yield result
+        return
+    if routes_BLMk.shape[2] != len(gates):
+        raise ValueError(f"routed_experts has {routes_BLMk.shape[2]} MoE layers but the model has {len(gates)}: "
+                         "the rollout ran a different model than the trainer")
+    routes = routes_BLMk[mask_BL.bool()] if packed else routes_BLMk.flatten(0, 1)  # [N, M, k]
+    routes = routes.to(device, non_blocking=True)
+    norm, fp32 = _score_rule(module)
+    agree: dict[int, torch.Tensor] = {}
+
+    def hook_for(j: int):
+        def hook(mod: nn.Module, args: tuple, output: tuple) -> tuple | None:
+            logits, _, idx = output
+            want = routes[:, j].to(idx.dtype)
+            assert want.shape == idx.shape, (j, tuple(want.shape), tuple(idx.shape))
+            agree[j] = (idx.sort(-1).values == want.sort(-1).values).all(-1)
+            if not replay:
+                return None
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, want)
+            if norm:
+                scores = scores / scores.sum(-1, keepdim=True)
+            return logits, scores if fp32 else scores.to(logits.dtype), want
+        return hook
+
+    handles = [g.register_forward_hook(hook_for(j)) for j, g in enumerate(gates)]
+    try:
+        yield result
+        result[0] = torch.stack([agree[j] for j in range(len(gates))]).all(0) if len(agree) == len(gates) else None
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def metrics(out: dict[str, torch.Tensor], data: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`moe/routing_agreement` (fraction of response tokens whose predicting position chose the engine's experts
+    in every MoE layer) and `moe/logprob_gap` (mean |trainer − rollout| log-prob); {} for a dense model."""
+    if AGREEMENT not in out:
+        return {}
+    m = data["response_mask"].bool()
+    n = max(int(m.sum()), 1)
+    res = {"moe/routing_agreement": float(out[AGREEMENT][m].sum()) / n}
+    if "rollout_log_probs" in data:
+        gap = (out["log_probs"].float() - data["rollout_log_probs"].float()).abs()[m]
+        res["moe/logprob_gap"] = float(gap.sum()) / n
+    return res
