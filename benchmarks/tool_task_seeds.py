@@ -33,7 +33,10 @@ RL_OVERRIDES = ("trainer.total_training_steps=20", "trainer.test_freq=20", "data
 PPO_OVERRIDES = ("algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-3",
                  "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=128", "critic.warmup_steps=2",
                  "trainer.total_training_steps=15", "trainer.test_freq=15")
-ALGOS = {"grpo": (), "ppo": PPO_OVERRIDES}
+# GRPO with the rollout driven by the OpenAI-client agent (`rollout.agent.mode=server`) instead of in-engine turns
+AGENT_OVERRIDES = ("rollout.multi_turn.enable=false", "rollout.agent.mode=server",
+                   f"rollout.agent.path={ROOT / 'examples' / 'agents' / 'tool_calculator.py'}")
+ALGOS = {"grpo": (), "ppo": PPO_OVERRIDES, "grpo_agent": AGENT_OVERRIDES}
 SUCCESS, WELL_FORMED = "val/accuracy", "val/rule/well_formed"
 
 
