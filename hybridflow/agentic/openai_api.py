@@ -104,6 +104,33 @@ def completion_response(model: str, choices: list[Choice], prompt_tokens: int, w
                         for i, c in enumerate(choices)]}
 
 
+def sse_chunks(result: dict[str, Any], stream_options: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole response as the chunks of `stream: true` (the `data:` events before `[DONE]`). The engine answers
+    finished completions, so the stream carries no earlier tokens: per choice, one chunk with the role, the content,
+    its log-probs and `token_ids`, then one with the tool calls (if any) and the finish reason; then, with
+    `stream_options.include_usage`, a chunk with no choices and the usage."""
+    head = {k: result[k] for k in ("id", "created", "model")}
+    chat = result["object"] == "chat.completion"
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    chunks = []
+    for c in result["choices"]:
+        if chat:
+            msg = c["message"]
+            delta = {"role": "assistant", "content": msg.get("content") or ""}
+            first = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None,
+                     "token_ids": c["token_ids"]}
+            calls = [{"index": i, **call} for i, call in enumerate(msg.get("tool_calls") or [])]
+            last = {"index": c["index"], "delta": {"tool_calls": calls} if calls else {}, "logprobs": None,
+                    "finish_reason": c["finish_reason"]}
+        else:
+            first = {**c, "finish_reason": None}
+            last = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        chunks += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if stream_options.get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": result["usage"]})
+    return chunks
+
+
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -179,11 +206,24 @@ class OpenAIServer:
                 raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
             call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
             self.calls.put(call)
-            return web.json_response(await call.future)
+            result = await call.future
+            if body.get("stream"):
+                return await _stream(request, sse_chunks(result, body.get("stream_options") or {}))
+            return web.json_response(result)
         except ApiError as err:
             return _error(str(err), err.status)
         except json.JSONDecodeError as err:
             return _error(f"the request body is not JSON: {err}", 400)
+
+
+async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for chunk in chunks:
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _error(message: str, status: int) -> web.Response:

@@ -132,8 +132,6 @@ class AgentScheduler:
 
     def _job(self, call: Call) -> Job:
         body = call.body
-        if body.get("stream"):
-            raise ApiError("stream=true is not supported: the endpoint answers whole completions")
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none") and not self._warned_tool_choice:
             self._warned_tool_choice = True

@@ -374,3 +374,51 @@ def test_n_choices_then_continue_from_one(engine):
     assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m
     first, second = SEEN[f"r{engine.agent.calls}-0-0"]
     assert _sampled(out, 0) == first["ids"][1] + second["ids"][0]
+
+
+async def stream_agent(client, sample):
+    """`stream=True` on both endpoints with the client's streaming API; the streamed turn is echoed back and extended."""
+    text, comp_ids = "", []
+    async for chunk in await client.completions.create(model="policy", prompt="User: x\nAssistant:", max_tokens=5,
+                                                       stream=True):
+        text += "".join(c.text for c in chunk.choices)
+        comp_ids += [t for c in chunk.choices for t in (c.model_extra or {}).get("token_ids") or []]
+    messages = [{"role": "user", "content": "hi"}]  # a new root: the row is this chat
+    stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
+                                                  logprobs=True, stream=True, stream_options={"include_usage": True})
+    content, calls, finish, usage, ids = "", {}, None, None, []
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            ids += (c.model_extra or {}).get("token_ids") or []
+            for tc in c.delta.tool_calls or []:
+                calls[tc.index] = {"id": tc.id, "type": "function",
+                                   "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+            finish = c.finish_reason or finish
+    message = {"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})}
+    messages += [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+    SEEN[_sid(client)] = [ids, usage.completion_tokens, calls, finish, text, comp_ids]
+    return AgentResult(messages=[*messages, r.choices[0].message.model_dump(exclude_none=True)])
+
+
+def test_streaming_with_the_openai_client(engine, monkeypatch):
+    """Whole completions streamed as SSE chunks then [DONE]: content, token ids, usage and tool calls (in the last
+    chunk of a choice) assemble in the client; the streamed answer extends the session like a plain one."""
+    import hybridflow.rollout.agent_scheduler as sched
+
+    call = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": "1+2"}'}}]
+    real = sched.split_tool_calls
+    monkeypatch.setattr(sched, "split_tool_calls", lambda text: (real(text)[0], call, False))  # the tiny model
+    engine.agent.agent = stream_agent  # writes no calls: every answer carries one
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m
+    ids, completion_tokens, calls, finish, text, comp_ids = SEEN[f"r{engine.agent.calls}-0-0"]
+    assert 1 <= len(ids) == completion_tokens <= 6 and _sampled(out, 0)[: len(ids)] == ids
+    assert calls == {0: call[0]} and finish == "tool_calls"
+    assert 1 <= len(comp_ids) <= 5 and text == builtin_tokenizer().decode(comp_ids, skip_special_tokens=True)
