@@ -74,6 +74,32 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None, bool]
     return TOOL_CALL_RE.sub("", text).strip(), out, False
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def tool_choice(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """(the call a chat request requires: None, "*" for any or a function's name; the tools to render in the prompt).
+    Nothing constrains decoding: a named function is the only tool the prompt shows, and an answer without the
+    required call is returned as written (the caller counts it)."""
+    tools, choice = body.get("tools") or None, body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return None, tools
+    if not tools:
+        raise ApiError(f"tool_choice={choice!r} needs 'tools'")
+    if choice == "required":
+        return "*", tools
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(f"tool_choice={choice!r}: give 'auto', 'none', 'required' or "
+                       "{'type': 'function', 'function': {'name': <a tool's name>}}")
+    named = [t for t in tools if isinstance(t, dict) and (t.get("function") or {}).get("name") == name]
+    if not named:
+        raise ApiError(f"tool_choice names {name!r}, which is not among the tools "
+                       f"{[(t.get('function') or {}).get('name') for t in tools if isinstance(t, dict)]}")
+    return name, named
+
+
 @dataclass
 class Choice:
     text: str  # decoded sampled text, stop string cut off
@@ -82,6 +108,7 @@ class Choice:
     tokens: list[str]  # each sampled id decoded alone (for `logprobs`)
     finish_reason: str  # stop | length
     message: dict[str, Any] | None = None  # chat: the assistant message returned
+    top: list[list[tuple[str, float]]] | None = None  # chat `top_logprobs`: per sampled id, k (token, log-prob)
 
 
 def chat_response(model: str, choices: list[Choice], prompt_tokens: int, want_logprobs: bool) -> dict[str, Any]:
@@ -90,8 +117,17 @@ def chat_response(model: str, choices: list[Choice], prompt_tokens: int, want_lo
             "choices": [{"index": i, "message": c.message, "token_ids": c.token_ids,
                          "finish_reason": "tool_calls" if c.message.get("tool_calls") else c.finish_reason,
                          "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                                                   "top_logprobs": []} for t, lp in zip(c.tokens, c.logprobs)]}
+                                                   "top_logprobs": [_top(a, b) for a, b in top]}
+                                                  for t, lp, top in zip(c.tokens, c.logprobs, c.top or _none(c))]}
                          if want_logprobs else None} for i, c in enumerate(choices)]}
+
+
+def _top(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _none(c: Choice) -> list[list]:
+    return [[] for _ in c.tokens]
 
 
 def completion_response(model: str, choices: list[Choice], prompt_tokens: int, want_logprobs: bool
