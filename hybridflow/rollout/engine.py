@@ -177,7 +177,7 @@ class RolloutEngine:
                  weight_check: Callable[[], int] | None = None) -> DataProto:
         """`weight_check`: called before each decode chunk (every `check_every` steps); it may install new weights
         (the caller then ran `sync_weights`) and returns their policy version: sequences in flight continue under
-        them. HF generate (the fallback) asks once, at the start."""
+        them. HF generate (the fallback) and the agent endpoint ask once, at the start."""
         meta = dict(prompts.meta_info)
         params = self.sampling_for(meta, sampling)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
