@@ -5,7 +5,8 @@ the margins of tests/e2e/test_tool_task_learning.py (docs/benchmarks.md, "Tool t
         --out runs/tool_task_seeds [k=v ...]
 
 Each run is the RL phase of examples/tool_calculator.yaml (multi-turn rollouts, calculator tool, exact-answer
-reward) from `tests/assets/sft_tool_calculator`, in its own process with one intra-op thread, with the RL seeds
+reward; `grpo_agent`: the same GRPO with each trajectory driven through the OpenAI-compatible endpoint by
+examples/agents/tool_calculator.py) from `tests/assets/sft_tool_calculator`, in its own process with one intra-op thread, with the RL seeds
 shifted by `s` (rollout.seed=s, trainer.seed=s+1; the data split stays the checkpoint's). `avx2` emulates an
 AVX2-only CPU (`benchmarks/quickstart_seeds.NUMERICS`). Per run: validation success rate (sampled at temperature 1)
 and share of well-formed calls before RL and at each validation, their gains, time. Output: `<out>/runs.jsonl`
