@@ -45,10 +45,11 @@ GRPO_MIN_WELL_FORMED_GAIN = 0.08
 PPO_MIN_SUCCESS_GAIN = 0.08
 PPO_MIN_WELL_FORMED_GAIN = 0.05
 # GRPO (20 steps) through the OpenAI-compatible endpoint, driven by examples/agents/tool_calculator.py with the
-# `openai` client (`grpo_agent` in benchmarks/tool_task_seeds.py; docs/benchmarks.md, "Tool task learning"): success
-# gain MEASURED, well-formed gain MEASURED over 5 seeds x 2 numerics.
+# `openai` client (`grpo_agent` in benchmarks/tool_task_seeds.py; docs/benchmarks.md, "Tool task learning"), over 5
+# seeds x 2 numerics: success gain +26.2 / +29.1 / +40.6 (min / median / max), well-formed gain +10.0 / +15.1 / +17.5
+# (two runs near +10, the rest +14 to +17.5: the well-formed margin keeps 4 points, ~2 sd of 256 samples, below them).
 AGENT_MIN_SUCCESS_GAIN = 0.15
-AGENT_MIN_WELL_FORMED_GAIN = 0.08
+AGENT_MIN_WELL_FORMED_GAIN = 0.06
 # Stage 1. The committed checkpoint before RL, over the same 10 runs' step-0 validations: success 32.8-38.7%,
 # well-formed calls 74.0-77.8% (the demonstrations' mix: 40% clean, 20% each flawed kind -> 75% of calls well formed).
 CHECKPOINT_SUCCESS_RANGE = (0.25, 0.50)
