@@ -5,7 +5,8 @@ the margins of tests/e2e/test_tool_task_learning.py (docs/benchmarks.md, "Tool t
         --out runs/tool_task_seeds [k=v ...]
 
 Each run is the RL phase of examples/tool_calculator.yaml (multi-turn rollouts, calculator tool, exact-answer
-reward) from `tests/assets/sft_tool_calculator`, in its own process with one intra-op thread, with the RL seeds
+reward; `grpo_agent`: the same GRPO with each trajectory driven through the OpenAI-compatible endpoint by
+examples/agents/tool_calculator.py) from `tests/assets/sft_tool_calculator`, in its own process with one intra-op thread, with the RL seeds
 shifted by `s` (rollout.seed=s, trainer.seed=s+1; the data split stays the checkpoint's). `avx2` emulates an
 AVX2-only CPU (`benchmarks/quickstart_seeds.NUMERICS`). Per run: validation success rate (sampled at temperature 1)
 and share of well-formed calls before RL and at each validation, their gains, time. Output: `<out>/runs.jsonl`
@@ -33,7 +34,10 @@ RL_OVERRIDES = ("trainer.total_training_steps=20", "trainer.test_freq=20", "data
 PPO_OVERRIDES = ("algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-3",
                  "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=128", "critic.warmup_steps=2",
                  "trainer.total_training_steps=15", "trainer.test_freq=15")
-ALGOS = {"grpo": (), "ppo": PPO_OVERRIDES}
+# GRPO with the rollout driven by the OpenAI-client agent (`rollout.agent.mode=server`) instead of in-engine turns
+AGENT_OVERRIDES = ("rollout.multi_turn.enable=false", "rollout.agent.mode=server",
+                   f"rollout.agent.path={ROOT / 'examples' / 'agents' / 'tool_calculator.py'}")
+ALGOS = {"grpo": (), "ppo": PPO_OVERRIDES, "grpo_agent": AGENT_OVERRIDES}
 SUCCESS, WELL_FORMED = "val/accuracy", "val/rule/well_formed"
 
 

@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # the agent endpoint's clients (rollout.agent.mode=server) would log one INFO line per request
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     if args.verbose and hasattr(args, "show_all"):  # `hybridflow -v train` = `hybridflow train --verbose` + debug logs
         args.show_all = True
     if not getattr(args, "command", None):

@@ -1,7 +1,7 @@
 """The built-in calculator task (`data.task: tool_calculator`) as an agent on the OpenAI API: the model calls the
 calculator, the agent runs it and sends the result back as a `tool` message, the model answers "#### <number>".
 
-    hybridflow train --config examples/tool_calculator.yaml model.path=tests/assets/sft_tool_calculator \
+    hybridflow train examples/tool_calculator.yaml model.path=tests/assets/sft_tool_calculator \
         rollout.multi_turn.enable=false rollout.agent.mode=server rollout.agent.path=examples/agents/tool_calculator.py
 
 The task's exact-answer reward scores the trajectory (the agent returns no reward of its own).

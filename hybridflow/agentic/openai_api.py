@@ -74,6 +74,32 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None, bool]
     return TOOL_CALL_RE.sub("", text).strip(), out, False
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def tool_choice(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """(the call a chat request requires: None, "*" for any or a function's name; the tools to render in the prompt).
+    Nothing constrains decoding: a named function is the only tool the prompt shows, and an answer without the
+    required call is returned as written (the caller counts it)."""
+    tools, choice = body.get("tools") or None, body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return None, tools
+    if not tools:
+        raise ApiError(f"tool_choice={choice!r} needs 'tools'")
+    if choice == "required":
+        return "*", tools
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(f"tool_choice={choice!r}: give 'auto', 'none', 'required' or "
+                       "{'type': 'function', 'function': {'name': <a tool's name>}}")
+    named = [t for t in tools if isinstance(t, dict) and (t.get("function") or {}).get("name") == name]
+    if not named:
+        raise ApiError(f"tool_choice names {name!r}, which is not among the tools "
+                       f"{[(t.get('function') or {}).get('name') for t in tools if isinstance(t, dict)]}")
+    return name, named
+
+
 @dataclass
 class Choice:
     text: str  # decoded sampled text, stop string cut off
@@ -82,6 +108,7 @@ class Choice:
     tokens: list[str]  # each sampled id decoded alone (for `logprobs`)
     finish_reason: str  # stop | length
     message: dict[str, Any] | None = None  # chat: the assistant message returned
+    top: list[list[tuple[str, float]]] | None = None  # chat `top_logprobs`: per sampled id, k (token, log-prob)
 
 
 def chat_response(model: str, choices: list[Choice], prompt_tokens: int, want_logprobs: bool) -> dict[str, Any]:
@@ -90,8 +117,17 @@ def chat_response(model: str, choices: list[Choice], prompt_tokens: int, want_lo
             "choices": [{"index": i, "message": c.message, "token_ids": c.token_ids,
                          "finish_reason": "tool_calls" if c.message.get("tool_calls") else c.finish_reason,
                          "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                                                   "top_logprobs": []} for t, lp in zip(c.tokens, c.logprobs)]}
+                                                   "top_logprobs": [_top(a, b) for a, b in top]}
+                                                  for t, lp, top in zip(c.tokens, c.logprobs, c.top or _none(c))]}
                          if want_logprobs else None} for i, c in enumerate(choices)]}
+
+
+def _top(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _none(c: Choice) -> list[list]:
+    return [[] for _ in c.tokens]
 
 
 def completion_response(model: str, choices: list[Choice], prompt_tokens: int, want_logprobs: bool
@@ -102,6 +138,33 @@ def completion_response(model: str, choices: list[Choice], prompt_tokens: int, w
                          "logprobs": {"tokens": c.tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
                                       "text_offset": None} if want_logprobs else None}
                         for i, c in enumerate(choices)]}
+
+
+def sse_chunks(result: dict[str, Any], stream_options: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole response as the chunks of `stream: true` (the `data:` events before `[DONE]`). The engine answers
+    finished completions, so the stream carries no earlier tokens: per choice, one chunk with the role, the content,
+    its log-probs and `token_ids`, then one with the tool calls (if any) and the finish reason; then, with
+    `stream_options.include_usage`, a chunk with no choices and the usage."""
+    head = {k: result[k] for k in ("id", "created", "model")}
+    chat = result["object"] == "chat.completion"
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    chunks = []
+    for c in result["choices"]:
+        if chat:
+            msg = c["message"]
+            delta = {"role": "assistant", "content": msg.get("content") or ""}
+            first = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None,
+                     "token_ids": c["token_ids"]}
+            calls = [{"index": i, **call} for i, call in enumerate(msg.get("tool_calls") or [])]
+            last = {"index": c["index"], "delta": {"tool_calls": calls} if calls else {}, "logprobs": None,
+                    "finish_reason": c["finish_reason"]}
+        else:
+            first = {**c, "finish_reason": None}
+            last = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        chunks += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if stream_options.get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": result["usage"]})
+    return chunks
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
@@ -179,11 +242,24 @@ class OpenAIServer:
                 raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
             call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
             self.calls.put(call)
-            return web.json_response(await call.future)
+            result = await call.future
+            if body.get("stream"):
+                return await _stream(request, sse_chunks(result, body.get("stream_options") or {}))
+            return web.json_response(result)
         except ApiError as err:
             return _error(str(err), err.status)
         except json.JSONDecodeError as err:
             return _error(f"the request body is not JSON: {err}", 400)
+
+
+async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for chunk in chunks:
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _error(message: str, status: int) -> web.Response:

@@ -137,6 +137,11 @@ def _mode_errors(cfg: Config) -> list[str]:
     if mode == "one_step_off" and cfg.trainer.async_.partial_rollout == "continue":
         errs.append("trainer.async.partial_rollout=continue applies to trainer.mode=async (one_step_off sends new "
                     "weights between batches only); use trainer.mode=async or trainer.async.partial_rollout=abort")
+    if mode == "async" and cfg.trainer.async_.partial_rollout == "continue" and cfg.rollout.agent.mode == "server":
+        errs.append("trainer.async.partial_rollout=continue with rollout.agent.mode=server: the agent endpoint does not "
+                    "take new weights while agents are in flight (no per-token policy versions for their sessions); "
+                    "set trainer.async.partial_rollout=abort (new weights wait for the request in flight) or "
+                    "rollout.agent.mode=builtin")
     if mode == "async":
         b, chunk = cfg.data.train_batch_size, cfg.trainer.async_.chunk_prompts
         chunk = chunk if chunk is not None else max(1, b // 4)

@@ -30,15 +30,18 @@ from jinja2 import TemplateError
 from hybridflow.agentic.agent_session import Branch, Plan, Session, normalize
 from hybridflow.agentic.chat_delta import ChatDelta
 from hybridflow.agentic.openai_api import (
+    MAX_TOP_LOGPROBS,
     ApiError,
     Call,
     Choice,
     chat_response,
     completion_response,
     split_tool_calls,
+    tool_choice,
 )
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.sampling import SamplingParams, row_seed
+from hybridflow.rollout.top_logprobs import top_logprobs
 from hybridflow.utils.progress import beat
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -58,6 +61,8 @@ class Job:
     logprobs: bool
     parse_tools: bool
     seeds: list[int]
+    require: str | None = None  # tool_choice: "*" (required) or the function's name
+    top: int = 0  # top_logprobs
     branches: list[Branch] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     start: dict[int, int] = field(default_factory=dict)  # slot -> slot step where this completion's ids begin
@@ -93,11 +98,10 @@ class AgentScheduler:
         self.free = list(range(runner.cache.slots))
         heapq.heapify(self.free)
         self._key: tuple | None = None
-        self._warned_tool_choice = False
         self._clock = itertools.count()
         self._seeds = itertools.count()
         self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefilled", "prefill_tokens",
-                                    "evictions", "decode_steps", "bad_requests"), 0)
+                                    "evictions", "decode_steps", "bad_requests", "tool_choice_unmet"), 0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
@@ -133,13 +137,10 @@ class AgentScheduler:
 
     def _job(self, call: Call) -> Job:
         body = call.body
-        if body.get("stream"):
-            raise ApiError("stream=true is not supported: the endpoint answers whole completions")
-        choice = body.get("tool_choice")
-        if choice not in (None, "auto", "none") and not self._warned_tool_choice:
-            self._warned_tool_choice = True
-            logger.warning("tool_choice=%r is not enforced (decoding is unconstrained): tool calls are parsed from "
-                           "what the model writes, as with 'auto'", choice)
+        want_lp = bool(body.get("logprobs")) if call.kind == "chat" else body.get("logprobs") is not None
+        top = int(body.get("top_logprobs") or 0) if call.kind == "chat" else 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS or (top and not want_lp):
+            raise ApiError(f"top_logprobs={top} must be in [0, {MAX_TOP_LOGPROBS}] and needs logprobs=true")
         session = self.sessions.setdefault(call.session, Session())
         session.requests += 1
         self.stats["requests"] += 1
@@ -150,7 +151,7 @@ class AgentScheduler:
             if not isinstance(body.get("messages"), list) or not body["messages"]:
                 raise ApiError("'messages' must be a non-empty list")
             messages = tuple(normalize(m) for m in body["messages"])
-            tools = body.get("tools") or None
+            require, tools = tool_choice(body)
             plan = session.plan_chat(messages, self.chat.after_turn, lambda msgs: self._render(msgs, tools))
         else:
             prompt = body.get("prompt")
@@ -163,6 +164,7 @@ class AgentScheduler:
             else:
                 raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)")
             plan = session.plan_ids(ids)
+            require = None
         # no temperature given: the rollout's own sampling (validation's greedy default included)
         temperature = float(body.get("temperature", self.base.temperature if self.base.do_sample else 0.0))
         params = SamplingParams(n=n, temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0,
@@ -178,8 +180,7 @@ class AgentScheduler:
         seeds = [row_seed(int(seed), j) if seed is not None else row_seed(self.seed, next(self._seeds))
                  for j in range(n)]
         parse_tools = call.kind == "chat" and bool(body.get("tools")) and body.get("tool_choice") != "none"
-        want_lp = bool(body.get("logprobs")) if call.kind == "chat" else body.get("logprobs") is not None
-        return Job(call, session, plan, params, int(max_tokens), stops, want_lp, parse_tools, seeds)
+        return Job(call, session, plan, params, int(max_tokens), stops, want_lp, parse_tools, seeds, require, top)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         text = self.tok.apply_chat_template(messages, tools=tools, chat_template=self.chat.template,
@@ -340,11 +341,19 @@ class AgentScheduler:
                 message = {"role": "assistant", "content": content or None}
                 if calls:
                     message["tool_calls"] = calls
+                names = {c["function"]["name"] for c in calls or []}
+                self.stats["tool_choice_unmet"] += int(job.require is not None and (
+                    not names or (job.require != "*" and names != {job.require})))
             branch.add_sampled(ids, lps, job.plan.messages + ((normalize(message),) if message else ()))
             info = self.info[s]
             info.owner, branch.slot = branch, s
             new_branches.append(branch)
-            choices.append(Choice(text, ids, lps, [self.tok.decode([t]) for t in ids], reason, message))
+            top = None
+            if job.top and ids:
+                temperature = job.params.temperature if job.params.do_sample else 1.0  # as the sampler's log-probs
+                top = [[(self.tok.decode([t]), lp) for t, lp in alts] for alts in top_logprobs(
+                    self.r, branch.prompt + branch.resp, len(ids), job.top, temperature)]
+            choices.append(Choice(text, ids, lps, [self.tok.decode([t]) for t in ids], reason, message, top))
         stale = [s for s, info in self.info.items() if s not in self.live and info.owner is not None
                  and any(info.owner is b for b in job.session.branches)]
         for s in stale:
@@ -382,4 +391,5 @@ class AgentScheduler:
                 "agent/extend_tokens": st["extend_tokens"], "agent/prefilled_requests": st["prefilled"],
                 "agent/prefill_tokens": st["prefill_tokens"],
                 "agent/kv_evictions": st["evictions"], "agent/bad_requests": st["bad_requests"],
+                "agent/tool_choice_unmet": st["tool_choice_unmet"],
                 "rollout/decode_steps": st["decode_steps"], "rollout/prefills": st["prefills"]}

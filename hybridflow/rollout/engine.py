@@ -205,7 +205,7 @@ class RolloutEngine:
                  weight_check: Callable[[], int] | None = None) -> DataProto:
         """`weight_check`: called before each decode chunk (every `check_every` steps); it may install new weights
         (the caller then ran `sync_weights`) and returns their policy version: sequences in flight continue under
-        them. HF generate (the fallback) asks once, at the start."""
+        them. HF generate (the fallback) and the agent endpoint ask once, at the start."""
         meta = dict(prompts.meta_info)
         params = self.sampling_for(meta, sampling)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
@@ -233,11 +233,13 @@ class RolloutEngine:
             if version is not None:
                 res.versions = torch.full_like(res.tokens, version)
         elif self.agent is not None:
-            if weight_check is not None:
-                raise ValueError("rollout.agent.mode=server does not take new weights mid-rollout: set "
-                                 "trainer.async.partial_rollout=abort (or trainer.mode=sync / one_step_off)")
+            # the endpoint takes weights between generate calls only (partial_rollout=continue is refused at load):
+            # asked once, at the start, as the fallback does
+            version = None if weight_check is None else int(weight_check())
             out, metrics = self.agent.generate(self._prepare(), prompts, params, eos_ids=self.eos_ids,
                                                check_every=self.check_every)
+            if version is not None:
+                out.batch["rollout_policy_version"] = torch.full_like(out.batch["responses"], version)
             self.timing["timing/generate"] = time.perf_counter() - t0
             out.meta_info = {**meta, "metrics": {**self.timing, **metrics}}
             if self.cfg.free_cache_engine:

@@ -22,7 +22,7 @@ from test_rollout_engine import hf_logprobs
 
 from hybridflow.agentic.agent_session import Session, as_dict, normalize
 from hybridflow.agentic.agents import AgentResult, Environment, EnvStep
-from hybridflow.agentic.openai_api import split_tool_calls
+from hybridflow.agentic.openai_api import split_tool_calls, tool_choice
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
 from hybridflow.protocol import DataProto
@@ -284,6 +284,11 @@ def test_tool_calls_and_message_matching():
     echoed = {"role": "assistant", "content": "ok", "tool_calls": [
         {"id": "other", "type": "function", "function": {"name": "calculator", "arguments": '{"e":"1+2"}'}}]}
     assert normalize(sent) == normalize(echoed)
+    search = {"type": "function", "function": {"name": "search"}}
+    assert tool_choice({"tools": [*TOOLS, search], "tool_choice": "required"}) == ("*", [*TOOLS, search])
+    # a named function is the only tool the prompt shows
+    assert tool_choice({"tools": [*TOOLS, search], "tool_choice": {"type": "function", "function": {"name": "search"}}}
+                       ) == ("search", [search])
     s = Session()
     plan = s.plan_chat((normalize({"role": "user", "content": "q"}),), None, lambda m: [1, 2])
     assert plan.parent is None and s.rewrites == 0
@@ -374,3 +379,103 @@ def test_n_choices_then_continue_from_one(engine):
     assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m
     first, second = SEEN[f"r{engine.agent.calls}-0-0"]
     assert _sampled(out, 0) == first["ids"][1] + second["ids"][0]
+
+
+async def stream_agent(client, sample):
+    """`stream=True` on both endpoints with the client's streaming API; the streamed turn is echoed back and extended."""
+    text, comp_ids = "", []
+    async for chunk in await client.completions.create(model="policy", prompt="User: x\nAssistant:", max_tokens=5,
+                                                       stream=True):
+        text += "".join(c.text for c in chunk.choices)
+        comp_ids += [t for c in chunk.choices for t in (c.model_extra or {}).get("token_ids") or []]
+    messages = [{"role": "user", "content": "hi"}]  # a new root: the row is this chat
+    stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
+                                                  logprobs=True, stream=True, stream_options={"include_usage": True})
+    content, calls, finish, usage, ids = "", {}, None, None, []
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            ids += (c.model_extra or {}).get("token_ids") or []
+            for tc in c.delta.tool_calls or []:
+                calls[tc.index] = {"id": tc.id, "type": "function",
+                                   "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+            finish = c.finish_reason or finish
+    message = {"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})}
+    messages += [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+    SEEN[_sid(client)] = [ids, usage.completion_tokens, calls, finish, text, comp_ids]
+    return AgentResult(messages=[*messages, r.choices[0].message.model_dump(exclude_none=True)])
+
+
+def test_streaming_with_the_openai_client(engine, monkeypatch):
+    """Whole completions streamed as SSE chunks then [DONE]: content, token ids, usage and tool calls (in the last
+    chunk of a choice) assemble in the client; the streamed answer extends the session like a plain one."""
+    import hybridflow.rollout.agent_scheduler as sched
+
+    call = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": "1+2"}'}}]
+    real = sched.split_tool_calls
+    monkeypatch.setattr(sched, "split_tool_calls", lambda text: (real(text)[0], call, False))  # the tiny model
+    engine.agent.agent = stream_agent  # writes no calls: every answer carries one
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/extended_requests"] == 1, m
+    ids, completion_tokens, calls, finish, text, comp_ids = SEEN[f"r{engine.agent.calls}-0-0"]
+    assert 1 <= len(ids) == completion_tokens <= 6 and _sampled(out, 0)[: len(ids)] == ids
+    assert calls == {0: call[0]} and finish == "tool_calls"
+    assert 1 <= len(comp_ids) <= 5 and text == builtin_tokenizer().decode(comp_ids, skip_special_tokens=True)
+
+
+async def choice_agent(client, sample):
+    """tool_choice required / named and top_logprobs through the client; malformed requests get 400."""
+    import openai
+
+    messages = [{"role": "user", "content": "hi"}]
+    r = await _ask(client, messages, tools=TOOLS, tool_choice="required", logprobs=True, top_logprobs=3)
+    messages.append(r.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "again"})
+    await _ask(client, messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "calculator"}})
+    errors = []
+    for kw in ({"tool_choice": "required"}, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+               {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+               {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}):
+        try:
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=2, **kw)
+        except openai.BadRequestError as err:
+            errors.append(err.message)
+    SEEN["top"] = [[[(a.token, a.logprob) for a in t.top_logprobs] for t in r.choices[0].logprobs.content], errors]
+    return AgentResult(messages=messages)
+
+
+def test_tool_choice_and_top_logprobs(engine, model):
+    """A random model writes no calls: 'required' and a named function answer 200 without tool_calls and count
+    agent/tool_choice_unmet; top_logprobs give the k most likely tokens of one plain forward over the sequence."""
+    SEEN.clear()
+    engine.agent.agent = choice_agent
+    try:
+        out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.agent = chat_agent
+    m = out.meta_info["metrics"]
+    assert m["agent/errors"] == 0 and m["agent/tool_choice_unmet"] == 2 and m["agent/bad_requests"] == 5, m
+    top, errors = SEEN["top"]
+    assert ["needs 'tools'" in errors[0], "give 'auto', 'none', 'required'" in errors[1],
+            "'nope', which is not among the tools ['calculator']" in errors[2],
+            "top_logprobs=21 must be in [0, 20]" in errors[3], "needs logprobs=true" in errors[4]] == [True] * 5, errors
+    sid = f"r{engine.agent.calls}-0-0"
+    sampled = SEEN[sid][0]["ids"][0]
+    branch = engine.agent.last_sessions[sid].final()
+    full = branch.prompt + branch.resp[: len(sampled)]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)[len(branch.prompt) - 1: len(full) - 1]
+    ref_lp, ref_ids = ref.topk(3, dim=-1)
+    tok = builtin_tokenizer()
+    assert [[t for t, _ in alts] for alts in top] == [[tok.decode([i]) for i in row] for row in ref_ids.tolist()]
+    assert torch.allclose(torch.tensor([[lp for _, lp in alts] for alts in top]), ref_lp, atol=2e-4)
+    served = SEEN[sid][0]["logprobs"][0]
+    for t, alts, lp in zip(sampled, top, served):  # the sampled token, when among the top 3, has its logprob
+        assert all(abs(a_lp - lp) < 2e-4 for a, a_lp in alts if a == tok.decode([t]))

@@ -162,6 +162,29 @@ def test_async_staleness_never_exceeds_its_bound(tmp_path: Path, max_staleness: 
     assert len(set(uids)) == len(uids) // 4  # every prompt trained once (4 samples each), none lost or repeated
 
 
+AGENT = """
+async def run(client, sample):
+    await client.chat.completions.create(model="policy", messages=list(sample["raw_prompt"]), max_tokens=4)
+"""
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_agent_endpoint_in_pipelined_modes(tmp_path: Path, mode: str) -> None:
+    """rollout.agent.mode=server on the rollout workers: weights change between generate calls, and every sampled
+    token records the version it was served with (async: partial_rollout=abort, the default)."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    cfg = _cfg(tmp_path, mode, "rollout.agent.mode=server", f"rollout.agent.path={tmp_path / 'agent.py'}")
+    rows: list[dict[str, Any]] = []
+    history = _fit(cfg, record=rows)
+    # agent/tasks: 8 per batch in one_step_off; async generates a batch in requests of 1 prompt x 4 samples
+    assert len(history) == STEPS and all(m["agent/tasks"] >= 4 and m["agent/errors"] == 0 for m in history), history
+    versions = [int(r["version"].max()) for r in rows]
+    if mode == "one_step_off":
+        assert versions == [0, 0, 1]
+    else:
+        assert all(0 <= (step - 1) - v <= cfg.trainer.async_.max_staleness for step, v in enumerate(versions, 1))
+
+
 def test_async_aborts_and_resubmits_requests_that_would_break_the_bound(tmp_path: Path) -> None:
     # The driver never queues more than (max_staleness + 1) batches, so no request is too old when consumed; here
     # the queue is made one batch deeper than that, so the oldest requests would break the bound: they must be

@@ -200,7 +200,9 @@ def test_staleness_counts_the_oldest_token_and_drops_requests_past_the_bound(tmp
 @pytest.mark.parametrize(("override", "message"), [
     ("trainer.mode=one_step_off", "trainer.async.partial_rollout=continue applies to trainer.mode=async"),
     ("trainer.async.weight_check_steps=0", "trainer.async.weight_check_steps"),
+    ("rollout.agent.mode=server rollout.agent.path=agent.py",
+     "partial_rollout=continue with rollout.agent.mode=server.*set trainer.async.partial_rollout=abort"),
 ])
 def test_config_errors(tmp_path: Path, override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        _cfg(tmp_path, CONTINUE, override)
+        _cfg(tmp_path, CONTINUE, *override.split())

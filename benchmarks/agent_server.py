@@ -1,0 +1,148 @@
+"""Agent server throughput: the workload of benchmarks/multi_turn.py (trajectories of 3 assistant turns, a simulated
+tool after each), once in-engine (`rollout.multi_turn`) and once through the OpenAI-compatible endpoint
+(`rollout.agent.mode=server`) with one `openai.AsyncOpenAI` agent per trajectory; tokens/s of both and their ratio.
+
+Run on one GPU:  PYTHONPATH=. python3 benchmarks/agent_server.py --out $OUT/agent_server.json
+CPU smoke test:  PYTHONPATH=. python3 benchmarks/agent_server.py --smoke --out /tmp/agent_server.json
+
+Workload (multi_turn.py's): random-init Qwen2.5 shape, one random prompt for all rows, sampling at temperature 1, a
+turn ends on any of V / `--turn-len` stop ids, the tool sleeps `--tool-latency` and answers `--tool-tokens` ids. The
+agent speaks `/v1/completions` with token ids (a random model has no chat to render): it sends the prompt, then the
+ids so far + the tool's ids, which the endpoint serves by extending the session's KV cache (the in-engine rollout's
+reuse), and stops after `--turns` completions or when the response budget would overflow. Tokens/s counts
+model-sampled tokens after one warm-up run of each; the samples differ between the two (other seeds), so both token
+counts are reported. Output: the JSON at `--out` and a markdown table beside it (`.md`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.harness import add_workload_args, apply_smoke, cell, environment, write_json, write_table
+from benchmarks.multi_turn import AlwaysSleep, SleepTool, WordTokenizer, timed_generate
+from benchmarks.rollout import make_model
+from hybridflow.agentic.session import ToolSession
+from hybridflow.config import load_config
+from hybridflow.protocol import DataProto
+from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout.sampling import SamplingParams
+
+SMOKE = {"device": "cpu", "preset": "tiny", "prompts": 2, "n": 2, "prompt_len": 8, "response_len": 48,
+         "turn_len": 8, "tool_tokens": 4, "tool_latency": 0.005}
+
+
+async def agent(client: Any, sample: dict[str, Any]) -> None:
+    """The benchmark's agent (`rollout.agent.path` = this file, `name=agent`): `turns` completions with the tool's
+    ids appended between them, all as token ids."""
+    w = sample["workload"]
+    ids, used = list(sample["prompt_ids"]), 0
+    for turn in range(w["turns"]):
+        r = await client.completions.create(model="policy", prompt=ids, max_tokens=w["budget"] - used)
+        sampled = r.choices[0].model_extra["token_ids"]
+        ids, used = ids + sampled, used + len(sampled)
+        if turn + 1 == w["turns"] or used + w["tool_tokens"] + 1 >= w["budget"]:
+            return
+        await asyncio.sleep(w["tool_latency"])
+        ids, used = ids + w["tool_ids"], used + len(w["tool_ids"])
+
+
+def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: SamplingParams, args: argparse.Namespace,
+               dtype: torch.dtype) -> tuple[DataProto, float]:
+    B, n, vocab = args.prompts, args.n, model.config.vocab_size
+    tool_ids = WordTokenizer(vocab).encode(" ".join(["w"] * args.tool_tokens))
+    workload = {"turns": args.turns, "budget": args.response_len, "tool_tokens": args.tool_tokens,
+                "tool_ids": tool_ids, "tool_latency": args.tool_latency}
+    prompts = DataProto.from_single_dict({k: prompts.batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
+    prompts.non_tensor_batch = {"prompt_ids": np.array([None] * B, dtype=object),
+                                "workload": np.array([workload] * B, dtype=object)}
+    for i in range(B):
+        prompts.non_tensor_batch["prompt_ids"][i] = prompts.batch["input_ids"][i].tolist()
+    agent_cfg = dataclasses.replace(rcfg.agent, mode="server", path=str(Path(__file__).resolve()), name="agent",
+                                    max_concurrency=B * n, timeout_s=600.0)
+    cfg = model.config
+    engine = RolloutEngine(model, dataclasses.replace(rcfg, agent=agent_cfg), eos_token_id=cfg.eos_token_id,
+                           pad_token_id=cfg.pad_token_id, max_prompt_length=args.prompt_len,
+                           max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab))
+    try:
+        out, seconds = timed_generate(engine, prompts, params)
+    finally:
+        engine.close()
+    m = out.meta_info["metrics"]
+    bad = {k: m[k] for k in ("agent/errors", "agent/timeouts", "agent/rewritten_sessions") if m.get(k)}
+    if bad:
+        raise RuntimeError(f"the server run is not the workload: {bad}")
+    return out, seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    add_workload_args(ap, response_len=512)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn-len", type=int, default=96, help="mean tokens per assistant turn (stop-id share)")
+    ap.add_argument("--tool-tokens", type=int, default=32)
+    ap.add_argument("--tool-latency", type=float, default=0.05)
+    ap.add_argument("--tool-workers", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 x 2 short trajectories")
+    args = ap.parse_args()
+    apply_smoke(args, SMOKE)
+
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = make_model(args.preset, dev, dtype)
+    vocab = model.config.vocab_size
+    B, n, P, R = args.prompts, args.n, args.prompt_len, args.response_len
+    prompt = torch.randint(min(1000, vocab // 2), vocab, (P,), generator=torch.Generator().manual_seed(0))
+    ids = prompt.expand(B, P).clone().to(dev)
+    prompts = DataProto.from_single_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                          "position_ids": torch.arange(P, device=dev).expand(B, P).clone()})
+    rcfg = dataclasses.replace(load_config([], ["trainer.device=" + dev.type]).rollout, n=n, max_num_seqs=B * n,
+                               free_cache_engine=False, gpu_memory_utilization=0.5)
+    n_stop = max(1, vocab // args.turn_len)
+    params = SamplingParams(n=n, stop_token_ids=tuple(range(vocab - n_stop, vocab)), seed=1)
+
+    cfg = model.config
+    engine = RolloutEngine(model, rcfg, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                           max_prompt_length=P, max_response_length=R, dtype=dtype)
+    engine.session = ToolSession({"sleep": SleepTool({"latency": args.tool_latency, "tokens": args.tool_tokens})},
+                                 AlwaysSleep(), WordTokenizer(vocab), max_assistant_turns=args.turns,
+                                 max_tool_response_length=args.tool_tokens + 8, tool_timeout_s=30.0,
+                                 tool_workers=args.tool_workers)
+    out_in, t_in = timed_generate(engine, prompts, params)
+    engine.session.close()
+    engine.close()
+    del engine
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the in-engine run's KV cache, before the server run sizes its own
+    out_srv, t_srv = run_server(model, rcfg, prompts, params, args, dtype)
+
+    res: dict[str, Any] = {**environment(), "args": vars(args), "trajectories": B * n}
+    for name, out, seconds in (("in_engine", out_in, t_in), ("server", out_srv, t_srv)):
+        tokens = int(out.batch["response_mask"].sum())
+        m = out.meta_info["metrics"]
+        res[name] = {"seconds": seconds, "model_tokens": tokens, "tok_s": tokens / seconds,
+                     "turns_mean": m.get("num_turns/mean", m.get("agent/requests_per_task")),
+                     "extend_tokens": m.get("rollout/extend_tokens", m.get("agent/extend_tokens"))}
+    res["server_vs_in_engine"] = res["server"]["tok_s"] / res["in_engine"]["tok_s"]
+    write_json(args.out, res)
+    rows = ["| rollout | trajectories | turns / trajectory | model tokens | seconds | tokens/s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name in ("in_engine", "server"):
+        r = res[name]
+        rows.append(f"| {name} | {B * n} | {cell(r['turns_mean'], '{:.2f}')} | {r['model_tokens']} | "
+                    f"{r['seconds']:.2f} | {r['tok_s']:.0f} |")
+    rows.append(f"\nserver / in-engine tokens/s: **{res['server_vs_in_engine']:.2f}** "
+                f"({res['date']}, {res['commit']}, {res['gpu']}, torch {res['torch']})")
+    write_table(Path(args.out).with_suffix(".md"), "\n".join(rows), append=False)
+
+
+if __name__ == "__main__":
+    main()
