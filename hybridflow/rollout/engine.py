@@ -158,6 +158,8 @@ class RolloutEngine:
             slots = plan_slots(self.spec, max_len, self.dtype, self.device, max_num_seqs=self.cfg.max_num_seqs,
                                kv_cache_tokens=self.cfg.kv_cache_tokens,
                                gpu_memory_utilization=self.cfg.gpu_memory_utilization)
+            if self.tp is not None:
+                slots = self.tp.agree_min(slots, self.device)
             cache = KVCache(self.spec, slots, max_len, self.dtype, self.device)
             rope = RopeTable(self.module, cache.max_len, self.dtype, self.device)
             # the forward's pieces and the sampler, chosen once for this device (torch, compiled, Triton)

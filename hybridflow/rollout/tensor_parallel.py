@@ -61,6 +61,13 @@ class TPContext:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest `value` over the group: plans made from each rank's own free memory (KV slots) must agree,
+        or the ranks would admit different rows and their collectives stop matching."""
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[size, *t.shape]: every rank's `t`, in rank order."""
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))

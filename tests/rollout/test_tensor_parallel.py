@@ -85,6 +85,9 @@ def _check(kind: str, group: dist.ProcessGroup | None, ranged: bool) -> None:
     model = _model(kind)
     ctx = TPContext.for_module(model, group)
     assert ctx.local.num_kv_heads == max(1, model.config.num_key_value_heads // ctx.size)
+    # a plan from each rank's own free memory is agreed on: the group's smallest
+    first = 0 if group is None else 2 * (dist.get_rank() // 2)  # the group's lowest rank
+    assert ctx.agree_min(10 + dist.get_rank(), torch.device("cpu")) == 10 + first
     saved = forward._triton_attention, forward._triton_kv_store
     if ranged:
         forward._triton_attention = lambda device: decode_attention_ref
