@@ -170,6 +170,9 @@ class Resharder:
         tp_group_ranks(self.world, tp)  # validates tp | world
         self.layout = generation_layout(self.rank, tp)
         self._lora = {f"{name}.base_layer.weight": m for name, m in module.named_modules() if hasattr(m, "lora_A")}
+        # the slices the engine holds, refilled in place at every switch: same storage → its CUDA graphs stay valid,
+        # and no second copy of the slices exists while the new ones arrive
+        self._outs: dict[str, torch.Tensor] = {}
         self._plans: dict[tuple[_Part, ...], _Plan] = {}
 
     def _reshard_fsdp(self) -> None:
@@ -245,6 +248,14 @@ class Resharder:
                    "rollout/reshard_peak_mb": peak / 2**20}
         return out, metrics
 
+    def _out(self, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if "|lora_" in key:  # LoRA factor slices live only until their merge
+            return torch.empty(shape, dtype=self.dtype, device=device)
+        t = self._outs.get(key)
+        if t is None or tuple(t.shape) != tuple(shape) or t.device != device:
+            t = self._outs[key] = torch.empty(shape, dtype=self.dtype, device=device)
+        return t
+
     def _exchange(self, batch: _Batch, plan: _Plan) -> tuple[dict[str, torch.Tensor], int, int]:
         """This rank's slices of one batch's tensors, by key; bytes sent and received."""
         sources = [_local(p) for p in batch.params]
@@ -252,7 +263,7 @@ class Resharder:
             rows = shard_rows(part.rows, self.world, self.rank) if part.sharded else (0, part.rows)
             assert src.shape[0] == rows[1] - rows[0], (part.key, tuple(src.shape), rows)
         device = sources[0].device
-        outs = [torch.empty(part.out_shape, dtype=self.dtype, device=device) for part in batch.parts]
+        outs = [self._out(part.key, part.out_shape, device) for part in batch.parts]
         for part, t in zip(batch.parts, outs):
             if part.pad_rows:
                 t[t.shape[0] - part.pad_rows:].zero_()  # the padded vocabulary rows
