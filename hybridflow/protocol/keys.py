@@ -29,13 +29,30 @@ CHECK_ENV = "HYBRIDFLOW_CHECK_BATCH"
 Kind = Literal["int", "float", "object"]  # integer/bool tensor | floating tensor | numpy object array (non-tensor)
 
 
-@dataclass(frozen=True)
-class Key:
-    name: str
+class Key(str):
+    """A batch key: the name itself (`batch[keys.RESPONSES]`, equal to and hashed as "responses"), plus its
+    contract. A str, so code never spells a key twice (`.name` is the plain str). Pickles as a reference to the
+    declaration; JSON, safetensors and f-strings see the plain name."""
+
     dims: tuple[str, ...]
     kind: Kind
     writer: str  # the stage (or `data`) that puts it in the batch
     doc: str
+
+    def __new__(cls, name: str, dims: tuple[str, ...], kind: Kind, writer: str, doc: str) -> Key:
+        key = super().__new__(cls, name)
+        vars(key).update(dims=dims, kind=kind, writer=writer, doc=doc)
+        return key
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+    def __setattr__(self, attr: str, value: object) -> None:
+        raise AttributeError(f"batch key {self.name!r} is immutable (tried to set {attr})")
+
+    def __reduce__(self) -> tuple[Callable[[str], Key], tuple[str]]:
+        return declared, (self.name,)
 
 
 def _k(name: str, dims: str, kind: Kind, writer: str, doc: str) -> Key:
@@ -87,6 +104,11 @@ META_KEYS = frozenset({"n", "do_sample", "temperature", "top_k", "top_p", "max_n
 MODEL_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, RESPONSES)
 
 
+def declared(name: str) -> Key:
+    """The declared key called `name` (how a pickled key comes back)."""
+    return KEYS[name]
+
+
 # --------------------------------------------------------------------------------------------------- the stages
 @dataclass(frozen=True)
 class Stage:
@@ -120,7 +142,7 @@ def sampling_log_probs(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Log-probs of the policy that sampled the responses, for KL measured on the driver: the recomputed
     `old_log_probs` when the `old_log_prob` stage ran, else the sampler's own `rollout_log_probs`. (The actor loss
     falls back differently — to its current log-probs, detached — so a strictly on-policy ratio is exactly 1.)"""
-    return batch[OLD_LOG_PROBS.name] if OLD_LOG_PROBS.name in batch else batch[ROLLOUT_LOG_PROBS.name]
+    return batch[OLD_LOG_PROBS] if OLD_LOG_PROBS in batch else batch[ROLLOUT_LOG_PROBS]
 
 
 # ------------------------------------------------------------------------------------------------ debug checks
@@ -137,17 +159,17 @@ def check(stage: Stage, data: DataProto, when: Literal["in", "out"]) -> None:
     key has the wrong kind or a shape inconsistent with the others (B rows, R response width, ...)."""
     required = stage.reads if when == "in" else stage.writes
     present = set(data.batch) | set(data.non_tensor_batch)
-    missing = [k for k in required if k.name not in present]
+    missing = [k for k in required if k not in present]
     if missing:
-        where = ", ".join(f"{k.name!r} (written by {k.writer})" for k in missing)
+        where = ", ".join(f"{k!r} (written by {k.writer})" for k in missing)
         raise BatchContractError(f"stage {stage.name!r} ({when}put): batch lacks {where}; has {sorted(present)}")
     # Widths are anchored on the keys that define them, so an error names the key that disagrees.
     sizes: dict[str, int] = {"B": len(data)}
     for dim, anchor in (("R", RESPONSES), ("P", PROMPTS), ("L", INPUT_IDS)):
-        if anchor.name in data.batch and data.batch[anchor.name].dim() == 2:
-            sizes[dim] = data.batch[anchor.name].shape[1]
+        if anchor in data.batch and data.batch[anchor].dim() == 2:
+            sizes[dim] = data.batch[anchor].shape[1]
     for key in (*required, *stage.optional):
-        if key.name in present:
+        if key in present:
             _check_key(stage, key, data, sizes)
     unknown = sorted(set(data.meta_info) - META_KEYS)
     if unknown:
@@ -156,22 +178,22 @@ def check(stage: Stage, data: DataProto, when: Literal["in", "out"]) -> None:
 
 
 def _check_key(stage: Stage, key: Key, data: DataProto, sizes: dict[str, int]) -> None:
-    value = data.batch.get(key.name)
+    value = data.batch.get(key)
     if value is None:
-        value = data.non_tensor_batch[key.name]
+        value = data.non_tensor_batch[key]
         kind: Kind = "object"
     else:
         kind = "float" if value.is_floating_point() else "int"
     if kind != key.kind:
-        raise BatchContractError(f"stage {stage.name!r}: {key.name!r} is {kind} ({_dtype(value)}), the contract "
+        raise BatchContractError(f"stage {stage.name!r}: {key!r} is {kind} ({_dtype(value)}), the contract "
                                  f"says {key.kind} ({key.doc})")
     shape = tuple(value.shape)
     if len(shape) != len(key.dims):
-        raise BatchContractError(f"stage {stage.name!r}: {key.name!r} has shape {list(shape)}, the contract says "
+        raise BatchContractError(f"stage {stage.name!r}: {key!r} has shape {list(shape)}, the contract says "
                                  f"[{', '.join(key.dims)}]")
     for dim, size in zip(key.dims, shape):
         if sizes.setdefault(dim, size) != size:
-            raise BatchContractError(f"stage {stage.name!r}: {key.name!r} has {dim}={size} but other keys have "
+            raise BatchContractError(f"stage {stage.name!r}: {key!r} has {dim}={size} but other keys have "
                                      f"{dim}={sizes[dim]} (shape {list(shape)} vs [{', '.join(key.dims)}])")
 
 
