@@ -25,7 +25,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.config import Config, resolve, to_dict
 from hybridflow.config.lr_rule import lr_warning
-from hybridflow.config.plan import planned_steps
+from hybridflow.config.plan import BATCH_UNITS, planned_steps
 from hybridflow.data import build_rl_datasets, make_dataloader
 from hybridflow.models.loader import load_tokenizer
 from hybridflow.protocol import DataProto, keys
@@ -75,7 +75,7 @@ class PPOAlgorithm(Algorithm):
         t = cfg.trainer  # a step count set → the data cycles until it is reached (config/plan.py)
         self.total_epochs = None if t.total_training_steps else t.total_epochs
         self.total_steps = planned_steps(t.total_training_steps, t.total_epochs, len(self.loader))
-        self.batch_unit = "prompts"
+        self.batch_unit = BATCH_UNITS["train"]
         self.groups = groups if groups is not None else build_worker_groups(cfg, self.res, self.total_steps)
         self.validator = Validator(cfg, self.val_ds, self.groups.actor, self.reward_fn, self.groups.reward_model,
                                    tracker=tracker) if self.val_ds else None
@@ -152,7 +152,7 @@ class PPOAlgorithm(Algorithm):
             Stage("balance", self._balance, timed=False),  # rows spread evenly over the data-parallel ranks
             WorkerCall("old_log_prob", self.old_log_prob, keys.OLD_LOG_PROB) if res.recompute_old_log_prob else None,
             WorkerCall("ref", self.ref_log_prob, keys.REF) if res.use_reference else None,
-            WorkerCall("values", self.values, keys.VALUES_STAGE) if critic else None,
+            WorkerCall(keys.VALUES_STAGE.name, self.values, keys.VALUES_STAGE) if critic else None,
             Stage("adv", self.advantages, keys.ADV),
             WorkerCall("update_critic", self.update_critic, keys.UPDATE_CRITIC) if critic else None,
             WorkerCall("update_actor", self.update_actor, keys.UPDATE_ACTOR, late=self._update_takes_late())
@@ -211,7 +211,7 @@ class PPOAlgorithm(Algorithm):
         metrics |= reduce_metrics(out.meta_info.pop("metrics", []))  # timing/switch, timing/generate per rank
         if self.cfg.algorithm.adv_estimator == "remax":  # greedy baseline response per prompt
             greedy = self.actor.generate_sequences(self.greedy_prompts(batch))
-            out.batch[keys.BASELINE_REWARDS.name] = self.baseline_rewards(greedy)
+            out.batch[keys.BASELINE_REWARDS] = self.baseline_rewards(greedy)
         return out
 
     def with_seeds(self, batch: DataProto) -> DataProto:
@@ -220,7 +220,7 @@ class PPOAlgorithm(Algorithm):
         base = (self.cfg.rollout.seed * 1_000_003 + self.global_step * 7_919 + self._gen_calls) * 1_000_033
         self._gen_calls += 1
         view = batch[:]
-        view.batch = {**batch.batch, "seeds": torch.arange(len(batch), dtype=torch.long) + base % (2**62)}
+        view.batch = {**batch.batch, keys.SEEDS: torch.arange(len(batch), dtype=torch.long) + base % (2**62)}
         return view
 
     @staticmethod
@@ -242,11 +242,11 @@ class PPOAlgorithm(Algorithm):
         if self.res.use_reward_model:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
         scores, reward_metrics = self.reward_fn(batch)
-        if keys.TURN_REWARDS.name in batch.batch:  # multi-turn: tool/interaction rewards at each turn's end
-            turn = batch.batch[keys.TURN_REWARDS.name].to(scores.dtype)
+        if keys.TURN_REWARDS in batch.batch:  # multi-turn: tool/interaction rewards at each turn's end
+            turn = batch.batch[keys.TURN_REWARDS].to(scores.dtype)
             scores = scores + turn
             reward_metrics["reward/turn_rewards/mean"] = float(turn.sum(-1).mean())
-        batch.batch["token_level_scores"] = scores
+        batch.batch[keys.TOKEN_LEVEL_SCORES] = scores
         metrics |= reward_metrics
         return batch
 
@@ -289,15 +289,15 @@ class PPOAlgorithm(Algorithm):
     def _balance(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         if self.res.world_size <= 1:
             return batch
-        batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1), self.res.world_size))
+        batch.reorder(balanced_order(batch.batch[keys.ATTENTION_MASK].sum(-1), self.res.world_size))
         return batch
 
     def old_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
         """3. Log-probs of the sampling policy, recomputed (and the rollout-IS metrics when the loss applies them)."""
         out = self.actor.compute_log_prob(batch, beside=beside)
         if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:
-            metrics |= rollout_is_metrics(out.batch["old_log_probs"], batch.batch["rollout_log_probs"],
-                                          batch.batch["response_mask"], mode=is_cfg.mode, cap=is_cfg.cap)
+            metrics |= rollout_is_metrics(out.batch[keys.OLD_LOG_PROBS], batch.batch[keys.ROLLOUT_LOG_PROBS],
+                                          batch.batch[keys.RESPONSE_MASK], mode=is_cfg.mode, cap=is_cfg.cap)
         return out
 
     def ref_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
@@ -312,24 +312,24 @@ class PPOAlgorithm(Algorithm):
     def advantages(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         """6. KL measured (and, with `use_kl_in_reward`, taken from the rewards), advantages and returns."""
         alg, b = self.cfg.algorithm, batch.batch
-        mask = b["response_mask"]
-        if self.res.use_reference and keys.OLD_LOG_PROBS.name in b:  # else the KL loss's actor/kl_loss measures it
-            kl = kl_penalty(b[keys.OLD_LOG_PROBS.name], b["ref_log_prob"], alg.kl_penalty)
+        mask = b[keys.RESPONSE_MASK]
+        if self.res.use_reference and keys.OLD_LOG_PROBS in b:  # else the KL loss's actor/kl_loss measures it
+            kl = kl_penalty(b[keys.OLD_LOG_PROBS], b[keys.REF_LOG_PROB], alg.kl_penalty)
             metrics["kl/actor_ref"] = float(masked_mean(kl, mask))
         if alg.use_kl_in_reward:
-            rewards, kl_metrics = apply_kl_penalty(b["token_level_scores"], keys.sampling_log_probs(b),
-                                                   b["ref_log_prob"], mask, self.kl_ctrl, alg.kl_penalty)
-            b["token_level_rewards"] = rewards
+            rewards, kl_metrics = apply_kl_penalty(b[keys.TOKEN_LEVEL_SCORES], keys.sampling_log_probs(b),
+                                                   b[keys.REF_LOG_PROB], mask, self.kl_ctrl, alg.kl_penalty)
+            b[keys.TOKEN_LEVEL_REWARDS] = rewards
             metrics |= kl_metrics
         else:
-            b["token_level_rewards"] = b["token_level_scores"]
+            b[keys.TOKEN_LEVEL_REWARDS] = b[keys.TOKEN_LEVEL_SCORES]
         metrics["kl/coef"] = float(self.kl_ctrl.value)
         adv, ret = compute_advantage(
-            alg.adv_estimator, token_level_rewards=b["token_level_rewards"], response_mask=mask,
-            index=batch.non_tensor_batch["uid"], values=b.get("values"), gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std=alg.norm_adv_by_std, baseline_rewards=b.get("baseline_rewards"),
+            alg.adv_estimator, token_level_rewards=b[keys.TOKEN_LEVEL_REWARDS], response_mask=mask,
+            index=batch.non_tensor_batch[keys.UID], values=b.get(keys.VALUES), gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std=alg.norm_adv_by_std, baseline_rewards=b.get(keys.BASELINE_REWARDS),
         )
-        b["advantages"], b["returns"] = adv, ret
+        b[keys.ADVANTAGES], b[keys.RETURNS] = adv, ret
         return batch
 
     def update_critic(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> None:
