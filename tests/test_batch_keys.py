@@ -78,6 +78,23 @@ def test_checks_are_off_by_default_and_on_with_the_env_var(monkeypatch):
         _Stage().update(_after_gen())
 
 
+class _LateStage:
+    @keys.checked_stage(keys.UPDATE_CRITIC)
+    def update(self, batch: DataProto, late=None) -> dict[str, float]:
+        return {"late_values": float(late().batch["values"].sum())}
+
+
+def test_a_stage_given_late_columns_is_checked_on_the_batch_they_complete(monkeypatch):
+    monkeypatch.setenv(keys.CHECK_ENV, "1")
+    batch = _after_gen()
+    done = _after_gen()
+    done.batch.update(values=torch.ones(4, 5), returns=torch.zeros(4, 5))
+    assert _LateStage().update(batch, late=lambda: done) == {"late_values": 20.0}
+    done.batch["values"] = torch.ones(4, 6)
+    with pytest.raises(keys.BatchContractError, match="'values' has R=6"):
+        _LateStage().update(batch, late=lambda: done)
+
+
 def test_sampling_log_probs_prefers_the_recomputed_ones():
     batch = _after_gen().batch
     assert keys.sampling_log_probs(batch) is batch["rollout_log_probs"]

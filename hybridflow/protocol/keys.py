@@ -201,6 +201,11 @@ def _dtype(value: torch.Tensor | np.ndarray) -> str:
     return str(value.dtype)
 
 
+def _checked_in(stage: Stage, data: DataProto) -> DataProto:
+    check(stage, data, "in")
+    return data
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 S = TypeVar("S")
@@ -210,14 +215,19 @@ def checked_stage(stage: Stage) -> Callable[[Callable[Concatenate[S, DataProto, 
                                             Callable[Concatenate[S, DataProto, P], R]]:
     """Decorate a stage method `(self, batch, ...)`: in debug mode check `batch` against `stage.reads` before the
     call and, after it, the returned DataProto (or `batch`, when the stage updates it in place) against
-    `stage.writes`. Off (the default), the method runs untouched."""
+    `stage.writes`. A call given `late` (`protocol/late.py`) has its inputs once the late columns arrive: the
+    check reads the batch `late` returns. Off (the default), the method runs untouched."""
 
     def wrap(fn: Callable[Concatenate[S, DataProto, P], R]) -> Callable[Concatenate[S, DataProto, P], R]:
         @functools.wraps(fn)
         def inner(self: S, batch: DataProto, /, *args: P.args, **kwargs: P.kwargs) -> R:
             if not checks_enabled():
                 return fn(self, batch, *args, **kwargs)
-            check(stage, batch, "in")
+            late = kwargs.get("late")
+            if callable(late):
+                kwargs["late"] = lambda: _checked_in(stage, late())
+            else:
+                check(stage, batch, "in")
             out = fn(self, batch, *args, **kwargs)
             check(stage, out if isinstance(out, DataProto) else batch, "out")
             return out
