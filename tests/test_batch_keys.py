@@ -95,6 +95,20 @@ def test_a_stage_given_late_columns_is_checked_on_the_batch_they_complete(monkey
         _LateStage().update(batch, late=lambda: done)
 
 
+class _ValuesStage:
+    @keys.checked_stage(keys.VALUES_STAGE)
+    def compute(self, batch: DataProto, extra: str | None = None) -> DataProto:
+        out = {"values": torch.zeros(len(batch), 5)} | ({extra: torch.zeros(len(batch))} if extra else {})
+        return DataProto.from_dict(out)
+
+
+def test_a_stage_that_adds_a_key_it_does_not_declare_fails(monkeypatch):
+    monkeypatch.setenv(keys.CHECK_ENV, "1")
+    assert set(_ValuesStage().compute(_after_gen()).batch) == {"values"}
+    with pytest.raises(keys.BatchContractError, match=r"'values' wrote \['value_std'\], which it does not declare"):
+        _ValuesStage().compute(_after_gen(), "value_std")
+
+
 def test_sampling_log_probs_prefers_the_recomputed_ones():
     batch = _after_gen().batch
     assert keys.sampling_log_probs(batch) is batch["rollout_log_probs"]

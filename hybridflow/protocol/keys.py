@@ -154,11 +154,16 @@ def checks_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def check(stage: Stage, data: DataProto, when: Literal["in", "out"]) -> None:
+def check(stage: Stage, data: DataProto, when: Literal["in", "out"], before: set[str] | None = None) -> None:
     """Raise `BatchContractError` if `data` lacks a key `stage` reads (`in`) or writes (`out`), or if a declared
-    key has the wrong kind or a shape inconsistent with the others (B rows, R response width, ...)."""
+    key has the wrong kind or a shape inconsistent with the others (B rows, R response width, ...). `before`
+    (`out` only): the keys of the stage's input; a key the stage added must be one it declares."""
     required = stage.reads if when == "in" else stage.writes
-    present = set(data.batch) | set(data.non_tensor_batch)
+    present = _present(data)
+    added = sorted(present - before - {*stage.reads, *stage.writes, *stage.optional}) if before is not None else []
+    if added:
+        raise BatchContractError(f"stage {stage.name!r} wrote {added}, which it does not declare; add them to its "
+                                 "writes (and declare each Key) in hybridflow/protocol/keys.py")
     missing = [k for k in required if k not in present]
     if missing:
         where = ", ".join(f"{k!r} (written by {k.writer})" for k in missing)
@@ -175,6 +180,10 @@ def check(stage: Stage, data: DataProto, when: Literal["in", "out"]) -> None:
     if unknown:
         raise BatchContractError(f"stage {stage.name!r}: meta_info holds undeclared keys {unknown}; meta_info is "
                                  f"for metadata ({sorted(META_KEYS)}) — put per-row data in the batch")
+
+
+def _present(data: DataProto) -> set[str]:
+    return set(data.batch) | set(data.non_tensor_batch)
 
 
 def _check_key(stage: Stage, key: Key, data: DataProto, sizes: dict[str, int]) -> None:
@@ -215,21 +224,23 @@ def checked_stage(stage: Stage) -> Callable[[Callable[Concatenate[S, DataProto, 
                                             Callable[Concatenate[S, DataProto, P], R]]:
     """Decorate a stage method `(self, batch, ...)`: in debug mode check `batch` against `stage.reads` before the
     call and, after it, the returned DataProto (or `batch`, when the stage updates it in place) against
-    `stage.writes`. A call given `late` (`protocol/late.py`) has its inputs once the late columns arrive: the
-    check reads the batch `late` returns. Off (the default), the method runs untouched."""
+    `stage.writes`, and that it added no key it does not declare. A call given `late` (`protocol/late.py`) has
+    its inputs once the late columns arrive: the check reads the batch `late` returns. Off (the default), the
+    method runs untouched."""
 
     def wrap(fn: Callable[Concatenate[S, DataProto, P], R]) -> Callable[Concatenate[S, DataProto, P], R]:
         @functools.wraps(fn)
         def inner(self: S, batch: DataProto, /, *args: P.args, **kwargs: P.kwargs) -> R:
             if not checks_enabled():
                 return fn(self, batch, *args, **kwargs)
+            before = _present(batch)
             late = kwargs.get("late")
             if callable(late):
                 kwargs["late"] = lambda: _checked_in(stage, late())
             else:
                 check(stage, batch, "in")
             out = fn(self, batch, *args, **kwargs)
-            check(stage, out if isinstance(out, DataProto) else batch, "out")
+            check(stage, out if isinstance(out, DataProto) else batch, "out", before)
             return out
 
         return inner
