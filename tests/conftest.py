@@ -3,6 +3,8 @@
 Each test session compiles into its own Inductor cache: kernels cached by a run under the AVX2 emulation
 (`ATEN_CPU_CAPABILITY=avx2`) were loaded by a later default-numerics run on the same machine and returned wrong
 values (tests/engine/test_logprobs.py::test_fused_pieces_compile_on_cpu, 2026-12-01).
+The PPO batch contract (`hybridflow/protocol/keys.py`) is checked at every stage of every test, set here at import
+so xdist workers and the processes tests start inherit it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import tempfile
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridflow_inductor_")
+os.environ.setdefault("HYBRIDFLOW_CHECK_BATCH", "1")  # =0 to time a run without the checks
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,8 +1,12 @@
-"""The PPO batch contract (`hybridflow/protocol/keys.py`): the checker's errors, debug mode off by default, and a
-whole PPO step (GAE, KL in reward and as a loss, recomputed old log-probs) that keeps the contract."""
+"""The PPO batch contract (`hybridflow/protocol/keys.py`): the checker's errors, debug mode off by default, a
+whole PPO step (GAE, KL in reward and as a loss, recomputed old log-probs) that keeps the contract, and no key
+spelled as a string literal anywhere else in `hybridflow/`."""
 
 from __future__ import annotations
 
+import ast
+import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +14,7 @@ import pytest
 import torch
 from ppo_testlib import tiny_ppo_config
 
+import hybridflow
 from hybridflow.protocol import DataProto, keys
 
 
@@ -73,6 +78,37 @@ def test_checks_are_off_by_default_and_on_with_the_env_var(monkeypatch):
         _Stage().update(_after_gen())
 
 
+class _LateStage:
+    @keys.checked_stage(keys.UPDATE_CRITIC)
+    def update(self, batch: DataProto, late=None) -> dict[str, float]:
+        return {"late_values": float(late().batch["values"].sum())}
+
+
+def test_a_stage_given_late_columns_is_checked_on_the_batch_they_complete(monkeypatch):
+    monkeypatch.setenv(keys.CHECK_ENV, "1")
+    batch = _after_gen()
+    done = _after_gen()
+    done.batch.update(values=torch.ones(4, 5), returns=torch.zeros(4, 5))
+    assert _LateStage().update(batch, late=lambda: done) == {"late_values": 20.0}
+    done.batch["values"] = torch.ones(4, 6)
+    with pytest.raises(keys.BatchContractError, match="'values' has R=6"):
+        _LateStage().update(batch, late=lambda: done)
+
+
+class _ValuesStage:
+    @keys.checked_stage(keys.VALUES_STAGE)
+    def compute(self, batch: DataProto, extra: str | None = None) -> DataProto:
+        out = {"values": torch.zeros(len(batch), 5)} | ({extra: torch.zeros(len(batch))} if extra else {})
+        return DataProto.from_dict(out)
+
+
+def test_a_stage_that_adds_a_key_it_does_not_declare_fails(monkeypatch):
+    monkeypatch.setenv(keys.CHECK_ENV, "1")
+    assert set(_ValuesStage().compute(_after_gen()).batch) == {"values"}
+    with pytest.raises(keys.BatchContractError, match=r"'values' wrote \['value_std'\], which it does not declare"):
+        _ValuesStage().compute(_after_gen(), "value_std")
+
+
 def test_sampling_log_probs_prefers_the_recomputed_ones():
     batch = _after_gen().batch
     assert keys.sampling_log_probs(batch) is batch["rollout_log_probs"]
@@ -93,3 +129,65 @@ def test_a_ppo_step_keeps_the_contract(tmp_path: Path, monkeypatch):
     finally:
         trainer.close()
     assert len(history) == 1 and np.isfinite(history[0]["critic/vf_loss"])
+
+
+def test_a_key_is_its_name_and_pickles_as_the_declaration():
+    batch = {"responses": torch.ones(2, 3)}
+    assert batch[keys.RESPONSES] is batch["responses"] and f"{keys.RESPONSES}" == "responses"
+    assert pickle.loads(pickle.dumps(keys.RESPONSES)) is keys.RESPONSES
+    assert keys.RESPONSES.dims == ("B", "R") and type(keys.RESPONSES.name) is str
+
+
+# A string equal to a key name, outside keys.py, that is another thing of the same name — file: (words, why).
+NOT_BATCH_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
+    "api.py": (("data_source", "reward_model", "extra_info"), "dataset columns; api.py stays free of torch, "
+               "which hybridflow.protocol imports"),
+    "preflight.py": (("data_source", "extra_info"), "a dataset column and verl's reward-function parameters; "
+                     "torch-free like api.py"),
+    "rewards/custom.py": (("data_source", "extra_info"), "parameters of verl's reward-function signature"),
+    "commands/config.py": (("reward_model",), "a config section"),
+    "config/verl_keys.py": (("reward_model",), "a config section of verl"),
+    "trainer/roles.py": (("reward_model",), "a worker role"),
+    "config/plan.py": (("prompts",), "the unit a PPO batch size counts"),
+    "trainer/async_resume.py": (("prompts",), "a field of the saved state"),
+    "planning/from_config.py": (("values",), "a stage name"),
+    "planning/memory.py": (("values",), "a stage name"),
+    "planning/step_time.py": (("values",), "a stage name"),
+    "tracking/plots.py": (("values", "entropy"), "a stage name and a plot colour"),
+    "protocol/serialization.py": (("values",), "a field of a saved array's JSON"),
+    "data/templates.py": (("input_ids",), "the output field of a Hugging Face tokenizer"),
+    "engine/attention.py": (("attention_mask",), "a keyword of Hugging Face's mask function"),
+}
+
+
+def _key_literals(root: Path) -> tuple[list[str], set[tuple[str, str]]]:
+    """`file:line: literal` for each string constant (docstrings aside) equal to a key name, and the
+    NOT_BATCH_KEYS entries that matched one."""
+    const = {key.name: name for name, key in vars(keys).items() if isinstance(key, keys.Key)}
+    quoted = re.compile("[\"']({})[\"']".format("|".join(const)))  # files without one need no parse
+    found, allowed = [], set()
+    for path in sorted(root.rglob("*.py")):
+        rel, text = path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")
+        if rel == "protocol/keys.py" or not quoted.search(text):
+            continue
+        tree = ast.parse(text)
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(
+            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body and isinstance(
+            node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in const
+                    and id(node) not in docstrings):
+                continue
+            if node.value in NOT_BATCH_KEYS.get(rel, ((), ""))[0]:
+                allowed.add((rel, node.value))
+            else:
+                found.append((rel, node.lineno, f"{node.value!r} (write keys.{const[node.value]})"))
+    return [f"hybridflow/{rel}:{line}: {what}" for rel, line, what in sorted(found)], allowed
+
+
+def test_batch_keys_are_written_through_keys_py():
+    found, allowed = _key_literals(Path(hybridflow.__file__).parent)
+    assert not found, "batch keys spelled as strings; use the constants of hybridflow/protocol/keys.py (or, " \
+        "for another thing of the same name, add it to NOT_BATCH_KEYS with why):\n" + "\n".join(found)
+    stale = {(f, w) for f, (words, _) in NOT_BATCH_KEYS.items() for w in words} - allowed
+    assert not stale, f"NOT_BATCH_KEYS entries that match nothing any more; delete them: {sorted(stale)}"

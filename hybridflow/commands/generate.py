@@ -19,6 +19,7 @@ import torch
 from hybridflow.commands.common import add_config_args, fail, load_from_args
 from hybridflow.commands.tracked import add_run_flags
 from hybridflow.config.schema import Config
+from hybridflow.protocol import keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,15 +89,15 @@ def _generate(cfg: Config, args: argparse.Namespace) -> int:
         p_ids, mask = pad_sequences(chunk, tokenizer.pad_token_id, "left")
         seeds = [cfg.rollout.seed * 1_000_003 + start + i for i in range(len(chunk))]
         batch = DataProto.from_single_dict(
-            {"input_ids": p_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)},
-            meta_info={"seeds": seeds})
+            {keys.INPUT_IDS: p_ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: position_ids_from_mask(mask)},
+            meta_info={keys.SEEDS: seeds})
         out = engine.generate(batch, sampling)
-        lengths = out.batch["response_mask"].sum(-1).tolist()
+        lengths = out.batch[keys.RESPONSE_MASK].sum(-1).tolist()
         texts = [tokenizer.decode(r[:n].tolist(), skip_special_tokens=True)
-                 for r, n in zip(out.batch["responses"], lengths)]
+                 for r, n in zip(out.batch[keys.RESPONSES], lengths)]
         for i in range(len(chunk)):
             sl = slice(i * sampling.n, (i + 1) * sampling.n)
-            out_rows.append({**rows[start + i], "responses": texts[sl], "response_lengths": lengths[sl]})
+            out_rows.append({**rows[start + i], keys.RESPONSES: texts[sl], "response_lengths": lengths[sl]})
         logger.info("generated %d / %d prompts", min(start + args.batch_size, len(rows)), len(rows))
     engine.release_cache()
     write_rows(out_rows, args.output)

@@ -10,6 +10,7 @@ from hybridflow.data.contract import ground_truth_required
 from hybridflow.data.rl_dataset import RLHFDataset
 from hybridflow.data.sft_dataset import SFTDataset
 from hybridflow.data.tasks import get_task, task_splits
+from hybridflow.protocol import keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 def off_by_one(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     """The default flawed demonstration: the answer one too high ("#### <answer+1>"); non-numeric answers stay."""
-    truth = str(row["reward_model"]["ground_truth"])
+    truth = str(row[keys.REWARD_MODEL]["ground_truth"])
     return {**row, "response": f"#### {int(truth) + 1}"} if truth.isdigit() else row
 
 

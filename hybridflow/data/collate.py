@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 # Non-tensor columns every RL batch carries (the trainer and the reward manager read them).
-RL_NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "uid", "raw_prompt", "index", "ability")
+RL_NON_TENSOR_KEYS = (keys.DATA_SOURCE, keys.REWARD_MODEL, keys.EXTRA_INFO, keys.UID, "raw_prompt", "index", "ability")
 
 
 def position_ids_from_mask(mask_BT: torch.Tensor) -> torch.Tensor:
@@ -56,21 +56,21 @@ def _object_array(values: list[Any]) -> np.ndarray:
 def collate_rl(rows: Sequence[Mapping[str, Any]], pad_token_id: int, pad_to: int | None = None) -> DataProto:
     """Rows from `RLHFDataset.__getitem__` → DataProto with left-padded `input_ids`, `attention_mask`,
     `position_ids` and the non-tensor columns of `RL_NON_TENSOR_KEYS` (plus any other non-tensor keys)."""
-    ids, mask = pad_sequences([r["input_ids"] for r in rows], pad_token_id, "left", pad_to)
-    tensors = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
-    keys = [k for k in rows[0] if k != "input_ids"] if rows else []
-    non_tensors = {k: _object_array([r[k] for r in rows]) for k in keys}
+    ids, mask = pad_sequences([r[keys.INPUT_IDS] for r in rows], pad_token_id, "left", pad_to)
+    tensors = {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: position_ids_from_mask(mask)}
+    columns = [k for k in rows[0] if k != keys.INPUT_IDS] if rows else []
+    non_tensors = {k: _object_array([r[k] for r in rows]) for k in columns}
     return DataProto(batch=tensors, non_tensor_batch=non_tensors)
 
 
 def collate_sft(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> DataProto:
     """SFT rows (`input_ids`, `loss_mask`) → right-padded `input_ids`, `attention_mask`, `position_ids`,
     `loss_mask` (1 on response tokens: the tokens the model is trained to predict)."""
-    ids, mask = pad_sequences([r["input_ids"] for r in rows], pad_token_id, "right")
+    ids, mask = pad_sequences([r[keys.INPUT_IDS] for r in rows], pad_token_id, "right")
     loss, _ = pad_sequences([r["loss_mask"] for r in rows], 0, "right", ids.shape[1])
-    tensors = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+    tensors = {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: position_ids_from_mask(mask),
                "loss_mask": loss}
-    extra = {k: _object_array([r[k] for r in rows]) for k in rows[0] if k not in ("input_ids", "loss_mask")}
+    extra = {k: _object_array([r[k] for r in rows]) for k in rows[0] if k not in (keys.INPUT_IDS, "loss_mask")}
     return DataProto(batch=tensors, non_tensor_batch=extra)
 
 

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridflow.config.schema import DataConfig, RewardConfig
 
+from hybridflow.protocol import keys
+
 logger = logging.getLogger(__name__)
 
-REWARD_COLUMN = "reward_model"
 MODEL_SOURCE = "model"
 EXAMPLES_PER_REASON = 5
-_FIX = (f"Fix: give every row a {REWARD_COLUMN} = {{style: rule, ground_truth: <answer>}}, or set "
+_FIX = (f"Fix: give every row a {keys.REWARD_MODEL} = {{style: rule, ground_truth: <answer>}}, or set "
         "data.allow_missing_ground_truth=true when the reward does not use ground truth (a reward-model-only run "
         "needs nothing)")
 
@@ -83,17 +84,17 @@ def ground_truth_problem(value: Any) -> str | None:
 
 def check_ground_truths(raw_rows: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], name: str) -> None:
     """Raise a ValueError when the reward column is absent or a kept row's ground truth is unusable."""
-    if raw_rows and not any(REWARD_COLUMN in row for row in raw_rows):
-        raise ValueError(f"{name} data has no {REWARD_COLUMN!r} column, so reward functions would get "
+    if raw_rows and not any(keys.REWARD_MODEL in row for row in raw_rows):
+        raise ValueError(f"{name} data has no {keys.REWARD_MODEL!r} column, so reward functions would get "
                          f"ground_truth=None for all {len(raw_rows)} rows. {_FIX}")
-    bad = [(row["index"], row["reward_model"]["ground_truth"]) for row in rows
-           if ground_truth_problem(row["reward_model"]["ground_truth"]) is not None]
+    bad = [(row["index"], row[keys.REWARD_MODEL]["ground_truth"]) for row in rows
+           if ground_truth_problem(row[keys.REWARD_MODEL]["ground_truth"]) is not None]
     if bad:
         index, value = bad[0]
-        raise ValueError(f"{name} data: {REWARD_COLUMN}.ground_truth {ground_truth_problem(value)} in {len(bad)} of "
-                         f"{len(rows)} rows (first: row {index}, value {value!r}). {_FIX}")
-    whole = [row["index"] for row in rows if isinstance(row["reward_model"]["ground_truth"], float)
-             and float(row["reward_model"]["ground_truth"]).is_integer()]
+        raise ValueError(f"{name} data: {keys.REWARD_MODEL}.ground_truth {ground_truth_problem(value)} in "
+                         f"{len(bad)} of {len(rows)} rows (first: row {index}, value {value!r}). {_FIX}")
+    whole = [row["index"] for row in rows if isinstance(row[keys.REWARD_MODEL]["ground_truth"], float)
+             and float(row[keys.REWARD_MODEL]["ground_truth"]).is_integer()]
     if whole:  # typically an int column that went through float64 (pandas with NaN)
         logger.warning("%s data: %d ground truths are whole floats (first: row %d); scorers compare text, so 7.0 "
                        "reads as '7.0', not '7'. Store them as ints or strings", name, len(whole), whole[0])

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hybridflow.data.collate import collate_rl
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import DataConfig
@@ -104,7 +104,7 @@ class StatefulDataLoader:
         epoch = self.epoch
         for batch in self._loader:
             if "index" in batch.non_tensor_batch:
-                batch.non_tensor_batch["uid"] = np.array(
+                batch.non_tensor_batch[keys.UID] = np.array(
                     [f"{self.name}-e{epoch}-{i}" for i in batch.non_tensor_batch["index"]], dtype=object)
             batch.meta_info.update(epoch=epoch, batch_in_epoch=self.batch_in_epoch)
             self.batch_in_epoch += 1

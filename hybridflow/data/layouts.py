@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridflow.data.preference_columns import PROMPT_ALIASES
+from hybridflow.protocol import keys
 
 SFT_LAYOUTS = ("messages", "prompt+response", "prompt+completion", "text")
 _SFT_HELP = ("SFT reads one of these layouts: `messages` (chat conversations), `prompt` + `response` (verl), "
@@ -48,7 +49,7 @@ def rl_columns_problem(columns: Sequence[str], prompt_key: str, needs_ground_tru
         hint = (f"set data.prompt_key={alias[0]} (or rename the column)" if alias else
                 f"name the prompt column with data.prompt_key (verl's is 'prompt'; also {', '.join(PROMPT_ALIASES[1:])})")
         problems.append(f"no prompt column {prompt_key!r}: {hint}")
-    if needs_ground_truth and "reward_model" not in cols:
+    if needs_ground_truth and keys.REWARD_MODEL not in cols:
         problems.append("no 'reward_model' column (verl's {style, ground_truth}) for the reward functions: add it, "
                         "or set data.allow_missing_ground_truth=true when the reward ignores ground truth")
     if not problems:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.data.parquet_io import read_rows
+from hybridflow.protocol import keys
 from hybridflow.rewards.math import last_boxed
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,11 @@ def gsm8k_row(rec: dict[str, Any], split: str, index: int) -> dict[str, Any] | N
     if not isinstance(question, str) or not isinstance(answer, str) or gsm8k_answer(answer) is None:
         return None
     return {
-        "data_source": "openai/gsm8k",
+        keys.DATA_SOURCE: "openai/gsm8k",
         "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
         "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": gsm8k_answer(answer)},
-        "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
+        keys.REWARD_MODEL: {"style": "rule", "ground_truth": gsm8k_answer(answer)},
+        keys.EXTRA_INFO: {"split": split, "index": index, "question": question, "answer": answer},
     }
 
 
@@ -62,11 +63,11 @@ def math_row(rec: dict[str, Any], split: str, index: int) -> dict[str, Any] | No
     if not isinstance(problem, str) or not isinstance(solution, str) or last_boxed(solution) is None:
         return None
     return {
-        "data_source": "DigitalLearningGmbH/MATH-lighteval",
+        keys.DATA_SOURCE: "DigitalLearningGmbH/MATH-lighteval",
         "prompt": [{"role": "user", "content": f"{problem} {MATH_INSTRUCTION}"}],
         "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": last_boxed(solution)},
-        "extra_info": {"split": split, "index": index, "level": str(rec.get("level", "")),
+        keys.REWARD_MODEL: {"style": "rule", "ground_truth": last_boxed(solution)},
+        keys.EXTRA_INFO: {"split": split, "index": index, "level": str(rec.get("level", "")),
                        "type": str(rec.get("type", ""))},
     }
 

@@ -21,7 +21,7 @@ from hybridflow.data.collate import collate_rl
 from hybridflow.data.contract import SkipReport, check_ground_truths, empty_prompt_reason
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, render, to_messages
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,18 +42,18 @@ def normalize_row(row: dict[str, Any], prompt_key: str, position: int) -> dict[s
     if prompt_key not in row:
         raise MalformedRow(f"no {prompt_key!r} column (set data.prompt_key to the prompt column)")
     messages = to_messages(row[prompt_key])
-    data_source = row.get("data_source", "unknown")
+    data_source = row.get(keys.DATA_SOURCE, "unknown")
     if not isinstance(data_source, str):
         raise MalformedRow(f"data_source must be a string, got {type(data_source).__name__}")
-    reward_model = _as_dict(row.get("reward_model"), "reward_model")
+    reward_model = _as_dict(row.get(keys.REWARD_MODEL), keys.REWARD_MODEL)
     return {
         "messages": messages,
         "raw_prompt": row[prompt_key],
-        "data_source": data_source,
+        keys.DATA_SOURCE: data_source,
         "ability": row.get("ability") or "",
-        "reward_model": {"style": reward_model.get("style", "rule"), **reward_model,
+        keys.REWARD_MODEL: {"style": reward_model.get("style", "rule"), **reward_model,
                          "ground_truth": reward_model.get("ground_truth")},
-        "extra_info": _as_dict(row.get("extra_info"), "extra_info"),
+        keys.EXTRA_INFO: _as_dict(row.get(keys.EXTRA_INFO), keys.EXTRA_INFO),
         "index": position,
     }
 
@@ -163,12 +163,12 @@ class RLHFDataset(Dataset):
                 raise ValueError(f"{self.name} row {row['index']}: {len(ids)} prompt tokens > "
                                  f"data.max_prompt_length={self.max_prompt_length}")
         return {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
+            keys.INPUT_IDS: torch.tensor(ids, dtype=torch.long),
             "raw_prompt": row["raw_prompt"],
-            "data_source": row["data_source"],
+            keys.DATA_SOURCE: row[keys.DATA_SOURCE],
             "ability": row["ability"],
-            "reward_model": row["reward_model"],
-            "extra_info": row["extra_info"],
+            keys.REWARD_MODEL: row[keys.REWARD_MODEL],
+            keys.EXTRA_INFO: row[keys.EXTRA_INFO],
             "index": row["index"],
-            "uid": f"{self.name}-{row['index']}",
+            keys.UID: f"{self.name}-{row['index']}",
         }

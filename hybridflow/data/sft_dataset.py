@@ -20,7 +20,7 @@ from hybridflow.data.collate import collate_sft
 from hybridflow.data.layouts import sft_layout
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -108,5 +108,5 @@ class SFTDataset(Dataset):
             part = encode(self.tokenizer, text)
             ids += part
             mask += [int(is_response)] * len(part)
-        return {"input_ids": torch.tensor(ids[: self.max_length], dtype=torch.long),
+        return {keys.INPUT_IDS: torch.tensor(ids[: self.max_length], dtype=torch.long),
                 "loss_mask": torch.tensor(mask[: self.max_length], dtype=torch.long), "index": i}

@@ -20,6 +20,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hybridflow.protocol import keys
 from hybridflow.rewards.registry import select_reward_fn
 
 NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
@@ -59,8 +60,8 @@ TASK_WRONG: dict[str, tuple[Callable[[str, random.Random, str], str], dict[str, 
 
 
 def _rule_correct(row: Mapping[str, Any], response: str) -> bool:
-    fn = select_reward_fn(row["data_source"])
-    out = fn(row["data_source"], response, row["reward_model"]["ground_truth"], row.get("extra_info"))
+    fn = select_reward_fn(row[keys.DATA_SOURCE])
+    out = fn(row[keys.DATA_SOURCE], response, row[keys.REWARD_MODEL]["ground_truth"], row.get(keys.EXTRA_INFO))
     if isinstance(out, Mapping):
         return float(out.get("acc", out.get("score", 0.0))) >= 1.0
     return float(out) >= 1.0
@@ -98,7 +99,7 @@ def preference_rows(task_rows: Sequence[dict[str, Any]], seed: int,
     rng = random.Random(seed)
     out = []
     for row in task_rows:
-        source = row.get("data_source")
+        source = row.get(keys.DATA_SOURCE)
         if source not in TASK_WRONG:
             raise ValueError(f"no synthetic preference pairs for data_source {source!r}; built-in tasks with pairs: "
                              f"{', '.join(TASK_WRONG)} (or give prompt/chosen/rejected parquet in data.train_files)")
@@ -108,6 +109,6 @@ def preference_rows(task_rows: Sequence[dict[str, Any]], seed: int,
         if unknown:
             raise ValueError(f"unknown rejected kinds {sorted(unknown)} for {source}; choose from {sorted(default_mix)}")
         kind = rng.choices(list(weights), weights=list(weights.values()))[0]
-        truth = str(row["reward_model"]["ground_truth"])
+        truth = str(row[keys.REWARD_MODEL]["ground_truth"])
         out.append({**row, "chosen": row["response"], "rejected": wrong(truth, rng, kind), "rejected_kind": kind})
     return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.data import tool_task
+from hybridflow.protocol import keys
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +81,11 @@ def get_task(name: str) -> Task:
 
 def _row(task: Task, problem: Problem, split: str, index: int) -> dict[str, Any]:
     row = {
-        "data_source": task.data_source,
+        keys.DATA_SOURCE: task.data_source,
         "prompt": [{"role": "user", "content": problem.question}],
         "ability": task.ability,
-        "reward_model": {"style": "rule", "ground_truth": problem.answer},
-        "extra_info": {"split": split, "index": index},
+        keys.REWARD_MODEL: {"style": "rule", "ground_truth": problem.answer},
+        keys.EXTRA_INFO: {"split": split, "index": index},
     }
     if task.demonstrate is not None:
         return row | {"messages": task.demonstrate(problem)}

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 from hybridflow.agentic.formats import HermesPlainFormat
 from hybridflow.agentic.tools import CalculatorTool, ToolContext
+from hybridflow.protocol import keys
 
 TOOL = "calculator"
 FLAWED_KINDS = ("no_call", "malformed", "wrong_expression")
@@ -116,6 +117,6 @@ def demonstration(question: str, answer: str, kind: str, rng: random.Random) -> 
 def flawed(row: dict, rng: random.Random) -> dict:
     """`row` with its demonstration replaced by a flawed one (a kind drawn uniformly from FLAWED_KINDS)."""
     kind = rng.choice(FLAWED_KINDS)
-    question, answer = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
+    question, answer = row["prompt"][0]["content"], str(row[keys.REWARD_MODEL]["ground_truth"])
     return {**row, "messages": demonstration(question, answer, kind, rng),
-            "extra_info": {**row["extra_info"], "demonstration": kind}}
+            keys.EXTRA_INFO: {**row[keys.EXTRA_INFO], "demonstration": kind}}

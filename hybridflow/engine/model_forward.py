@@ -16,6 +16,7 @@ import torch
 from hybridflow.engine.attention import CU_SEQLENS, MAX_SEQLEN
 from hybridflow.engine.logprobs import chunked_logprobs
 from hybridflow.engine.packing import ModelInputs
+from hybridflow.protocol import keys
 
 HEADS = ("lm", "value", "score")
 
@@ -42,10 +43,10 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
         logp, ent = chunked_logprobs(hidden_NH.index_select(0, inputs.src_K), self.get_output_embeddings(),
                                      inputs.labels_K, temperature=req.temperature, chunk_size=req.chunk_size,
                                      with_entropy=req.with_entropy)
-        return {"log_probs": logp} if ent is None else {"log_probs": logp, "entropy": ent}
+        return {"log_probs": logp} if ent is None else {"log_probs": logp, keys.ENTROPY: ent}
     idx = inputs.src_K if req.kind == "value" else inputs.last_K
     # sum over the single output column: a fresh tensor, not a view (FSDP2 output hooks dislike views).
-    return {"values": self.score(hidden_NH.index_select(0, idx)).float().sum(-1)}
+    return {keys.VALUES: self.score(hidden_NH.index_select(0, idx)).float().sum(-1)}
 
 
 def _softcapped_logprobs(self: torch.nn.Module, hidden_KH: torch.Tensor, labels_K: torch.Tensor,
@@ -57,7 +58,7 @@ def _softcapped_logprobs(self: torch.nn.Module, hidden_KH: torch.Tensor, labels_
     logp_KV = torch.log_softmax(torch.tanh(logits_KV / cap) * cap / req.temperature, dim=-1)
     out = {"log_probs": logp_KV.gather(-1, labels_K[:, None]).squeeze(-1)}
     if req.with_entropy:
-        out["entropy"] = -(logp_KV.exp() * logp_KV).sum(-1)
+        out[keys.ENTROPY] = -(logp_KV.exp() * logp_KV).sum(-1)
     return out
 
 

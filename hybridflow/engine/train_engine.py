@@ -48,13 +48,13 @@ from hybridflow.engine.optim import set_kind as set_optimizer_kind
 from hybridflow.engine.packing import build_inputs, scatter_to_responses
 from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.models.loader import load_module, load_tokenizer
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.protocol.late import new_columns
 from hybridflow.utils.progress import beat
 
 logger = logging.getLogger(__name__)
 MODES = ("train", "generate", "offload")
-INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+INPUT_KEYS = keys.MODEL_INPUTS
 
 
 class LossFn(Protocol):
@@ -211,22 +211,23 @@ class TrainEngine:
     # ----------------------------------------------------------------------------------------- forward
     def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest) -> tuple[dict[str, torch.Tensor], int]:
         """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens."""
-        ids = batch["input_ids"]
-        b, r = ids.shape[0], batch["responses"].shape[1]
+        ids = batch[keys.INPUT_IDS]
+        b, r = ids.shape[0], batch[keys.RESPONSES].shape[1]
         # Indices are built where the batch lives (the host, normally) and copied without stalling the GPU.
-        inputs = build_inputs(ids, batch["attention_mask"], batch["position_ids"], r, self.spec.packed).to(self.device)
-        with routing_replay(self.module, batch.get(ROUTED), batch["attention_mask"], self.spec.packed,
+        inputs = build_inputs(ids, batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS], r, self.spec.packed)
+        inputs = inputs.to(self.device)
+        with routing_replay(self.module, batch.get(ROUTED), batch[keys.ATTENTION_MASK], self.spec.packed,
                             self.spec.routing_replay, self.device) as agree:
             out = self.module(hf_inputs=inputs, hf_request=req)
         if agree[0] is not None and req.kind == "lm":
             out[AGREEMENT] = agree[0].float().index_select(0, inputs.src_K)
         if req.kind == "score":
-            return {"scores": out["values"]}, inputs.num_tokens
+            return {"scores": out[keys.VALUES]}, inputs.num_tokens
         return {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()}, inputs.num_tokens
 
     def _micro_batches(self, data: DataProto, batching: MicroBatching) -> list[list[int]]:
         if batching.dynamic:
-            return token_budget_micro_batches(data.batch["attention_mask"].sum(-1).tolist(), batching.max_tokens)
+            return token_budget_micro_batches(data.batch[keys.ATTENTION_MASK].sum(-1).tolist(), batching.max_tokens)
         return fixed_micro_batches(len(data), batching.size)
 
     def _check_head(self, head: HeadRequest) -> None:
@@ -330,7 +331,7 @@ class TrainEngine:
             raise RuntimeError("forward_backward runs inside `with engine.training():` (placement, train mode, "
                                "cleanup on failure)")
         self._check_head(head)
-        global_norm = self._global_norms(batch.batch["response_mask"])
+        global_norm = self._global_norms(batch.batch[keys.RESPONSE_MASK])
         fresh = self._pending_loss is None
         if fresh:  # a new accumulation (the last step's gradients stay readable until now)
             self._zero_grad()
@@ -370,8 +371,8 @@ class TrainEngine:
             beat(i)
             self._set_grad_sync(i == len(micro) - 1)
             mb = batch.select_idxs(idx)
-            head_tokens = int(mb.batch["attention_mask"][:, -mb.batch["responses"].shape[1]:].sum())
-            flops += self.flops.train_flops(mb.batch["attention_mask"].sum(-1).tolist(), head_tokens)
+            head_tokens = int(mb.batch[keys.ATTENTION_MASK][:, -mb.batch[keys.RESPONSES].shape[1]:].sum())
+            flops += self.flops.train_flops(mb.batch[keys.ATTENTION_MASK].sum(-1).tolist(), head_tokens)
             outputs, n_tok = self._forward_micro(mb.batch, head)
             if late is not None:  # the forward is queued: wait for the late columns while the device runs it
                 batch = batch.select().union(new_columns(batch, late()))
@@ -587,6 +588,6 @@ def host_floats(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
     for k, v in values.items():
         if isinstance(v, torch.Tensor):
             by_device[v.device].append(k)
-    for keys in by_device.values():
-        out |= dict(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).tolist()))
+    for names in by_device.values():
+        out |= dict(zip(names, torch.stack([values[k].reshape(()) for k in names]).tolist()))
     return out

@@ -29,13 +29,30 @@ CHECK_ENV = "HYBRIDFLOW_CHECK_BATCH"
 Kind = Literal["int", "float", "object"]  # integer/bool tensor | floating tensor | numpy object array (non-tensor)
 
 
-@dataclass(frozen=True)
-class Key:
-    name: str
+class Key(str):
+    """A batch key: the name itself (`batch[keys.RESPONSES]`, equal to and hashed as "responses"), plus its
+    contract. A str, so code never spells a key twice (`.name` is the plain str). Pickles as a reference to the
+    declaration; JSON, safetensors and f-strings see the plain name."""
+
     dims: tuple[str, ...]
     kind: Kind
     writer: str  # the stage (or `data`) that puts it in the batch
     doc: str
+
+    def __new__(cls, name: str, dims: tuple[str, ...], kind: Kind, writer: str, doc: str) -> Key:
+        key = super().__new__(cls, name)
+        vars(key).update(dims=dims, kind=kind, writer=writer, doc=doc)
+        return key
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+    def __setattr__(self, attr: str, value: object) -> None:
+        raise AttributeError(f"batch key {self.name!r} is immutable (tried to set {attr})")
+
+    def __reduce__(self) -> tuple[Callable[[str], Key], tuple[str]]:
+        return declared, (self.name,)
 
 
 def _k(name: str, dims: str, kind: Kind, writer: str, doc: str) -> Key:
@@ -92,6 +109,11 @@ META_KEYS = frozenset({"n", "do_sample", "temperature", "top_k", "top_p", "max_n
 MODEL_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, RESPONSES)
 
 
+def declared(name: str) -> Key:
+    """The declared key called `name` (how a pickled key comes back)."""
+    return KEYS[name]
+
+
 # --------------------------------------------------------------------------------------------------- the stages
 @dataclass(frozen=True)
 class Stage:
@@ -126,7 +148,7 @@ def sampling_log_probs(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Log-probs of the policy that sampled the responses, for KL measured on the driver: the recomputed
     `old_log_probs` when the `old_log_prob` stage ran, else the sampler's own `rollout_log_probs`. (The actor loss
     falls back differently — to its current log-probs, detached — so a strictly on-policy ratio is exactly 1.)"""
-    return batch[OLD_LOG_PROBS.name] if OLD_LOG_PROBS.name in batch else batch[ROLLOUT_LOG_PROBS.name]
+    return batch[OLD_LOG_PROBS] if OLD_LOG_PROBS in batch else batch[ROLLOUT_LOG_PROBS]
 
 
 # ------------------------------------------------------------------------------------------------ debug checks
@@ -138,22 +160,27 @@ def checks_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def check(stage: Stage, data: DataProto, when: Literal["in", "out"]) -> None:
+def check(stage: Stage, data: DataProto, when: Literal["in", "out"], before: set[str] | None = None) -> None:
     """Raise `BatchContractError` if `data` lacks a key `stage` reads (`in`) or writes (`out`), or if a declared
-    key has the wrong kind or a shape inconsistent with the others (B rows, R response width, ...)."""
+    key has the wrong kind or a shape inconsistent with the others (B rows, R response width, ...). `before`
+    (`out` only): the keys of the stage's input; a key the stage added must be one it declares."""
     required = stage.reads if when == "in" else stage.writes
-    present = set(data.batch) | set(data.non_tensor_batch)
-    missing = [k for k in required if k.name not in present]
+    present = _present(data)
+    added = sorted(present - before - {*stage.reads, *stage.writes, *stage.optional}) if before is not None else []
+    if added:
+        raise BatchContractError(f"stage {stage.name!r} wrote {added}, which it does not declare; add them to its "
+                                 "writes (and declare each Key) in hybridflow/protocol/keys.py")
+    missing = [k for k in required if k not in present]
     if missing:
-        where = ", ".join(f"{k.name!r} (written by {k.writer})" for k in missing)
+        where = ", ".join(f"{k!r} (written by {k.writer})" for k in missing)
         raise BatchContractError(f"stage {stage.name!r} ({when}put): batch lacks {where}; has {sorted(present)}")
     # Widths are anchored on the keys that define them, so an error names the key that disagrees.
     sizes: dict[str, int] = {"B": len(data)}
     for dim, anchor in (("R", RESPONSES), ("P", PROMPTS), ("L", INPUT_IDS)):
-        if anchor.name in data.batch and data.batch[anchor.name].dim() == 2:
-            sizes[dim] = data.batch[anchor.name].shape[1]
+        if anchor in data.batch and data.batch[anchor].dim() == 2:
+            sizes[dim] = data.batch[anchor].shape[1]
     for key in (*required, *stage.optional):
-        if key.name in present:
+        if key in present:
             _check_key(stage, key, data, sizes)
     unknown = sorted(set(data.meta_info) - META_KEYS)
     if unknown:
@@ -161,28 +188,37 @@ def check(stage: Stage, data: DataProto, when: Literal["in", "out"]) -> None:
                                  f"for metadata ({sorted(META_KEYS)}) — put per-row data in the batch")
 
 
+def _present(data: DataProto) -> set[str]:
+    return set(data.batch) | set(data.non_tensor_batch)
+
+
 def _check_key(stage: Stage, key: Key, data: DataProto, sizes: dict[str, int]) -> None:
-    value = data.batch.get(key.name)
+    value = data.batch.get(key)
     if value is None:
-        value = data.non_tensor_batch[key.name]
+        value = data.non_tensor_batch[key]
         kind: Kind = "object"
     else:
         kind = "float" if value.is_floating_point() else "int"
     if kind != key.kind:
-        raise BatchContractError(f"stage {stage.name!r}: {key.name!r} is {kind} ({_dtype(value)}), the contract "
+        raise BatchContractError(f"stage {stage.name!r}: {key!r} is {kind} ({_dtype(value)}), the contract "
                                  f"says {key.kind} ({key.doc})")
     shape = tuple(value.shape)
     if len(shape) != len(key.dims):
-        raise BatchContractError(f"stage {stage.name!r}: {key.name!r} has shape {list(shape)}, the contract says "
+        raise BatchContractError(f"stage {stage.name!r}: {key!r} has shape {list(shape)}, the contract says "
                                  f"[{', '.join(key.dims)}]")
     for dim, size in zip(key.dims, shape):
         if sizes.setdefault(dim, size) != size:
-            raise BatchContractError(f"stage {stage.name!r}: {key.name!r} has {dim}={size} but other keys have "
+            raise BatchContractError(f"stage {stage.name!r}: {key!r} has {dim}={size} but other keys have "
                                      f"{dim}={sizes[dim]} (shape {list(shape)} vs [{', '.join(key.dims)}])")
 
 
 def _dtype(value: torch.Tensor | np.ndarray) -> str:
     return str(value.dtype)
+
+
+def _checked_in(stage: Stage, data: DataProto) -> DataProto:
+    check(stage, data, "in")
+    return data
 
 
 P = ParamSpec("P")
@@ -194,16 +230,23 @@ def checked_stage(stage: Stage) -> Callable[[Callable[Concatenate[S, DataProto, 
                                             Callable[Concatenate[S, DataProto, P], R]]:
     """Decorate a stage method `(self, batch, ...)`: in debug mode check `batch` against `stage.reads` before the
     call and, after it, the returned DataProto (or `batch`, when the stage updates it in place) against
-    `stage.writes`. Off (the default), the method runs untouched."""
+    `stage.writes`, and that it added no key it does not declare. A call given `late` (`protocol/late.py`) has
+    its inputs once the late columns arrive: the check reads the batch `late` returns. Off (the default), the
+    method runs untouched."""
 
     def wrap(fn: Callable[Concatenate[S, DataProto, P], R]) -> Callable[Concatenate[S, DataProto, P], R]:
         @functools.wraps(fn)
         def inner(self: S, batch: DataProto, /, *args: P.args, **kwargs: P.kwargs) -> R:
             if not checks_enabled():
                 return fn(self, batch, *args, **kwargs)
-            check(stage, batch, "in")
+            before = _present(batch)
+            late = kwargs.get("late")
+            if callable(late):
+                kwargs["late"] = lambda: _checked_in(stage, late())
+            else:
+                check(stage, batch, "in")
             out = fn(self, batch, *args, **kwargs)
-            check(stage, out if isinstance(out, DataProto) else batch, "out")
+            check(stage, out if isinstance(out, DataProto) else batch, "out", before)
             return out
 
         return inner

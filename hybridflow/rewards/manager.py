@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards.custom import Spec, resolve
 from hybridflow.rewards.judge import JudgeFn
 from hybridflow.rewards.penalties import length_penalty, overlong_penalty
@@ -155,13 +155,13 @@ class RewardManager:
         return out.token_level_scores, out.metrics
 
     def score(self, batch: DataProto, update_stats: bool = False) -> RewardOutput:
-        responses = batch.batch["responses"]
+        responses = batch.batch[keys.RESPONSES]
         if responses.shape[0] == 0:
             raise ValueError("RewardManager.score got an empty batch (0 responses)")
         mask = self._response_mask(batch)
         last = last_token_index(mask)
         n = responses.shape[0]
-        data_sources = batch.non_tensor_batch.get("data_source", np.array(["unknown"] * n, dtype=object))
+        data_sources = batch.non_tensor_batch.get(keys.DATA_SOURCE, np.array(["unknown"] * n, dtype=object))
         solutions = self._decode(responses, last, mask)
         source_scores: dict[str, np.ndarray] = {}
         extras: dict[str, np.ndarray] = {}
@@ -207,12 +207,12 @@ class RewardManager:
             select_sandbox_mode()
 
     def _response_mask(self, batch: DataProto) -> torch.Tensor:
-        if "response_mask" in batch.batch:
-            return batch.batch["response_mask"]
-        r = batch.batch["responses"].shape[1]
-        if "attention_mask" in batch.batch:
-            return batch.batch["attention_mask"][:, -r:]
-        return torch.ones_like(batch.batch["responses"])
+        if keys.RESPONSE_MASK in batch.batch:
+            return batch.batch[keys.RESPONSE_MASK]
+        r = batch.batch[keys.RESPONSES].shape[1]
+        if keys.ATTENTION_MASK in batch.batch:
+            return batch.batch[keys.ATTENTION_MASK][:, -r:]
+        return torch.ones_like(batch.batch[keys.RESPONSES])
 
     def _decode(self, responses: torch.Tensor, last: torch.Tensor, mask: torch.Tensor) -> list[str]:
         valid = mask.sum(-1) > 0
@@ -229,8 +229,8 @@ class RewardManager:
                        ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float], np.ndarray]:
         """Scores, extras and failure metrics of every function source, and each row's status (its worst)."""
         n = len(solutions)
-        reward_model = batch.non_tensor_batch.get("reward_model", np.array([None] * n, dtype=object))
-        extra_info = batch.non_tensor_batch.get("extra_info", np.array([None] * n, dtype=object))
+        reward_model = batch.non_tensor_batch.get(keys.REWARD_MODEL, np.array([None] * n, dtype=object))
+        extra_info = batch.non_tensor_batch.get(keys.EXTRA_INFO, np.array([None] * n, dtype=object))
         truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in reward_model]
         names = [name for name, _ in self.sources if name not in (MODEL_SOURCE, JUDGE_SOURCE)]
         rule_specs = {ds: ("fn", reward_fn_name(ds)) for ds in set(data_sources)} if "rule" in names else {}
@@ -270,11 +270,11 @@ class RewardManager:
         return {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
 
     def _model_scores(self, batch: DataProto, update_stats: bool, metrics: dict[str, float]) -> np.ndarray:
-        if "rm_scores" not in batch.batch:
+        if keys.RM_SCORES not in batch.batch:
             raise ValueError("reward.sources includes 'model' but the batch has no 'rm_scores'; enable "
                              "reward.reward_model so the reward-model worker scores responses before the reward "
                              "stage, or remove 'model' from reward.sources")
-        rm = batch.batch["rm_scores"].float()
+        rm = batch.batch[keys.RM_SCORES].float()
         rm = rm.sum(-1) if rm.ndim == 2 else rm  # token-level RM output has the score on one token
         scores = torch.nan_to_num(rm, nan=self.cfg.error_score).cpu().numpy().astype(np.float64)
         rm_cfg = self.cfg.reward_model

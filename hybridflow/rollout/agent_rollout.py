@@ -21,7 +21,7 @@ import torch
 from hybridflow.agentic.agent_session import Branch, Session
 from hybridflow.agentic.agents import Outcome, load_agent, run_agents
 from hybridflow.agentic.openai_api import OpenAIServer
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout.agent_scheduler import AgentScheduler
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.sampling import SamplingParams, row_seed
@@ -85,7 +85,7 @@ class AgentRollout:
                                f"{failed[0].error}")
         for o in failed[:3]:
             logger.warning("agent task %s ended: %s", o.session, o.error)
-        default_prompts = [prompts.batch["input_ids"][i][prompts.batch["attention_mask"][i].bool()].tolist()
+        default_prompts = [prompts.batch[keys.INPUT_IDS][i][prompts.batch[keys.ATTENTION_MASK][i].bool()].tolist()
                            for i in range(B) for _ in range(n)]
         rows = [self._row(sched.sessions.get(o.session, Session()), o, default_prompts[k])
                 for k, o in enumerate(outcomes)]
@@ -135,9 +135,9 @@ class AgentRollout:
             rewards[i, :m] = torch.tensor(row["rewards"])
         attention = torch.cat([p_mask, r_att], dim=1)
         return DataProto.from_single_dict({
-            "prompts": prompts, "responses": resp, "response_mask": r_mask, "rollout_log_probs": logp,
-            "input_ids": torch.cat([prompts, resp], dim=1), "attention_mask": attention,
-            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "turn_rewards": rewards})
+            keys.PROMPTS: prompts, keys.RESPONSES: resp, keys.RESPONSE_MASK: r_mask, keys.ROLLOUT_LOG_PROBS: logp,
+            keys.INPUT_IDS: torch.cat([prompts, resp], dim=1), keys.ATTENTION_MASK: attention,
+            keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0), keys.TURN_REWARDS: rewards})
 
     @staticmethod
     def _metrics(outcomes: list[Outcome], sched: AgentScheduler, rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -184,7 +184,7 @@ class RolloutEngine:
 
     def _row_seeds(self, meta: dict[str, Any], params: SamplingParams, B: int) -> list[int]:
         n = params.n
-        seeds = meta.get("seeds")
+        seeds = meta.get(keys.SEEDS)
         if seeds is None:  # fresh per call and per data-parallel rank, reproducible from rollout.seed
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             rank = rank if self.tp is None else self.tp.first_rank  # one set of seeds per tensor-parallel group
@@ -210,8 +210,8 @@ class RolloutEngine:
         them. HF generate (the fallback) and the agent endpoint ask once, at the start."""
         meta = dict(prompts.meta_info)
         params = self.sampling_for(meta, sampling)
-        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-        pos = prompts.batch.get("position_ids")
+        ids, mask = prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK]
+        pos = prompts.batch.get(keys.POSITION_IDS)
         if pos is None:
             pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         B, P = ids.shape
@@ -301,18 +301,18 @@ class RolloutEngine:
         # multi-turn: appended tool/user tokens are context (attended to), not trained on
         loss_mask = res.model_mask.to(mask.dtype) if isinstance(res, MultiTurnResult) else resp_mask
         out = {
-            "prompts": ids_n,
-            "responses": res.tokens,
-            "response_mask": loss_mask,
-            "rollout_log_probs": res.log_probs * loss_mask,
-            "input_ids": torch.cat([ids_n, res.tokens], dim=1),
-            "attention_mask": torch.cat([mask_n, resp_mask], dim=1),
-            "position_ids": torch.cat([pos_n, resp_pos], dim=1),
+            keys.PROMPTS: ids_n,
+            keys.RESPONSES: res.tokens,
+            keys.RESPONSE_MASK: loss_mask,
+            keys.ROLLOUT_LOG_PROBS: res.log_probs * loss_mask,
+            keys.INPUT_IDS: torch.cat([ids_n, res.tokens], dim=1),
+            keys.ATTENTION_MASK: torch.cat([mask_n, resp_mask], dim=1),
+            keys.POSITION_IDS: torch.cat([pos_n, resp_pos], dim=1),
         }
         if isinstance(res, MultiTurnResult):
-            out["turn_rewards"] = res.turn_rewards
+            out[keys.TURN_REWARDS] = res.turn_rewards
         if res.versions is not None:
-            out["rollout_policy_version"] = res.versions
+            out[keys.ROLLOUT_POLICY_VERSION] = res.versions
         return DataProto.from_single_dict(out)
 
     def _multi_turn_scheduler(self, runner: ModelRunner, prompts: DataProto, n: int, ids: torch.Tensor,
@@ -320,7 +320,7 @@ class RolloutEngine:
                               ) -> tuple[MultiTurnScheduler, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Start the session's rows; with interactions configured, the prompts get each interaction's first user
         message and are left-padded to data.max_prompt_length (the same width on every rank)."""
-        extra = prompts.non_tensor_batch.get("extra_info")
+        extra = prompts.non_tensor_batch.get(keys.EXTRA_INFO)
         rows = len(prompts) * n
         first = self.session.begin([None] * rows if extra is None else list(np.repeat(extra, n, axis=0)))
         if self.session.interactions:

@@ -228,7 +228,7 @@ class RolloutDriver:
                    self._failed(f"generating for step {req.planned_step}", err)) from err
         waited = time.perf_counter() - t0
         if greedy is not None:  # as the sync step does
-            out.batch[keys.BASELINE_REWARDS.name] = self.alg.baseline_rewards(greedy)
+            out.batch[keys.BASELINE_REWARDS] = self.alg.baseline_rewards(greedy)
         req.result = (out, reduce_metrics(out.meta_info.pop("metrics", [])), waited)
         return out, dict(req.result[1]), waited
 
@@ -286,13 +286,13 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------------------------------ batches
     def _ready(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
-        versions = batch.batch[keys.POLICY_VERSION.name].to(torch.float64)  # per row: its oldest token's
+        versions = batch.batch[keys.POLICY_VERSION].to(torch.float64)  # per row: its oldest token's
         staleness = (step - 1) - versions
         metrics |= {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max()),
                     "staleness/min_version": float(versions.min())}
-        per_token = batch.batch.get(keys.ROLLOUT_POLICY_VERSION.name)
+        per_token = batch.batch.get(keys.ROLLOUT_POLICY_VERSION)
         if per_token is not None:
-            mask = batch.batch[keys.RESPONSE_MASK.name].bool()
+            mask = batch.batch[keys.RESPONSE_MASK].bool()
             token_staleness = ((step - 1) - per_token.to(torch.float64))[mask]
             big = torch.iinfo(per_token.dtype).max
             newest = per_token.masked_fill(~mask, -big).max(1).values  # over the row's own tokens, not its padding
@@ -307,7 +307,7 @@ class RolloutDriver:
 
     def take(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
         """The PPO step's `gen` stage in a non-sync mode: the batch is already generated; add its metrics."""
-        if keys.RESPONSES.name not in batch.batch:
+        if keys.RESPONSES not in batch.batch:
             raise RuntimeError(f"trainer.mode={self.mode}: step {step} got a batch of prompts, not generated rows; "
                                "iterate PPOAlgorithm.batches(...) (the loop does) instead of the loader")
         metrics |= self._step_metrics.pop(step, {})
@@ -365,7 +365,7 @@ class RolloutDriver:
             if batch is None:
                 break
             skipped.append(batch)
-            uids = set(map(str, batch.non_tensor_batch.get(keys.UID.name, [])))
+            uids = set(map(str, batch.non_tensor_batch.get(keys.UID, [])))
             if not want.get(index, set()) <= uids:
                 break
         else:
@@ -520,7 +520,7 @@ class AsyncDriver(RolloutDriver):
                 waited += w
                 wait_train += gen_metrics.pop("timing/wait_train", 0.0)
                 self._add_gen_metrics(metrics, gen_metrics)
-                oldest = int(out.batch[keys.POLICY_VERSION.name].min())  # = req.version under abort
+                oldest = int(out.batch[keys.POLICY_VERSION].min())  # = req.version under abort
                 if (step - 1) - oldest > self.max_staleness:  # drop and resubmit with the newest weights
                     self._aborted += len(req.prompts)
                     self._outstanding -= len(req.prompts)

@@ -54,8 +54,8 @@ class Pipeline:
         out: dict[int, set[str]] = {}
         parts = [(r.prompts, r.source) for r in self.requests] + [(p, s) for p, _, s in self.pending]
         for prompts, source in parts:
-            if source is not None and keys.UID.name in prompts.non_tensor_batch:
-                out.setdefault(source, set()).update(map(str, prompts.non_tensor_batch[keys.UID.name]))
+            if source is not None and keys.UID in prompts.non_tensor_batch:
+                out.setdefault(source, set()).update(map(str, prompts.non_tensor_batch[keys.UID]))
         return out
 
 

@@ -31,7 +31,7 @@ from hybridflow.algorithms.preference import REFERENCE_FREE, PairLogps, preferen
 from hybridflow.config import Config
 from hybridflow.config.schema import DPOConfig
 from hybridflow.engine import EngineSpec, HeadRequest
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards import RewardManager
 from hybridflow.trainer.dpo_validation import scored_val_prompts
 from hybridflow.trainer.judge import build_judge
@@ -94,7 +94,7 @@ class DPOAlgorithm(SupervisedAlgorithm):
     def _ref_log_prob(self, batch: DataProto, split: str) -> torch.Tensor:
         if split in self.ref_cache:
             return self.ref_cache[split].lookup(batch)
-        return self.group.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        return self.group.compute_ref_log_prob(batch).batch[keys.REF_LOG_PROB]
 
     @property
     def needs_reference(self) -> bool:
@@ -134,7 +134,7 @@ class DPOAlgorithm(SupervisedAlgorithm):
         start = time.perf_counter()
         # 1. reference log-probs of both sides of every pair (frozen reference, adapters disabled, or precomputed)
         if self.needs_reference:
-            batch.batch["ref_log_prob"] = self._ref_log_prob(batch, "train")
+            batch.batch[keys.REF_LOG_PROB] = self._ref_log_prob(batch, "train")
         t_ref = time.perf_counter()
         # 2. one optimizer step on the preference loss (chosen + rejected in one forward)
         metrics = reduce_metrics(self.group.train_batch(batch), self.section)
@@ -150,12 +150,12 @@ class DPOAlgorithm(SupervisedAlgorithm):
     def pair_metrics(self) -> dict[str, float]:
         """Loss, implicit-reward accuracy/margin and the policy's own preference on the held-out pairs."""
         loader = self.make_loader(self.val_ds, shuffle=False, drop_last=False)
-        parts: dict[str, list[torch.Tensor]] = {"log_probs": [], "ref_log_prob": [], "mask": [], "pair": []}
+        parts: dict[str, list[torch.Tensor]] = {"log_probs": [], "ref": [], "mask": [], "pair": []}
         for batch in loader:
             parts["log_probs"].append(self.group.eval_log_probs(batch).batch["log_probs"].double())
             if self.needs_reference:
-                parts["ref_log_prob"].append(self._ref_log_prob(batch, "val").double())
-            parts["mask"].append(batch.batch["response_mask"])
+                parts["ref"].append(self._ref_log_prob(batch, "val").double())
+            parts["mask"].append(batch.batch[keys.RESPONSE_MASK])
             parts["pair"].append(batch.batch["pair_chosen"])
         x = _pairs_of(parts)
         s = self.sec
@@ -172,7 +172,7 @@ class DPOAlgorithm(SupervisedAlgorithm):
 def _pairs_of(parts: dict[str, list[torch.Tensor]]) -> PairLogps:
     """Per-batch [B, R] pieces (widths differ between batches) → one `PairLogps` over all pairs."""
     xs = [pair_logps(lp, m, p, ref) for lp, m, p, ref in
-          zip(parts["log_probs"], parts["mask"], parts["pair"], parts["ref_log_prob"] or [None] * len(parts["mask"]))]
+          zip(parts["log_probs"], parts["mask"], parts["pair"], parts["ref"] or [None] * len(parts["mask"]))]
     cat = {f.name: (None if getattr(xs[0], f.name) is None else torch.cat([getattr(x, f.name) for x in xs]))
            for f in dataclasses.fields(xs[0])}
     return PairLogps(**cat)

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config
 from hybridflow.data import read_rows, task_splits
-from hybridflow.data.contract import REWARD_COLUMN, ground_truth_required
+from hybridflow.data.contract import ground_truth_required
 from hybridflow.data.preference_columns import resolve_columns
 from hybridflow.data.rl_dataset import RLHFDataset
+from hybridflow.protocol import keys
 from hybridflow.rewards.manager import MODEL_SOURCE
 from hybridflow.rewards.registry import reward_fn_name
 
@@ -41,10 +42,10 @@ def _val_rows(cfg: Config) -> tuple[list[dict[str, Any]], str | None, str]:
     rows = read_rows(d.val_files)
     columns = list(rows[0]) if rows else []
     prompt = resolve_columns(columns, d.prompt_key, d.chosen_key, d.rejected_key, "dpo-val").prompt
-    missing = [c for c in ("data_source", REWARD_COLUMN) if c not in columns] + ([] if prompt else ["a prompt"])
+    missing = [c for c in (keys.DATA_SOURCE, keys.REWARD_MODEL) if c not in columns] + ([] if prompt else ["a prompt"])
     if missing:
         return [], None, f"data.val_files have no {' / '.join(missing)} column"
-    unique = {repr((r.get(prompt), r.get("data_source"), r.get(REWARD_COLUMN))): r for r in rows}
+    unique = {repr((r.get(prompt), r.get(keys.DATA_SOURCE), r.get(keys.REWARD_MODEL))): r for r in rows}
     return list(unique.values()), prompt, ""
 
 
@@ -54,7 +55,7 @@ def _unscored(cfg: Config, rows: list[dict[str, Any]]) -> str:
     if MODEL_SOURCE in names:
         return "reward.sources uses the reward model, which hybridflow dpo does not build"
     if "rule" in names:
-        for source in sorted({str(r.get("data_source")) for r in rows}):
+        for source in sorted({str(r.get(keys.DATA_SOURCE)) for r in rows}):
             try:
                 reward_fn_name(source)
             except ValueError:

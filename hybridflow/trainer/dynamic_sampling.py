@@ -41,8 +41,8 @@ class InformativeGroups:
 
     def add(self, batch: DataProto) -> None:
         """A scored part (`token_level_scores`, `uid`): keep its informative groups."""
-        keep, frac = filter_uninformative_groups(batch.batch[keys.TOKEN_LEVEL_SCORES.name].sum(-1),
-                                                 batch.non_tensor_batch[keys.UID.name])
+        keep, frac = filter_uninformative_groups(batch.batch[keys.TOKEN_LEVEL_SCORES].sum(-1),
+                                                 batch.non_tensor_batch[keys.UID])
         self.fractions.append(frac)
         kept = batch.select_idxs(keep)
         self.kept.append(kept)

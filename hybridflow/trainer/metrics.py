@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import masked_mean
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 
 def reduce_metrics(per_rank: list[dict[str, float]] | dict[str, float], prefix: str = "") -> dict[str, float]:
@@ -37,23 +37,23 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
 
 def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]:
     b = batch.batch
-    mask = b["response_mask"].bool()
+    mask = b[keys.RESPONSE_MASK].bool()
     resp_len = mask.sum(-1).float()
     out: dict[str, float] = {}
-    if "token_level_scores" in b:
-        out |= _stats("reward/score", b["token_level_scores"].sum(-1))
-    if "token_level_rewards" in b and b["token_level_rewards"] is not b.get("token_level_scores"):
-        out |= _stats("reward/kl_penalized", b["token_level_rewards"].sum(-1))  # a value of its own: KL in reward
-    if "advantages" in b:
-        out |= _masked_stats("adv", b["advantages"], mask)
-    if "returns" in b:
-        out |= _masked_stats("returns", b["returns"], mask)
-    if "values" in b:
-        out |= _masked_stats("critic/values", b["values"], mask)
+    if keys.TOKEN_LEVEL_SCORES in b:
+        out |= _stats("reward/score", b[keys.TOKEN_LEVEL_SCORES].sum(-1))
+    if keys.TOKEN_LEVEL_REWARDS in b and b[keys.TOKEN_LEVEL_REWARDS] is not b.get(keys.TOKEN_LEVEL_SCORES):
+        out |= _stats("reward/kl_penalized", b[keys.TOKEN_LEVEL_REWARDS].sum(-1))  # a value of its own: KL in reward
+    if keys.ADVANTAGES in b:
+        out |= _masked_stats("adv", b[keys.ADVANTAGES], mask)
+    if keys.RETURNS in b:
+        out |= _masked_stats(keys.RETURNS, b[keys.RETURNS], mask)
+    if keys.VALUES in b:
+        out |= _masked_stats("critic/values", b[keys.VALUES], mask)
     out |= _stats("response_length", resp_len)
     out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
-    if "attention_mask" in b and "prompts" in b:
-        prompt_len = b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1).float()
+    if keys.ATTENTION_MASK in b and keys.PROMPTS in b:
+        prompt_len = b[keys.ATTENTION_MASK][:, : b[keys.PROMPTS].shape[1]].sum(-1).float()
         out["prompt_length/mean"] = float(prompt_len.mean())
     return out
 
@@ -68,7 +68,7 @@ def per_source_scores(scores: np.ndarray, sources: np.ndarray, prefix: str) -> d
 
 
 def throughput_metrics(batch: DataProto, step_time: float, world_size: int) -> dict[str, float]:
-    tokens = int(batch.batch["attention_mask"].sum())
+    tokens = int(batch.batch[keys.ATTENTION_MASK].sum())
     return {"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / max(step_time, 1e-9) / world_size}
 
 

@@ -23,7 +23,7 @@ import torch
 
 from hybridflow.algorithms.preference_pairs import Pairs, best_worst_pairs
 from hybridflow.config import Config
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.trainer.dpo import dpo_model_config
 from hybridflow.trainer.loop import Trainer
 from hybridflow.trainer.metrics import compute_data_metrics, reduce_metrics
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from hybridflow.trainer.roles import WorkerGroups
 
 # What the pair batch keeps of a generated batch (the engine's model inputs and the loss mask).
-PAIR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+PAIR_KEYS = (*keys.MODEL_INPUTS, keys.RESPONSE_MASK)
 
 
 def pair_batch(batch: DataProto, pairs: Pairs, world_size: int) -> DataProto:
@@ -46,7 +46,7 @@ def pair_batch(batch: DataProto, pairs: Pairs, world_size: int) -> DataProto:
     pairs (so every data-parallel rank holds whole pairs)."""
     keep = pairs.num_pairs // world_size * world_size
     rows = pairs.interleaved()[: 2 * keep]
-    out = batch.select(batch_keys=list(PAIR_KEYS), non_tensor_batch_keys=["uid"]).select_idxs(rows)
+    out = batch.select(batch_keys=list(PAIR_KEYS), non_tensor_batch_keys=[keys.UID]).select_idxs(rows)
     out.meta_info = {}
     out.batch["pair_chosen"] = torch.tensor([1, 0] * keep, dtype=torch.long)
     return out
@@ -76,8 +76,8 @@ class OnlineDPOAlgorithm(PPOAlgorithm):
         with timer("reward"):  # 2. rule functions / reward model
             batch = self.reward(batch, metrics)
         with timer("pair"):  # 3. best/worst response of each prompt; all-equal groups skipped
-            scores_B = batch.batch["token_level_scores"].sum(-1)
-            pairs = best_worst_pairs(scores_B, batch.non_tensor_batch["uid"])
+            scores_B = batch.batch[keys.TOKEN_LEVEL_SCORES].sum(-1)
+            pairs = best_worst_pairs(scores_B, batch.non_tensor_batch[keys.UID])
             pb = pair_batch(batch, pairs, self.res.world_size)
         metrics |= _pair_metrics(pairs, scores_B, len(pb) // 2)
         if len(pb):

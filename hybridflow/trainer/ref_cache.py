@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 
 def _keys(batch: DataProto) -> list[tuple[int, int]]:
@@ -29,13 +29,13 @@ class ReferenceLogps:
         return len(self._rows)
 
     def add(self, batch: DataProto, ref_logp_BR: torch.Tensor) -> None:
-        lengths = batch.batch["response_mask"].sum(-1).tolist()
+        lengths = batch.batch[keys.RESPONSE_MASK].sum(-1).tolist()
         for row, (key, n) in enumerate(zip(_keys(batch), lengths)):
             self._rows[key] = ref_logp_BR[row, : int(n)].detach().cpu().clone()
 
     def lookup(self, batch: DataProto) -> torch.Tensor:
         """`ref_log_prob` [B, R] of `batch` (0 on padding)."""
-        mask = batch.batch["response_mask"]
+        mask = batch.batch[keys.RESPONSE_MASK]
         out: torch.Tensor | None = None
         for row, key in enumerate(_keys(batch)):
             logp = self._rows.get(key)
@@ -53,5 +53,5 @@ class ReferenceLogps:
         """One pass: `ref_fn(batch).batch["ref_log_prob"]` for every batch."""
         cache = cls()
         for batch in batches:
-            cache.add(batch, ref_fn(batch).batch["ref_log_prob"])
+            cache.add(batch, ref_fn(batch).batch[keys.REF_LOG_PROB])
         return cache

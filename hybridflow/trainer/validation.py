@@ -24,6 +24,7 @@ import numpy as np
 from hybridflow.agentic.trajectory import decoded_turns, format_turns
 from hybridflow.config import Config
 from hybridflow.data import make_dataloader
+from hybridflow.protocol import keys
 from hybridflow.rewards.manager import extras_means
 from hybridflow.trainer.metrics import per_source_scores
 
@@ -96,7 +97,7 @@ class Validator:
             row_scores = np.asarray(scored.scores, dtype=np.float64)
             scores.append(row_scores)
             accs.append(success(scored, self.cfg.reward.success_threshold))
-            sources.append(np.asarray(out.non_tensor_batch["data_source"]))
+            sources.append(np.asarray(out.non_tensor_batch[keys.DATA_SOURCE]))
             status.append(np.asarray(scored.row_status))
             for key, column in scored.extras.items():
                 extras.setdefault(key, []).append(column)
@@ -136,13 +137,13 @@ class Validator:
             return []
         tok = self.reward_fn.tokenizer
         res = []
-        width = out.batch["responses"].shape[1]
+        width = out.batch[keys.RESPONSES].shape[1]
         for i in range(min(n, len(out))):
-            prompt_ids = out.batch["prompts"][i]
+            prompt_ids = out.batch[keys.PROMPTS][i]
             # the real response tokens: model turns and, in multi-turn rollouts, the tool/user tokens between them
-            real = out.batch["attention_mask"][i, -width:].bool()
-            resp_ids = out.batch["responses"][i][real].tolist()
-            model = out.batch["response_mask"][i][real].tolist()
+            real = out.batch[keys.ATTENTION_MASK][i, -width:].bool()
+            resp_ids = out.batch[keys.RESPONSES][i][real].tolist()
+            model = out.batch[keys.RESPONSE_MASK][i][real].tolist()
             res.append({"prompt": tok.decode(prompt_ids[prompt_ids != tok.pad_token_id]),
                         "response": tok.decode(resp_ids), "score": float(row_scores[i]),
                         "turns": decoded_turns(tok, resp_ids, model)})

@@ -82,7 +82,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         """`beside`: host work of the driver, run once the forwards are queued (in-process workers only)."""
         out = self.actor.infer(data, actor_head(self.cfg, entropy=True), beside=beside)
         moe = moe_replay.metrics(out, data.batch)  # MoE: routing agreement with the rollout, log-prob gap
-        return DataProto.from_dict({keys.OLD_LOG_PROBS.name: out["log_probs"], keys.ENTROPY.name: out["entropy"]},
+        return DataProto.from_dict({keys.OLD_LOG_PROBS: out["log_probs"], keys.ENTROPY: out[keys.ENTROPY]},
                                    meta_info={"metrics": moe} if moe else None)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -93,7 +93,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         else:
             assert self.ref is not None, "compute_ref_log_prob needs a reference policy (res.use_reference)"
             out = self.ref.infer(data, ref_head(self.cfg), beside=beside)
-        return DataProto.from_dict({keys.REF_LOG_PROB.name: out["log_probs"]})
+        return DataProto.from_dict({keys.REF_LOG_PROB: out["log_probs"]})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.TEACHER)

@@ -38,8 +38,8 @@ class CriticWorker(CheckpointingWorker, Worker):
     @keys.checked_stage(keys.VALUES_STAGE)
     def compute_values(self, data: DataProto, beside: Callable[[], object] | None = None) -> DataProto:
         """`beside`: host work of the driver, run once the forwards are queued (in-process workers only)."""
-        values = self.critic.infer(data, VALUES, beside=beside)["values"]
-        return DataProto.from_dict({keys.VALUES.name: values})
+        values = self.critic.infer(data, VALUES, beside=beside)[keys.VALUES]
+        return DataProto.from_dict({keys.VALUES: values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     @keys.checked_stage(keys.UPDATE_CRITIC)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.config import Config
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.reshard import Resharder, tp_group_ranks
 from hybridflow.rollout.tensor_parallel import TPContext
@@ -101,7 +101,7 @@ def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto,
     if rows is not None:  # this rank's prompts, each with its rollout.n responses (consecutive rows)
         n = len(out) // len(prompts)
         out = out.select_idxs(torch.arange(rows[0] * n, rows[1] * n))  # a copy: a view would ship the whole batch
-    out.meta_info.pop("seeds", None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
+    out.meta_info.pop(keys.SEEDS, None)  # per-row data, not metadata (the driver sent them as the `seeds` column)
     engine_metrics = out.meta_info.get("metrics") or {}  # cache alloc, graph capture, decode steps
     out.meta_info["metrics"] = {**engine_metrics, **reshard_metrics, "timing/switch": (t1 - t0) + (t3 - t2), "timing/generate": t2 - t1}
     return out
@@ -110,8 +110,8 @@ def generate_on(engine: TrainEngine, rollout: RolloutEngine, prompts: DataProto,
 def seeds_to_meta(prompts: DataProto) -> DataProto:
     """The driver sends per-prompt seeds as a `seeds` column (so they are split with the rows); the rollout
     engine takes them from meta_info."""
-    if "seeds" not in prompts.batch:
+    if keys.SEEDS not in prompts.batch:
         return prompts
-    batch = {k: v for k, v in prompts.batch.items() if k != "seeds"}
-    meta = {**prompts.meta_info, "seeds": prompts.batch["seeds"].tolist()}
+    batch = {k: v for k, v in prompts.batch.items() if k != keys.SEEDS}
+    meta = {**prompts.meta_info, keys.SEEDS: prompts.batch[keys.SEEDS].tolist()}
     return DataProto(batch=batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)

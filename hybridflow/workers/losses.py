@@ -24,7 +24,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.config.schema import ActorConfig, CriticConfig, RolloutISConfig
 from hybridflow.engine.moe_replay import AGREEMENT
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 
 def _norm(global_norm: Any, mode: str) -> Any:
@@ -62,19 +62,20 @@ class ActorLoss:
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
         cfg = self.cfg
         log_prob = outputs["log_probs"]
-        mask = mb.batch["response_mask"]
+        mask = mb.batch[keys.RESPONSE_MASK]
         # Strictly on-policy (one epoch, one mini-batch): the sampling policy is the current one, so the ratio is 1
         # and its gradient is the policy gradient; recomputing old log-probs would only cost a forward pass.
-        old = mb.batch["old_log_probs"] if "old_log_probs" in mb.batch else log_prob.detach()
+        old = mb.batch[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in mb.batch else log_prob.detach()
         agg = dict(global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=self.max_response_length)
         is_kw: dict[str, torch.Tensor] = {}
         if self.rollout_is is not None:  # the old_log_prob stage always runs then (Resolved.recompute_old_log_prob)
-            is_kw["rollout_is_weights"] = rollout_is_weights(mb.batch["old_log_probs"], mb.batch["rollout_log_probs"],
+            is_kw["rollout_is_weights"] = rollout_is_weights(mb.batch[keys.OLD_LOG_PROBS],
+                                                             mb.batch[keys.ROLLOUT_LOG_PROBS],
                                                              mask, mode=self.rollout_is.mode, cap=self.rollout_is.cap)
         low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
         high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
         pg_loss, pg_metrics = self.policy_loss(
-            old, log_prob, mb.batch["advantages"], mask,
+            old, log_prob, mb.batch[keys.ADVANTAGES], mask,
             clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
             **agg, **is_kw, **self.loss_params,
         )
@@ -82,8 +83,8 @@ class ActorLoss:
         mode = cfg.loss_agg_mode
         metrics: dict[str, torch.Tensor | float] = {"actor/pg_loss": _local_mean(pg_loss, mask, mode, global_norm)}
         metrics |= {f"actor/{k}": v for k, v in pg_metrics.items()}
-        if "entropy" in outputs:
-            entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, **agg)
+        if keys.ENTROPY in outputs:
+            entropy = agg_loss(outputs[keys.ENTROPY], mask, cfg.loss_agg_mode, **agg)
             metrics["actor/entropy"] = _local_mean(entropy, mask, mode, global_norm)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy
@@ -91,7 +92,7 @@ class ActorLoss:
             agree = (outputs[AGREEMENT] * mask).sum() / mask.sum().clamp(min=1)
             metrics["moe/update_routing_agreement"] = agree.detach()
         if self.use_kl_loss:
-            kl = kl_penalty(log_prob, mb.batch["ref_log_prob"], cfg.kl_loss_type)
+            kl = kl_penalty(log_prob, mb.batch[keys.REF_LOG_PROB], cfg.kl_loss_type)
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = _local_mean(kl_loss, mask, mode, global_norm)
@@ -127,11 +128,11 @@ class CriticLoss:
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
         cfg = self.cfg
         vf_loss, m = compute_value_loss(
-            outputs["values"], mb.batch["returns"], mb.batch["values"], mb.batch["response_mask"],
+            outputs[keys.VALUES], mb.batch[keys.RETURNS], mb.batch[keys.VALUES], mb.batch[keys.RESPONSE_MASK],
             cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode,
             global_normalizer=_norm(global_norm, cfg.loss_agg_mode), max_len=self.max_response_length,
         )
-        vf_metric = _local_mean(vf_loss, mb.batch["response_mask"], cfg.loss_agg_mode, global_norm)
+        vf_metric = _local_mean(vf_loss, mb.batch[keys.RESPONSE_MASK], cfg.loss_agg_mode, global_norm)
         return vf_loss, {"critic/vf_loss": vf_metric, "critic/vf_clipfrac": m["vf_clipfrac"],
                          "critic/vpred_mean": m["vpred_mean"]}
 

@@ -39,7 +39,7 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @keys.checked_stage(keys.REWARD_MODEL_SCORE)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict(tensors={keys.RM_SCORES.name: self.rm.infer(data, SCORES)["scores"]})
+        return DataProto.from_dict(tensors={keys.RM_SCORES: self.rm.infer(data, SCORES)["scores"]})
 
 
 class RewardModelGroup(RoleGroup):

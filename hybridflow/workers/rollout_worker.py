@@ -113,9 +113,9 @@ class RolloutWorker(Worker):
                 self._generating = False
                 self._take_inbox_locked()
         t1 = time.perf_counter()
-        out.meta_info.pop("seeds", None)
-        per_token = out.batch[keys.ROLLOUT_POLICY_VERSION.name]
-        out.batch[keys.POLICY_VERSION.name] = per_token.min(dim=1).values  # versions never decrease along a row
+        out.meta_info.pop(keys.SEEDS, None)
+        per_token = out.batch[keys.ROLLOUT_POLICY_VERSION]
+        out.batch[keys.POLICY_VERSION] = per_token.min(dim=1).values  # versions never decrease along a row
         engine_metrics = out.meta_info.get("metrics") or {}
         out.meta_info["metrics"] = {**engine_metrics, "timing/generate": t1 - t0,
                                     "timing/wait_train": self._idle(t0)}

@@ -26,7 +26,7 @@ from hybridflow.engine.checkpoint import full_model_state, write_hf
 from hybridflow.engine.model_forward import HeadRequest
 from hybridflow.engine.spec import EngineSpec
 from hybridflow.models.loader import load_tokenizer
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.workers.engine_specs import supervised_plan
 from hybridflow.workers.hybrid_generate import build_engine_rollout, generate_on
 from hybridflow.workers.supervised_batch import last_response_values
@@ -90,7 +90,7 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         """Per-row sums for SFT validation: log-likelihood of the loss tokens, loss tokens, argmax hits."""
         # The engine moves micro-batches to its device and returns CPU tensors.
         logp_BR = self.engine.infer(data, self.train_head)["log_probs"]
-        mask_BR = data.batch["response_mask"].to(logp_BR.dtype)
+        mask_BR = data.batch[keys.RESPONSE_MASK].to(logp_BR.dtype)
         hits_BR = self._argmax_hits(data).cpu()
         return DataProto.from_dict({
             "sum_logp": (logp_BR * mask_BR).sum(-1).float().cpu(),
@@ -103,14 +103,14 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         """[B, R] bool: the model's greedy token equals the response token. A plain padded HF forward through
         the root module (FSDP2 hooks apply); logits only for the last R+1 positions, in micro-batches."""
         b = data.batch
-        R = b["responses"].shape[1]
+        R = b[keys.RESPONSES].shape[1]
         micro = self.spec.infer_batching.size
         out = []
         for s in range(0, len(data), micro):
             sl = slice(s, s + micro)
-            dev = {k: b[k][sl].to(self.engine.device) for k in ("input_ids", "attention_mask", "position_ids")}
+            dev = {k: b[k][sl].to(self.engine.device) for k in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)}
             logits = self.engine.module(**dev, use_cache=False, logits_to_keep=R + 1).logits
-            out.append((logits[:, :R].argmax(-1) == b["responses"][sl].to(logits.device)).cpu())
+            out.append((logits[:, :R].argmax(-1) == b[keys.RESPONSES][sl].to(logits.device)).cpu())
         return torch.cat(out)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -129,7 +129,7 @@ class SupervisedWorker(CheckpointingWorker, Worker):
         else:
             raise ValueError("this supervised worker has no reference: build it with ref_spec (or LoRA adapters); "
                              "after dpo.precompute_ref the reference is freed and its log-probs come from the cache")
-        return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
+        return DataProto.from_dict({keys.REF_LOG_PROB: out["log_probs"]})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def release_ref(self) -> None:
@@ -143,8 +143,8 @@ class SupervisedWorker(CheckpointingWorker, Worker):
     def eval_scores(self, data: DataProto) -> DataProto:
         """Reward-model score of each pair row [B]: the value at its score slot (= the `score` head on the row
         without the slot, as in PPO)."""
-        values_BR = self.engine.infer(data, self.train_head)["values"]
-        return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch["response_mask"]).cpu()})
+        values_BR = self.engine.infer(data, self.train_head)[keys.VALUES]
+        return DataProto.from_dict({"scores": last_response_values(values_BR, data.batch[keys.RESPONSE_MASK]).cpu()})
 
     # --------------------------------------------------------------------------------------------- save/load
     def checkpoint_engines(self) -> dict[str, TrainEngine]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hybridflow.data.collate import pad_sequences, position_ids_from_mask
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 
 
 def _as_list(x: Any) -> list[int]:
@@ -52,17 +52,17 @@ def engine_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
     loss_mask = r_mask if response_masks is None else pad_sequences(response_masks, 0, "right", r_ids.shape[1])[0]
     attention = torch.cat([p_mask, r_mask], dim=1)
     return DataProto.from_dict({
-        "input_ids": torch.cat([p_ids, r_ids], dim=1),
-        "attention_mask": attention,
-        "position_ids": position_ids_from_mask(attention),
-        "responses": r_ids,
-        "response_mask": loss_mask * r_mask,
+        keys.INPUT_IDS: torch.cat([p_ids, r_ids], dim=1),
+        keys.ATTENTION_MASK: attention,
+        keys.POSITION_IDS: position_ids_from_mask(attention),
+        keys.RESPONSES: r_ids,
+        keys.RESPONSE_MASK: loss_mask * r_mask,
     })
 
 
 def collate_sft_rows(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> DataProto:
     """`SFTDataset` items ({input_ids, loss_mask}) → one engine-layout batch."""
-    parts = [split_at_first_loss_token(it["input_ids"], it["loss_mask"]) for it in items]
+    parts = [split_at_first_loss_token(it[keys.INPUT_IDS], it["loss_mask"]) for it in items]
     return engine_batch([p for p, _, _ in parts], [r for _, r, _ in parts], [m for _, _, m in parts],
                         pad_token_id)
 

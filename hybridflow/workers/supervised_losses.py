@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.algorithms.preference import REFERENCE_FREE, PairLogps, PreferenceLoss, preference_loss
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.registry import Registry
 from hybridflow.workers.supervised_batch import last_response_values, pair_halves
 
@@ -36,7 +36,7 @@ class SFTLoss:
     def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         logp_BR = outputs["log_probs"]
-        mask_BR = mb.batch["response_mask"].to(logp_BR.dtype)
+        mask_BR = mb.batch[keys.RESPONSE_MASK].to(logp_BR.dtype)
         loss = -(logp_BR * mask_BR).sum() / global_norm["token-mean"].clamp(min=1)
         return loss, {}  # the engine reports `loss` (summed shares = the whole-batch NLL)
 
@@ -56,7 +56,7 @@ class BradleyTerryLoss:
 
     def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        scores_B = last_response_values(outputs["values"], mb.batch["response_mask"])
+        scores_B = last_response_values(outputs[keys.VALUES], mb.batch[keys.RESPONSE_MASK])
         r_c, r_r = pair_halves(scores_B, mb.batch["pair_chosen"])
         # Every row has response tokens, so the sequence count over the mini-batch is 2 × its pairs.
         num_pairs = (global_norm["seq-mean-token-mean"] / 2).clamp(min=1)
@@ -106,8 +106,8 @@ class PairPreferenceLoss:
 
     def __call__(self, outputs: dict[str, torch.Tensor], mb: DataProto,
                  global_norm: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        ref = mb.batch["ref_log_prob"] if self.loss_type not in REFERENCE_FREE else None
-        x = pair_logps(outputs["log_probs"], mb.batch["response_mask"], mb.batch["pair_chosen"], ref)
+        ref = mb.batch[keys.REF_LOG_PROB] if self.loss_type not in REFERENCE_FREE else None
+        x = pair_logps(outputs["log_probs"], mb.batch[keys.RESPONSE_MASK], mb.batch["pair_chosen"], ref)
         out = preference_loss(x, self.loss_type, self.beta, self.label_smoothing, self.gamma)
         num_pairs = (global_norm["seq-mean-token-mean"] / 2).clamp(min=1)  # every row has response tokens
         return out.loss_P.sum() / num_pairs, preference_metrics(x, out)
