@@ -157,6 +157,9 @@ NOT_BATCH_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "protocol/serialization.py": (("values",), "a field of a saved array's JSON"),
     "data/templates.py": (("input_ids",), "the output field of a Hugging Face tokenizer"),
     "engine/attention.py": (("attention_mask",), "a keyword of Hugging Face's mask function"),
+    "trainer/judge.py": (("input_ids",), "the output field of a Hugging Face tokenizer"),
+    "algorithms/advantages.py": (("teacher_log_probs",), "an argument's name in an error message (algorithms/ sits "
+                                 "below protocol/)"),
 }
 
 

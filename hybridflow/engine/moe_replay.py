@@ -17,7 +17,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-ROUTED = "routed_experts"  # protocol/keys.py ROUTED_EXPERTS
+from hybridflow.protocol import keys
+
+ROUTED = keys.ROUTED_EXPERTS
 AGREEMENT = "routing_agreement"  # per response token: 1.0 where every MoE layer chose the recorded experts
 
 
@@ -81,10 +83,10 @@ def metrics(out: dict[str, torch.Tensor], data: dict[str, torch.Tensor]) -> dict
     in every MoE layer) and `moe/logprob_gap` (mean |trainer − rollout| log-prob); {} for a dense model."""
     if AGREEMENT not in out:
         return {}
-    m = data["response_mask"].bool()
+    m = data[keys.RESPONSE_MASK].bool()
     n = max(int(m.sum()), 1)
     res = {"moe/routing_agreement": float(out[AGREEMENT][m].sum()) / n}
-    if "rollout_log_probs" in data:
-        gap = (out["log_probs"].float() - data["rollout_log_probs"].float()).abs()[m]
+    if keys.ROLLOUT_LOG_PROBS in data:
+        gap = (out["log_probs"].float() - data[keys.ROLLOUT_LOG_PROBS].float()).abs()[m]
         res["moe/logprob_gap"] = float(gap.sum()) / n
     return res

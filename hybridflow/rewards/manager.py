@@ -291,11 +291,11 @@ class RewardManager:
     def _judge_scores(self, batch: DataProto, solutions: list[str], metrics: dict[str, float]) -> np.ndarray:
         """The judge's verdict on each (prompt, response, ground truth); the prompt is the policy's prompt text."""
         n = len(solutions)
-        prompts_BP = batch.batch["prompts"].cpu()
+        prompts_BP = batch.batch[keys.PROMPTS].cpu()
         pad = self.tokenizer.pad_token_id
         prompts = [self.tokenizer.decode([t for t in row if t != pad], skip_special_tokens=True)
                    for row in prompts_BP.tolist()]
-        reward_model = batch.non_tensor_batch.get("reward_model", np.array([None] * n, dtype=object))
+        reward_model = batch.non_tensor_batch.get(keys.REWARD_MODEL, np.array([None] * n, dtype=object))
         truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in reward_model]
         t0 = time.perf_counter()
         verdicts = self.judge(prompts, solutions, truths)

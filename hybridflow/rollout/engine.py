@@ -241,7 +241,7 @@ class RolloutEngine:
             out, metrics = self.agent.generate(self._prepare(), prompts, params, eos_ids=self.eos_ids,
                                                check_every=self.check_every)
             if version is not None:
-                out.batch["rollout_policy_version"] = torch.full_like(out.batch["responses"], version)
+                out.batch[keys.ROLLOUT_POLICY_VERSION] = torch.full_like(out.batch[keys.RESPONSES], version)
             self.timing["timing/generate"] = time.perf_counter() - t0
             out.meta_info = {**meta, "metrics": {**self.timing, **metrics}}
             if self.cfg.free_cache_engine:
@@ -284,11 +284,11 @@ class RolloutEngine:
         t0 = time.perf_counter()
         r, b = self._runner, out.batch
         none = torch.zeros(0, dtype=torch.long, device=self.device)
-        rows = max(1, self.cfg.max_num_batched_tokens // b["input_ids"].shape[1])
+        rows = max(1, self.cfg.max_num_batched_tokens // b[keys.INPUT_IDS].shape[1])
         with torch.no_grad():
             routes = moe.record_routes(
                 lambda ids, mask, pos: prefill(r.weights, r.spec, r.rope, ids, mask, pos, r.cache, none, none),
-                r.weights.layers, b["input_ids"], b["attention_mask"], b["position_ids"], rows)
+                r.weights.layers, b[keys.INPUT_IDS], b[keys.ATTENTION_MASK], b[keys.POSITION_IDS], rows)
         self.timing["timing/rollout_routing"] = time.perf_counter() - t0
         return routes
 

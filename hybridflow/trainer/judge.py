@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hybridflow.models.loader import load_module, load_tokenizer
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards.judge import ERROR, OK, Verdicts, build_parser, read_verdicts, render
 from hybridflow.rollout import build_rollout
 from hybridflow.rollout.sampling import SamplingParams
@@ -104,9 +104,9 @@ class Judge:
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
         with torch.no_grad():
-            out = self.engine.generate(DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask}),
+            out = self.engine.generate(DataProto.from_dict(tensors={keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask}),
                                        self.sampling)
-        tokens, lengths = out.batch["responses"].cpu(), out.batch["response_mask"].sum(-1).tolist()
+        tokens, lengths = out.batch[keys.RESPONSES].cpu(), out.batch[keys.RESPONSE_MASK].sum(-1).tolist()
         return [self.tokenizer.decode(tokens[i, :n].tolist(), skip_special_tokens=True)
                 for i, n in enumerate(lengths)]
 
