@@ -139,8 +139,6 @@ class TrainEngine:
         if self.optimizer is not None:
             self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer.optim, spec.optimizer.total_steps)
         self._params_on_device = self._optim_on_device = True
-        self._copy_stream: torch.cuda.Stream | None = None  # optimizer prefetch (optimizer_offload=true)
-        self._optim_arrival: torch.cuda.Event | None = None  # the prefetch's completion, until step() waits on it
         self._training = False  # inside `training()`
         self._train_micro_override: int | None = None  # set once by an out-of-memory retry (forward_backward)
         self._pending_loss: torch.Tensor | None = None  # summed loss shares since the last `step`
@@ -149,8 +147,8 @@ class TrainEngine:
     # ----------------------------------------------------------------------------------------- placement
     def to_mode(self, mode: str) -> None:
         """train / generate: weights on the device, the optimizer state too unless `optimizer_offload` (then on the
-        CPU until an update needs it: `training()` brings it back on a side stream while the first micro-batches
-        run); generate also frees the gradients; offload: everything on CPU."""
+        CPU until an update needs it: `training()` brings it back, after the log-prob passes); generate also frees the
+        gradients; offload: everything on CPU."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         if self.optimizer is not None and mode != "train":
@@ -165,11 +163,8 @@ class TrainEngine:
             move_model(self.module, self.device if params else cpu)
             self._params_on_device = params
         if self.optimizer is not None and self.host_optimizer is None and optim != self._optim_on_device:
-            self._optimizer_arrived()  # a prefetch still in flight completes before the state moves again
             move_optimizer(self.optimizer, self.device if optim else cpu)
             self._optim_on_device = optim
-        elif optim:
-            self._optimizer_arrived()
         if not (params and optim):
             torch.cuda.empty_cache()
 
@@ -177,30 +172,10 @@ class TrainEngine:
         self._place(params=True, optim=optim or self._optim_on_device)
 
     def _prefetch_optimizer(self) -> None:
-        """Start moving the parked optimizer state (`optimizer_offload=true`) to the device on a side stream, so the
-        copy overlaps the update's first forward/backward passes; `step()` waits for it (`_optimizer_arrived`)."""
-        if (self.device.type != "cuda" or self.optimizer is None or self.host_optimizer is not None
-                or self._optim_on_device or not _plain_state(self.optimizer)):
-            self._enter(optim=True)  # (low-bit state: torchao's tensor subclasses, moved synchronously)
-            return
-        self._place(params=True, optim=False)
-        main = torch.cuda.current_stream(self.device)
-        side = self._copy_stream = self._copy_stream or torch.cuda.Stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            move_optimizer(self.optimizer, self.device)
-        for state in self.optimizer.state.values():  # allocated on the side stream, used on the main one
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    value.record_stream(main)
-        self._optim_arrival = side.record_event()
-        self._optim_on_device = True
-
-    def _optimizer_arrived(self) -> None:
-        """The main stream waits for an optimizer prefetch in flight (no host wait)."""
-        if self._optim_arrival is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._optim_arrival)
-            self._optim_arrival = None
+        """Bring the parked optimizer state (`optimizer_offload=true`) back for the update, after the log-prob passes.
+        Synchronous: the side-stream copy that overlapped the first micro-batches was taken out after a GPU test
+        found its result differing from state kept on the device (and `record_stream` failing on DTensor state)."""
+        self._enter(optim=True)
 
     def to_rest(self) -> None:
         """Back to the resting placement after an operation: on the CPU whatever `fsdp.param_offload` /
@@ -410,7 +385,6 @@ class TrainEngine:
             self.host_optimizer.step(grad_norm, self.spec.optimizer.grad_clip, skip=bool(bad))
             return {"loss": loss_total, "grad_norm": grad_norm, "skipped": bad.float()}
         torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, grad_norm, foreach=True)
-        self._optimizer_arrived()
         if is_fused(self.optimizer):
             self.optimizer.found_inf = bad.float()
             try:
@@ -565,16 +539,6 @@ def _once(fn: Callable[[], DataProto]) -> Callable[[], DataProto]:
         return box[0]
 
     return call
-
-
-def _plain_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Every state tensor is a plain tensor or a DTensor of one (the stream bookkeeping of the prefetch needs it)."""
-    for state in optimizer.state.values():
-        for value in state.values():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if isinstance(local, torch.Tensor) and type(local) is not torch.Tensor:
-                return False
-    return True
 
 
 def _wants_fused_optimizer(device: torch.device) -> bool:

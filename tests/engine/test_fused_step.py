@@ -170,11 +170,11 @@ print("prefetch ok")
 '''
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the optimizer prefetch runs on a side CUDA stream")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the optimizer state is parked in pinned host memory")
 def test_parked_optimizer_state_comes_back_for_the_update_only_and_steps_the_same():
     """optimizer_offload=true: after generation the Adam state stays on the CPU through the log-prob passes and
-    returns on a side stream when the update starts; the weights and moments equal those of the state kept on the
-    GPU, bit for bit."""
+    returns when the update starts; the weights and moments equal those of the state kept on the GPU, bit for
+    bit."""
     import os
     import subprocess
     import sys
@@ -183,4 +183,5 @@ def test_parked_optimizer_state_comes_back_for_the_update_only_and_steps_the_sam
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT], cwd=root, capture_output=True, text=True,
                           timeout=300, env=os.environ | {"PYTHONPATH": str(root)})
-    assert proc.returncode == 0 and "prefetch ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    err = "\n".join(line for line in proc.stderr.splitlines() if "registered at" not in line)  # no dispatch table
+    assert proc.returncode == 0 and "prefetch ok" in proc.stdout, proc.stdout[-3000:] + err[-3000:]
