@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import add_workload_args, apply_smoke, cell, environment, write_json, write_table
-from benchmarks.multi_turn import AlwaysSleep, SleepTool, WordTokenizer, timed_generate
+from benchmarks.harness import apply_smoke, cell, environment, write_json, write_table
+from benchmarks.multi_turn import AlwaysSleep, SleepTool, WordTokenizer, add_multi_turn_args, timed_generate
 from benchmarks.rollout import make_model
 from hybridflow.agentic.session import ToolSession
 from hybridflow.config import load_config
@@ -83,14 +83,7 @@ def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: Sa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--preset", default="qwen2.5-0.5b")
-    add_workload_args(ap, response_len=512)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--turn-len", type=int, default=96, help="mean tokens per assistant turn (stop-id share)")
-    ap.add_argument("--tool-tokens", type=int, default=32)
-    ap.add_argument("--tool-latency", type=float, default=0.05)
-    ap.add_argument("--tool-workers", type=int, default=64)
+    add_multi_turn_args(ap)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 x 2 short trajectories")
     args = ap.parse_args()
     apply_smoke(args, SMOKE)

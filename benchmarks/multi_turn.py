@@ -136,8 +136,8 @@ def timed_generate(engine: RolloutEngine, prompts: DataProto, params: SamplingPa
     return out, time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_multi_turn_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's flags (this script's and benchmarks/agent_server.py's)."""
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     add_workload_args(ap, response_len=512)
@@ -146,6 +146,11 @@ def main() -> None:
     ap.add_argument("--tool-tokens", type=int, default=32)
     ap.add_argument("--tool-latency", type=float, default=0.05)
     ap.add_argument("--tool-workers", type=int, default=64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_multi_turn_args(ap)
     args = ap.parse_args()
 
     dev = torch.device(args.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from rollout_helpers import make_model
 
 
@@ -20,3 +21,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """A 1-rank gloo process group for tests that build a TrainEngine (FSDP2); reused if one exists."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if own:
+        dist.destroy_process_group()

@@ -13,7 +13,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from rollout_helpers import EOS, PAD, make_engine, make_prompts, rollout_cfg
 from transformers import (
     AutoModelForCausalLM,
@@ -148,16 +147,6 @@ def test_rollout_sampled_logprobs_match_hf(family):
 
 
 # ------------------------------------------------------------------------------ (b) training forward parity
-@pytest.fixture(scope="module")
-def gloo():
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if own:
-        dist.destroy_process_group()
-
-
 def train_engine_for(model, tmp_path, *overrides: str) -> TrainEngine:
     """The actor's FSDP2 engine loading `model` from a directory (with the built-in tokenizer beside it)."""
     model.save_pretrained(tmp_path)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from rollout_helpers import EOS, PAD, make_engine, make_prompts
 from test_model_families import VOCAB, hf_response_logprobs, make_family, train_engine_for
 
@@ -15,16 +14,6 @@ from hybridflow.rollout import RolloutEngine, moe
 
 P, R = 10, 6
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if own:
-        dist.destroy_process_group()
 
 
 def hf_routes(model, batch) -> torch.Tensor:
