@@ -12,6 +12,7 @@ generation batch. Parts, each in its own process with its own time limit so an O
 others; run in this order until `--budget-s` is spent:
   lora_7b          hybridflow GRPO, LoRA rank 64 (alpha 64) on every decoder Linear: per-stage step time, the hybrid
                    switch (adapters merged into the rollout's weights), peak and resting GPU memory
+  lora_7b_nockpt   (not in the default list) lora_7b without gradient checkpointing, 4,096-token micro-batches
   trl_7b           TRL GRPOTrainer (HF generate, no vLLM), `peft_config` = the same LoRA, bf16 base: step time, peak
   lora_1.5b        } peak memory of LoRA vs full fine-tuning at 1.5B, same workload and settings
   full_1.5b        }
@@ -67,6 +68,12 @@ class Part:
 # Every part, in the order they run (the LoRA parts get model.lora.* from --lora-rank / --lora-alpha).
 PARTS = {p.name: p for p in [
     Part("lora_7b", "hybridflow", "qwen2.5-7b", True, (*SEVEN_B, *TUNED, *KEEP_RESIDENT), timeout_s=210),
+    # Without gradient checkpointing (no recomputed forward); a smaller token budget per micro-batch keeps the
+    # un-checkpointed activations (~8 MB a token at 7B) in memory.
+    Part("lora_7b_nockpt", "hybridflow", "qwen2.5-7b", True,
+         ("model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
+          "actor.ppo_max_token_len_per_gpu=4096", "actor.log_prob_max_token_len_per_gpu=32768", *TUNED,
+          *KEEP_RESIDENT), timeout_s=210),
     Part("trl_7b", "trl", "qwen2.5-7b", True, timeout_s=180, steps_key="trl_steps"),
     Part("lora_1.5b", "hybridflow", "qwen2.5-1.5b", True, (*SEVEN_B, *TUNED, *KEEP_RESIDENT), timeout_s=90,
          steps_key="mem_steps"),

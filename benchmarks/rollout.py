@@ -146,6 +146,7 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
     }
     if args.profile and dev.type == "cuda":
         res["top_kernels"] = profile_kernels(lambda: engine.generate(prompts))
+        res["top_kernels_prefill"] = profile_kernels(lambda: engine.generate(one), top=40)
     engine.release_cache()
     if args.fp32_master:
         model.to(gen_dtype)
@@ -160,8 +161,10 @@ def profile_kernels(fn, top: int = 25) -> list[dict[str, Any]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)[:top]
-    return [{"name": a.key[:200], "ms": a.device_time_total / 1e3, "calls": a.count} for a in rows]
+    every = sorted(prof.key_averages(), key=lambda a: a.device_time_total, reverse=True)
+    total = {"name": "(all kernels)", "ms": sum(a.device_time_total for a in every) / 1e3,
+             "calls": sum(a.count for a in every)}
+    return [total] + [{"name": a.key[:200], "ms": a.device_time_total / 1e3, "calls": a.count} for a in every[:top]]
 
 
 def bench_switch(model, dev: torch.device, P: int, R: int, fp32_master: bool) -> dict[str, Any]:

@@ -4,6 +4,9 @@ Assumptions (stated so MFU numbers are comparable): N counts the decoder matmul 
 lookup); the output head (vocab × hidden) counts only for the tokens it is applied to (response tokens: the
 engine never computes logits for prompt tokens); attention adds 6·layers·(heads·head_dim)·s² per sequence of length s for forward +
 backward (half of 12·L·d·s², since the mask is causal); recomputation (activation checkpointing) is not counted.
+Frozen weights (LoRA) need no weight gradients: a matmul costs 2 FLOPs per weight and token forward, 2 for the input
+gradient and 2 more only where the weight trains — 4·N·tokens for the frozen base plus 6·A·tokens for A adapter
+weights (the adapter matmuls run in every token's forward), instead of 6·N.
 Peak: 989 TFLOP/s bf16 dense for H100/H200 (override with HYBRIDFLOW_PEAK_TFLOPS); none on CPU.
 """
 
@@ -30,20 +33,28 @@ def matmul_params(cfg: PretrainedConfig, with_lm_head: bool = True) -> int:
 class FlopsCounter:
     """Training and forward FLOPs of a batch given its sequence lengths."""
 
-    def __init__(self, cfg: PretrainedConfig, with_lm_head: bool = True) -> None:
+    def __init__(self, cfg: PretrainedConfig, with_lm_head: bool = True, adapter_params: int | None = None) -> None:
+        """`adapter_params`: None = every matmul weight trains; else the base is frozen and this many adapter
+        (LoRA) weights train."""
         self.n = matmul_params(cfg, with_lm_head=False)
         self.head = cfg.vocab_size * cfg.hidden_size if with_lm_head else 0
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+        self.adapters = adapter_params or 0
+        self.base_factor = 6.0 if adapter_params is None else 4.0  # fwd + input grad (+ weight grad)
 
     def train_flops(self, seqlens: Sequence[int], head_tokens: int | None = None) -> float:
         """Forward + backward FLOPs; `head_tokens` = tokens the output head runs on (default: all)."""
         tokens = sum(seqlens)
         head_tokens = tokens if head_tokens is None else head_tokens
-        return 6.0 * (self.n * tokens + self.head * head_tokens) + 6.0 * self.attn_width * sum(s * s for s in seqlens)
+        weights = self.base_factor * (self.n * tokens + self.head * head_tokens) + 6.0 * self.adapters * tokens
+        return weights + 6.0 * self.attn_width * sum(s * s for s in seqlens)
 
     def forward_flops(self, seqlens: Sequence[int], head_tokens: int | None = None) -> float:
-        return self.train_flops(seqlens, head_tokens) / 3.0
+        tokens = sum(seqlens)
+        head_tokens = tokens if head_tokens is None else head_tokens
+        weights = 2.0 * (self.n * tokens + self.head * head_tokens + self.adapters * tokens)
+        return weights + 2.0 * self.attn_width * sum(s * s for s in seqlens)
 
 
 def peak_flops(device: torch.device) -> float | None:

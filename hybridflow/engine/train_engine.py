@@ -126,7 +126,9 @@ class TrainEngine:
         install_engine_forward(model)
         self.module = model
         self.tokenizer = load_tokenizer(spec.model)
-        self.flops = FlopsCounter(model.config, with_lm_head=spec.head == "lm")
+        adapters = None if self.lora_targets is None else sum(
+            p.numel() for p in model.parameters() if p.requires_grad)
+        self.flops = FlopsCounter(model.config, with_lm_head=spec.head == "lm", adapter_params=adapters)
         self.optimizer = self.lr_scheduler = None
         self.host_optimizer: HostOptimizer | None = None  # fsdp.optimizer_offload=cpu_step
         if masters is not None:

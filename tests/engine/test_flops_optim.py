@@ -34,6 +34,16 @@ def test_train_flops_formula():
     assert counter.forward_flops([4]) == pytest.approx(counter.train_flops([4]) / 3)
 
 
+def test_lora_flops_count_no_weight_gradients_for_the_frozen_base():
+    cfg = preset_config("tiny")
+    full, lora = FlopsCounter(cfg), FlopsCounter(cfg, adapter_params=1000)
+    n, d = matmul_params(cfg), cfg.num_hidden_layers * cfg.hidden_size
+    attn = 6 * d * (9 + 25)
+    assert lora.train_flops([3, 5]) == 4 * n * 8 + 6 * 1000 * 8 + attn
+    assert lora.train_flops([3, 5]) < full.train_flops([3, 5])
+    assert lora.forward_flops([3, 5]) == pytest.approx(2 * (n + 1000) * 8 + attn / 3)
+
+
 def test_lr_factor_constant_and_warmup_ratio():
     optim = load_config(files=[], overrides=["actor.optim.lr_scheduler=constant"]).actor.optim
     assert [lr_factor(s, optim, 4, None) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
