@@ -223,6 +223,16 @@ def _compiled_ops() -> DecodeOps:
                      is_compiled=True)
 
 
+@functools.lru_cache(maxsize=1)
+def compiled_prefill_ops() -> DecodeOps:
+    """Prefill's `qkv` and `mlp_block`, compiled apart from decode's pieces (other functions, so other compile
+    caches, and their own failure flags: a prefill shape that fails to compile leaves decode compiled). Specialised
+    to the first prompt batch's shape, then dynamic in the batch and prompt length."""
+    return DecodeOps(qkv=GuardedCompile(qkv, "the rollout's prefill qkv", dynamic=None),
+                     mlp_block=GuardedCompile(mlp_block, "the rollout's prefill mlp_block", dynamic=None),
+                     is_compiled=True)
+
+
 def _triton_attention(device: torch.device) -> RangeAttention | None:
     """The decode-attention Triton kernel for `device`, or None to stay with SDPA."""
     if device.type != "cuda":
@@ -263,7 +273,8 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
             pos_BP: torch.Tensor, cache: KVCache, slots_M: torch.Tensor, src_M: torch.Tensor,
             ops: DecodeOps = EAGER_OPS) -> torch.Tensor:
     """Run left-padded prompts, copy prompt b's K/V into cache slots where src == b; return last logits [B, V].
-    Eager: of `ops` only `embed`, `mlp_block` and `logits` are used (the tensor-parallel pieces)."""
+    Of `ops` only `embed`, `qkv`, `mlp_block` and `logits` are used: eager ones, the tensor-parallel pieces, or
+    `compiled_prefill_ops()` (norms, RoPE and SwiGLU fused; the GEMMs are the same)."""
     B, P = ids_BP.shape
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     group = spec.num_heads // spec.num_kv_heads
@@ -273,13 +284,19 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
     # Pad query rows see only themselves (no NaN from all-masked rows); real rows see real keys up to themselves.
     attn_mask = (causal & mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids_BP.device)
     attn_mask = attn_mask[:, None]
+    # Unpadded prompts need no mask: a causal SDPA takes the flash kernels. On CUDA the K/V heads go to SDPA
+    # ungrouped (`enable_gqa`) instead of repeated `group` times (two copies of the prompt's K/V a layer).
+    causal_only = bool(mask_BP.all())
+    gqa = ids_BP.device.type == "cuda" and group > 1
     for layer, lw in enumerate(w.layers):
-        q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)
+        q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
         cache.write_prompt(layer, k, v, slots_M, src_M)
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        if not gqa:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal_only else attn_mask,
+                                           is_causal=causal_only, enable_gqa=gqa)
         x = ops.mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
     last = rms_norm(x[:, -1], w.norm, spec.eps)
     return ops.logits(last, w.lm_head)

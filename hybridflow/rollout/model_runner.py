@@ -74,6 +74,10 @@ class ModelRunner:
         # prefill and the SDPA extension run eagerly; a failed capture falls back to these as well
         self.eager_ops = EAGER_OPS if tp is None else tp.decode_ops(EAGER_OPS)
         self.ops: DecodeOps = ops if tp is None else tp.decode_ops(ops)
+        # Prefill compiled when decode is (dense, one rank: MoE records routes and TP all-reduces eagerly there).
+        dense = all(lw.moe is None for lw in weights.layers)
+        self.prefill_ops = forward.compiled_prefill_ops() if ops.is_compiled and tp is None and dense \
+            else self.eager_ops
         self.sampler: Sampler = sampler
         self._eager_sampler: Sampler = sample if tp is None else sampler
         self.pad_id, self.R, self.use_graphs = pad_id, max_new_tokens, use_graphs
@@ -146,7 +150,7 @@ class ModelRunner:
         src = torch.arange(B, device=dev).repeat_interleave(n)
         with moe.recording(self.weights.layers) as sinks:
             logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t,
-                                     src, self.eager_ops)
+                                     src, self.prefill_ops)
         if self.routes is not None:
             self.routes[slot_t, :P] = moe.stacked(sinks, B, P)[src]
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
