@@ -28,6 +28,7 @@ import torch
 from benchmarks.harness import apply_smoke, cell, environment, write_json, write_table
 from benchmarks.multi_turn import AlwaysSleep, SleepTool, WordTokenizer, add_multi_turn_args, timed_generate
 from benchmarks.rollout import make_model
+from hybridflow.agentic.agent_pool import auto_workers
 from hybridflow.agentic.session import ToolSession
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
@@ -65,7 +66,7 @@ def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: Sa
     for i in range(B):
         prompts.non_tensor_batch["prompt_ids"][i] = prompts.batch["input_ids"][i].tolist()
     agent_cfg = dataclasses.replace(rcfg.agent, mode="server", path=str(Path(__file__).resolve()), name="agent",
-                                    max_concurrency=B * n, timeout_s=600.0)
+                                    max_concurrency=B * n, timeout_s=600.0, workers=args.agent_workers)
     cfg = model.config
     engine = RolloutEngine(model, dataclasses.replace(rcfg, agent=agent_cfg), eos_token_id=cfg.eos_token_id,
                            pad_token_id=cfg.pad_token_id, max_prompt_length=args.prompt_len,
@@ -85,6 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_multi_turn_args(ap)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 x 2 short trajectories")
+    ap.add_argument("--agent-workers", type=int, default=0,
+                    help="rollout.agent.workers (0 = auto: one process per 4 CPU cores, at most 8)")
     args = ap.parse_args()
     apply_smoke(args, SMOKE)
 
@@ -117,7 +120,8 @@ def main() -> None:
         torch.cuda.empty_cache()  # the in-engine run's KV cache, before the server run sizes its own
     out_srv, t_srv = run_server(model, rcfg, prompts, params, args, dtype)
 
-    res: dict[str, Any] = {**environment(), "args": vars(args), "trajectories": B * n}
+    res: dict[str, Any] = {**environment(), "args": vars(args), "trajectories": B * n,
+                           "agent_workers": auto_workers(args.agent_workers)}
     for name, out, seconds in (("in_engine", out_in, t_in), ("server", out_srv, t_srv)):
         tokens = int(out.batch["response_mask"].sum())
         m = out.meta_info["metrics"]
@@ -132,7 +136,8 @@ def main() -> None:
         r = res[name]
         rows.append(f"| {name} | {B * n} | {cell(r['turns_mean'], '{:.2f}')} | {r['model_tokens']} | "
                     f"{r['seconds']:.2f} | {r['tok_s']:.0f} |")
-    rows.append(f"\nserver / in-engine tokens/s: **{res['server_vs_in_engine']:.2f}** "
+    rows.append(f"\nserver ({res['agent_workers']} agent processes) / in-engine tokens/s: "
+                f"**{res['server_vs_in_engine']:.2f}** "
                 f"({res['date']}, {res['commit']}, {res['gpu']}, torch {res['torch']})")
     write_table(Path(args.out).with_suffix(".md"), "\n".join(rows), append=False)
 

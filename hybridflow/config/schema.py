@@ -295,6 +295,7 @@ class AgentConfig:
     name: str  # its `async def run(client, sample)` function or Agent class
     max_concurrency: int  # agent tasks in flight at once
     timeout_s: float  # per agent task; a late one ends its trajectory (agent/timeouts)
+    workers: int  # processes running the agent tasks; 0 = auto (one per 4 CPU cores, <= 8), 1 = the engine's
     host: str  # the endpoint's address (this host only by default)
     port: int  # 0 = any free port
 
@@ -304,6 +305,8 @@ class AgentConfig:
                "rollout.agent.mode=server needs the agent: a .py file or module defining rollout.agent.name")
         _check(self.max_concurrency >= 1, "rollout.agent.max_concurrency", self.max_concurrency, "must be >= 1")
         _check(self.timeout_s > 0, "rollout.agent.timeout_s", self.timeout_s, "must be > 0 (seconds)")
+        _check(self.workers >= 0, "rollout.agent.workers", self.workers,
+               "must be >= 0 (0 = one process per 4 CPU cores, 1 = the agents run in the engine's process)")
         _check(0 <= self.port < 65536, "rollout.agent.port", self.port, "must be in [0, 65535] (0 = any free port)")
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hybridflow.agentic.agent_pool import AgentPool, auto_workers
 from hybridflow.agentic.agent_session import Branch, Session
 from hybridflow.agentic.agents import Outcome, load_agent, run_agents
 from hybridflow.agentic.openai_api import OpenAIServer
@@ -41,7 +42,9 @@ class AgentRollout:
                              "pass tokenizer= to RolloutEngine/build_rollout")
         self.cfg, self.tok, self.template = agent_cfg, tokenizer, chat_template
         self.pad_id, self.P, self.R = pad_id, P, R
-        self.agent = load_agent(agent_cfg.path, agent_cfg.name)
+        self.agent = load_agent(agent_cfg.path, agent_cfg.name)  # loaded here too: a bad path fails at once
+        self.workers = auto_workers(agent_cfg.workers)
+        self.pool: AgentPool | None = None  # worker processes (workers > 1), started at the first generate
         self.server: OpenAIServer | None = None
         self.calls = 0
         self.last_sessions: dict[str, Session] = {}
@@ -54,6 +57,9 @@ class AgentRollout:
         return self.server
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -68,8 +74,13 @@ class AgentRollout:
         sched = AgentScheduler(runner, self.tok, self.template, params, eos_ids=eos_ids, prompt_width=self.P,
                                check_every=check_every, seed=row_seed(params.seed, self.calls))
         server.serving.set()  # before the agents start: an early first request must not meet a 503
-        tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions,
-                                      max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s))
+        limits = dict(max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s)
+        if self.workers > 1:
+            if self.pool is None:
+                self.pool = AgentPool(self.cfg.path, self.cfg.name, self.workers)
+            tasks = server.run(self.pool.run(samples, [server.session_url(s) for s in sessions], sessions, **limits))
+        else:
+            tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions, **limits))
         try:
             sched.serve(server.calls, tasks.done)
         except BaseException:

@@ -57,14 +57,15 @@ async def chat_agent(client, sample):
     return AgentResult(reward=1.0, turn_rewards=[0.1, 0.2, 0.3], messages=messages)
 
 
-def _engine(model, chat_template=None, timeout_s=30.0, **kw):
-    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=__file__, name="chat_agent",
-                                timeout_s=timeout_s)
+def _engine(model, chat_template=None, timeout_s=30.0, workers=1, path=__file__, **kw):
+    agent = dataclasses.replace(load_config([], []).rollout.agent, mode="server", path=str(path), name="chat_agent",
+                                timeout_s=timeout_s, workers=workers)
     cfg = rollout_cfg(agent=agent, kv_cache_tokens=8192, free_cache_engine=False, **kw)
     eng = RolloutEngine(model, cfg, eos_token_id=1, pad_token_id=0, max_prompt_length=P, max_response_length=R,
                         tokenizer=builtin_tokenizer(), chat_template=chat_template)
     assert eng.agent.agent.__qualname__ == "chat_agent"  # loaded from rollout.agent.path (a copy of this module)
-    eng.agent.agent = chat_agent  # this module's, so SEEN is the dict the tests read
+    if workers == 1:
+        eng.agent.agent = chat_agent  # this module's, so SEEN is the dict the tests read
     return eng
 
 
@@ -479,3 +480,43 @@ def test_tool_choice_and_top_logprobs(engine, model):
     served = SEEN[sid][0]["logprobs"][0]
     for t, alts, lp in zip(sampled, top, served):  # the sampled token, when among the top 3, has its logprob
         assert all(abs(a_lp - lp) < 2e-4 for a, a_lp in alts if a == tok.decode([t]))
+
+
+POOL_AGENT = """
+from hybridflow.agentic.agents import AgentResult
+
+async def chat_agent(client, sample):
+    messages = [{"role": "user", "content": f"q{sample['idx']}"}]
+    for turn in range(3):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        messages.append(r.choices[0].message.model_dump(exclude_none=True))
+        if turn < 2:
+            messages.append({"role": "user", "content": f"{turn}   "})
+    return AgentResult(reward=1.0, turn_rewards=[0.1, 0.2, 0.3], messages=messages)
+"""
+
+
+def test_agent_tasks_in_worker_processes(model, tmp_path):
+    """rollout.agent.workers=2: the tasks run in two spawned processes against the same endpoint; trajectories,
+    rewards and KV extension are what one loop gives, and the pool is kept across calls and stopped by close."""
+    path = tmp_path / "pool_agent.py"
+    path.write_text(POOL_AGENT)
+    eng = _engine(model, max_num_seqs=16, workers=2, path=path)
+    try:
+        for _ in range(2):
+            out = eng.generate(_prompts(3, n=2))
+            m = out.meta_info["metrics"]
+            assert m["agent/tasks"] == 6 and m["agent/errors"] == 0 and m["agent/requests"] == 18, m
+            assert m["agent/extended_requests"] == 12, m
+            b = out.batch
+            for row in range(6):
+                ends = b["turn_rewards"][row].nonzero().flatten().tolist()
+                assert len(ends) == 3 and all(b["response_mask"][row, e] == 1 for e in ends)
+                assert torch.allclose(b["turn_rewards"][row][ends], torch.tensor([0.1, 0.2, 1.3]))
+            assert torch.allclose(hf_logprobs(model, out, 1.0), b["rollout_log_probs"], atol=2e-4)
+        pool = eng.agent.pool
+        assert pool is not None and pool.workers == 2
+        assert len({p.pid for p in pool._pool._processes.values()}) == 2  # the same two processes served both calls
+    finally:
+        eng.close()
+    assert eng.agent.pool is None
