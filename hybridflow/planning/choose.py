@@ -1,6 +1,6 @@
 """The settings that fit: a small grid over gradient checkpointing, optimizer offload, the training micro-batch,
-parameter offload of the frozen engines (reference, teacher) and keeping the KV cache, scored by the predicted step time; the fastest that fits wins
-(ties: the fewer changes, then the larger micro-batch). Printed as config overrides.
+parameter offload of the frozen engines (reference, teacher) and keeping the KV cache, scored by the predicted step
+time; the fastest that fits wins (ties: the fewer changes, then the larger micro-batch). Printed as config overrides.
 
 `fit_micro_batch` is the same search narrowed to the micro-batch, for code that sizes `auto` micro-batches; the
 loader's `auto` (config/auto_sizes.py) still uses its calibrated rule.

@@ -2,7 +2,8 @@
 update_critic, update_actor), per component: a model of what the engines hold, written from engine/ and rollout/, not
 a measurement.
 
-Per engine (actor, critic, reference, distillation teacher; FSDP2 Shard(0) over `world` ranks, rank 0's share — the largest):
+Per engine (actor, critic, reference, distillation teacher; FSDP2 Shard(0) over `world` ranks, rank 0's share — the
+largest):
 - parameters: shard × master dtype (LoRA: frozen base in the compute dtype + fp32 adapters; cpu_step: compute
   dtype, the fp32 masters are on the host); off the GPU between its stages with `param_offload`.
 - unsharded copy: FSDP2's all-gathered compute-dtype parameters. Kept after a forward on one rank or with
@@ -29,8 +30,8 @@ prompt tokens (≤ max_num_batched_tokens). Kept between steps unless `free_cach
 buffers even then). Tensor-parallel generation (`tp` ranks a group): each rank holds its weight slices
 (model_shape.tp_slice_numel, kept between steps: the resharder refills them in place) and a cache of its KV heads
 (max(1, kv_heads // tp)); the group prefills and decodes its members' rows together (tp × a rank's), each rank
-computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs `CUDA_CONTEXT_GIB` and the allocator's
-fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
+computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs
+`CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
 """
 
 from __future__ import annotations
@@ -293,7 +294,8 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
         return StagePeak(stage, comp)
 
     runs = {"old_log_prob": ("actor", False), "ref": ("ref" if "ref" in engines else "actor", False),
-            "teacher": ("teacher", False), "values": ("critic", False), "update_critic": ("critic", True), "update_actor": ("actor", True)}
+            "teacher": ("teacher", False), "values": ("critic", False), "update_critic": ("critic", True),
+            "update_actor": ("actor", True)}
     for stage in stages:
         if stage in runs and runs[stage][0] in engines:
             role, train = runs[stage]

@@ -126,8 +126,9 @@ def read_config_json(path: str) -> dict[str, Any]:
     except ValueError as err:  # an id not in the local cache: the message says how to fetch it
         raise ConfigError(str(err)) from None
     if not file.is_file():
-        raise ConfigError(f"model path {path!r}: no config.json at {file}; point model.path (or critic.model_path, teacher.model_path) at "
-                          "a Hugging Face model directory or a cached model id, or use model.preset")
+        raise ConfigError(f"model path {path!r}: no config.json at {file}; point model.path (or critic.model_path, "
+                          "teacher.model_path) at a Hugging Face model directory or a cached model id, or use "
+                          "model.preset")
     return json.loads(file.read_text())
 
 
