@@ -1,6 +1,6 @@
 """The settings that fit: a small grid over gradient checkpointing, optimizer offload, the training micro-batch,
-reference parameter offload and keeping the KV cache, scored by the predicted step time; the fastest that fits wins
-(ties: the fewer changes, then the larger micro-batch). Printed as config overrides.
+parameter offload of the frozen engines (reference, teacher) and keeping the KV cache, scored by the predicted step
+time; the fastest that fits wins (ties: the fewer changes, then the larger micro-batch). Printed as config overrides.
 
 `fit_micro_batch` is the same search narrowed to the micro-batch, for code that sizes `auto` micro-batches; the
 loader's `auto` (config/auto_sizes.py) still uses its calibrated rule.
@@ -18,6 +18,7 @@ from hybridflow.planning.step_time import Gpu, StepTime, predict_step_time
 
 OFFLOADS: tuple[bool | str, ...] = (False, True, "cpu_step")
 TRAINED = ("actor", "critic")
+FROZEN = ("ref", "teacher")  # their parameter offload is searched together
 
 
 class DoesNotFit(ValueError):
@@ -55,7 +56,8 @@ def _candidates(inputs: PlanInputs) -> list[tuple[PlanInputs, dict[str, object]]
     ckpts = sorted({actor.checkpointing, True})
     # cpu_step: full fine-tuning with torch's AdamW only (not LoRA, not the low-bit optimizers)
     offloads = [o for o in OFFLOADS if not ((actor.lora_rank or actor.state_bytes != ADAM_BYTES) and o == "cpu_step")]
-    ref_offloads = sorted({inputs.engines["ref"].param_offload, True}) if "ref" in inputs.engines else [None]
+    frozen = [r for r in FROZEN if r in inputs.engines]
+    ref_offloads = sorted({*(inputs.engines[r].param_offload for r in frozen), True}) if frozen else [None]
     frees = sorted({inputs.rollout.free_cache_engine, True})
     out = []
     for ckpt, off, tokens, ref_off, free in itertools.product(ckpts, offloads, _micro_tokens(inputs, "actor"),
@@ -72,9 +74,10 @@ def _candidates(inputs: PlanInputs) -> list[tuple[PlanInputs, dict[str, object]]
                 changes[f"{role}.fsdp.optimizer_offload"] = off
             if new["train_tokens"] != e.train_tokens:
                 changes[f"{role}.micro_tokens"] = new["train_tokens"]
-        if ref_off is not None and ref_off != inputs.engines["ref"].param_offload:
-            cand = with_engine(cand, "ref", param_offload=ref_off)
-            changes["ref.fsdp.param_offload"] = ref_off
+        for role in frozen:
+            if ref_off != inputs.engines[role].param_offload:
+                cand = with_engine(cand, role, param_offload=ref_off)
+                changes[f"{role}.fsdp.param_offload"] = ref_off
         if free != inputs.rollout.free_cache_engine:
             cand = dataclasses.replace(cand, rollout=dataclasses.replace(cand.rollout, free_cache_engine=free))
             changes["rollout.free_cache_engine"] = free

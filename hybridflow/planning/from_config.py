@@ -19,7 +19,7 @@ from hybridflow.engine.optim import optimizer_state_bytes_per_param
 from hybridflow.engine.spec import EngineSpec, MicroBatching
 from hybridflow.planning.memory import ADAM_BYTES, EngineSettings, RolloutSettings
 from hybridflow.planning.model_shape import ModelShape, lora_targets, read_config_json, read_shape
-from hybridflow.workers.engine_specs import REF_LOGPROB_CHUNK, actor_spec, critic_spec, ref_spec
+from hybridflow.workers.engine_specs import REF_LOGPROB_CHUNK, actor_spec, critic_spec, ref_spec, teacher_spec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -76,6 +76,11 @@ def plan_inputs(cfg: Config, world: int | None = None) -> PlanInputs:
         if not cfg.model.lora.enabled:  # LoRA: the actor with its adapters off is the reference
             engines["ref"] = engine_settings("ref", ref_spec(cfg), shape, world, seq, mini, rows,
                                              REF_LOGPROB_CHUNK, compute)
+    if res.use_teacher:  # on-policy distillation: a frozen engine of the teacher's own shape, scored as the reference
+        spec = teacher_spec(cfg)
+        engines["teacher"] = engine_settings("teacher", spec, read_shape(spec.model), world, seq, mini, rows,
+                                             REF_LOGPROB_CHUNK, compute)
+        stages.append("teacher")
     if res.use_critic:
         c_shape = read_shape(cfg.model, cfg.critic.model_path)
         c_mini = max(1, cfg.critic.ppo_mini_batch_size * n // world)
@@ -88,7 +93,8 @@ def plan_inputs(cfg: Config, world: int | None = None) -> PlanInputs:
         prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length, rows_per_gpu=rows,
         prompts_per_gpu=max(1, cfg.data.train_batch_size // world), max_num_seqs=r.max_num_seqs,
         kv_cache_tokens=r.kv_cache_tokens, gpu_memory_utilization=r.gpu_memory_utilization,
-        max_num_batched_tokens=r.max_num_batched_tokens, free_cache_engine=bool(r.free_cache_engine))
+        max_num_batched_tokens=r.max_num_batched_tokens, free_cache_engine=bool(r.free_cache_engine),
+        tp=r.tensor_model_parallel_size)
     return PlanInputs(engines=engines, rollout=rollout, stages=stages, world=world, samples_per_gpu=rows)
 
 
@@ -105,7 +111,8 @@ def load_for_gpu(files: list[str], overrides: list[str], gpu_gib: float, gpus: i
     if gpus:
         overrides = [*overrides, "trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}"]
     merged = merge_sources(files, overrides)
-    for path in (merged["model"].get("path"), merged.get("critic", {}).get("model_path")):
+    for path in (merged["model"].get("path"), merged.get("critic", {}).get("model_path"),
+                 merged.get("teacher", {}).get("model_path")):
         if path:
             read_config_json(str(path))  # a missing model names the key before anything reads it
     keys = auto_keys(merged)

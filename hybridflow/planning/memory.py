@@ -1,7 +1,9 @@
-"""Predicted GPU and host bytes per rank, per stage of a step (generate, old_log_prob, ref, values, update_critic,
-update_actor), per component: a model of what the engines hold, written from engine/ and rollout/, not a measurement.
+"""Predicted GPU and host bytes per rank, per stage of a step (generate, old_log_prob, ref, teacher, values,
+update_critic, update_actor), per component: a model of what the engines hold, written from engine/ and rollout/, not
+a measurement.
 
-Per engine (actor, critic, reference; FSDP2 Shard(0) over `world` ranks, rank 0's share — the largest):
+Per engine (actor, critic, reference, distillation teacher; FSDP2 Shard(0) over `world` ranks, rank 0's share — the
+largest):
 - parameters: shard × master dtype (LoRA: frozen base in the compute dtype + fp32 adapters; cpu_step: compute
   dtype, the fp32 masters are on the host); off the GPU between its stages with `param_offload`.
 - unsharded copy: FSDP2's all-gathered compute-dtype parameters. Kept after a forward on one rank or with
@@ -25,28 +27,31 @@ Rollout: KV cache = slots × round16(prompt + response) × layers × 2 × kv_hea
 rollout/kv_cache.py sizes it; the weight view = a compute-dtype copy of the weights unless one rank already holds
 them in the compute dtype (LoRA: the adapted matrices are always copied); prefill = one layer's temporaries over the
 prompt tokens (≤ max_num_batched_tokens). Kept between steps unless `free_cache_engine` (one rank keeps the cast
-buffers even then). Peaks are torch's allocated bytes; a GPU also needs `CUDA_CONTEXT_GIB` and the allocator's
-fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
+buffers even then). Tensor-parallel generation (`tp` ranks a group): each rank holds its weight slices
+(model_shape.tp_slice_numel, kept between steps: the resharder refills them in place) and a cache of its KV heads
+(max(1, kv_heads // tp)); the group prefills and decodes its members' rows together (tp × a rank's), each rank
+computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs
+`CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridflow.planning.model_shape import ModelShape, shard_numel
+from hybridflow.planning.model_shape import ModelShape, shard_numel, tp_slice_numel
 
 GiB = 2**30
 CUDA_CONTEXT_GIB = 1.0  # CUDA context + cuBLAS/NCCL workspaces outside torch's allocator (typ. 0.5-1.5 GiB)
 FRAGMENTATION = 0.10  # reserved above allocated; 7B cpu_step measured 28% (119.7 vs 93.5), the small runs less
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq in fp32
-STAGES = ("generate", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+STAGES = ("generate", "old_log_prob", "ref", "teacher", "values", "update_critic", "update_actor")
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """One FSDP2 engine as the planner sees it."""
 
-    role: str  # actor | critic | ref
+    role: str  # actor | critic | ref | teacher
     shape: ModelShape
     head: str = "lm"  # lm | value
     trainable: bool = True
@@ -179,6 +184,7 @@ class RolloutSettings:
     gpu_memory_utilization: float = 0.5
     max_num_batched_tokens: int = 16384
     free_cache_engine: bool = True
+    tp: int = 1  # rollout.tensor_model_parallel_size
 
     @property
     def max_len(self) -> int:
@@ -211,7 +217,8 @@ class MemoryPlan:
 
 
 def kv_bytes_per_slot(shape: ModelShape, rollout: RolloutSettings, b: int) -> int:
-    return rollout.max_len * shape.layers * 2 * shape.kv_dim * b
+    kv_heads = max(1, shape.kv_heads // rollout.tp)  # a tensor-parallel rank caches its own KV heads
+    return rollout.max_len * shape.layers * 2 * kv_heads * shape.head_dim * b
 
 
 def kv_slots(shape: ModelShape, rollout: RolloutSettings, b: int, free_bytes: int) -> int:
@@ -222,9 +229,11 @@ def kv_slots(shape: ModelShape, rollout: RolloutSettings, b: int, free_bytes: in
     return max(0, min(rollout.max_num_seqs, fit))
 
 
-def weight_view_bytes(actor: EngineSettings) -> int:
-    """The rollout's compute-dtype weights: none when one rank already holds them in that dtype (zero-copy views),
-    the adapted matrices with LoRA on one rank, else a full copy."""
+def weight_view_bytes(actor: EngineSettings, tp: int = 1) -> int:
+    """The rollout's compute-dtype weights: this rank's slices with tensor-parallel generation, none when one rank
+    already holds them in that dtype (zero-copy views), the adapted matrices with LoRA on one rank, else a full copy."""
+    if tp > 1:
+        return tp_slice_numel(actor.shape, tp) * actor.compute_bytes
     full = sum(_numel(s) for s in actor.base_shapes()) * actor.compute_bytes
     same_dtype = actor.lora_rank or actor.cpu_step or actor.master_bytes == actor.compute_bytes
     if actor.world == 1 and same_dtype:
@@ -238,7 +247,7 @@ def weight_view_bytes(actor: EngineSettings) -> int:
 
 def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gpu_bytes: int,
                 stages: tuple[str, ...] | list[str] = STAGES) -> MemoryPlan:
-    """Per-stage peaks on one GPU of `gpu_bytes` for `engines` (actor required; critic and ref optional) over the
+    """Per-stage peaks on one GPU of `gpu_bytes` for `engines` (actor required; critic, ref, teacher optional) over the
     `stages` a step runs."""
     actor = engines["actor"]
     resting: dict[str, int] = {}
@@ -248,8 +257,9 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
         resting[f"{name}/unsharded"] = e.unsharded_bytes() if e.keep_unsharded and not e.param_offload else 0
         if name != "actor" and e.trainable:  # a critic's gradients stay until its next accumulation starts (the
             resting[f"{name}/gradients"] = e.grad_bytes()  # actor's are freed at the switch to generation)
-    view = weight_view_bytes(actor)
-    keep_view = not rollout.free_cache_engine or actor.world == 1
+    tp = rollout.tp
+    view = weight_view_bytes(actor, tp)
+    keep_view = not rollout.free_cache_engine or actor.world == 1 or tp > 1
     gen_base = {k: v for k, v in resting.items() if k != "actor/unsharded"}
     if actor.optimizer_offload:
         gen_base["actor/optimizer"] = 0
@@ -258,9 +268,11 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
     slots = kv_slots(actor.shape, rollout, actor.compute_bytes, free)
     kv = slots * kv_bytes_per_slot(actor.shape, rollout, actor.compute_bytes)
     s = actor.shape
-    prefill_tokens = min(rollout.max_num_batched_tokens, rollout.prompts_per_gpu * rollout.prompt_len)
-    prefill = prefill_tokens * actor.compute_bytes * (2 * s.hidden + s.q_dim + 2 * s.kv_dim + 2 * s.inter)
-    prefill += min(rollout.rows_per_gpu, slots) * s.vocab * 4  # last-position logits (fp32) of a decode step
+    prefill_tokens = min(rollout.max_num_batched_tokens, tp * rollout.prompts_per_gpu * rollout.prompt_len)
+    kv_dim = max(1, s.kv_heads // tp) * s.head_dim
+    prefill = prefill_tokens * actor.compute_bytes * (2 * s.hidden + s.q_dim // tp + 2 * kv_dim + 2 * s.inter // tp)
+    # last-position logits (fp32) of a decode step: this rank's vocabulary shard
+    prefill += min(tp * rollout.rows_per_gpu, slots) * -(-s.vocab // tp) * 4
     peaks = [StagePeak("generate", {**gen_base, "rollout/weights": view, "rollout/kv_cache": kv,
                                      "activations": prefill})]
     kept = {"rollout/weights": view if keep_view else 0, "rollout/kv_cache": 0 if rollout.free_cache_engine else kv}
@@ -282,7 +294,8 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
         return StagePeak(stage, comp)
 
     runs = {"old_log_prob": ("actor", False), "ref": ("ref" if "ref" in engines else "actor", False),
-            "values": ("critic", False), "update_critic": ("critic", True), "update_actor": ("actor", True)}
+            "teacher": ("teacher", False), "values": ("critic", False), "update_critic": ("critic", True),
+            "update_actor": ("actor", True)}
     for stage in stages:
         if stage in runs and runs[stage][0] in engines:
             role, train = runs[stage]

@@ -85,6 +85,17 @@ class ModelShape:
         return out * self.layers
 
 
+def tp_slice_numel(shape: ModelShape, tp: int) -> int:
+    """Elements of the weight slices one rank of a tensor-parallel generation group holds, by rollout/tp_layout.py's
+    rule: q/k/v/gate/up rows and o/down columns split `tp` ways, KV heads replicated when fewer than `tp`, vocabulary
+    rows ceil(vocab / tp) (zero-padded on the last rank), norms whole; `tp` = 1: the whole model."""
+    h, d = shape.hidden, shape.head_dim
+    q, kv, inter = shape.heads // tp * d, max(1, shape.kv_heads // tp) * d, shape.inter // tp
+    layer = 2 * q * h + 2 * kv * h + 3 * inter * h + 2 * h + ((q + 2 * kv) if shape.qkv_bias else 0)
+    vocab = -(-shape.vocab // tp) * h
+    return shape.layers * layer + vocab * (1 if shape.tied else 2) + h
+
+
 def shard_numel(shapes: list[tuple[int, ...]], world: int, rank: int) -> int:
     """Elements of `rank`'s FSDP2 Shard(0) chunks of `shapes` (torch.chunk: ceil(rows / world) rows per rank)."""
     total = 0
@@ -115,8 +126,9 @@ def read_config_json(path: str) -> dict[str, Any]:
     except ValueError as err:  # an id not in the local cache: the message says how to fetch it
         raise ConfigError(str(err)) from None
     if not file.is_file():
-        raise ConfigError(f"model path {path!r}: no config.json at {file}; point model.path (or critic.model_path) at "
-                          "a Hugging Face model directory or a cached model id, or use model.preset")
+        raise ConfigError(f"model path {path!r}: no config.json at {file}; point model.path (or critic.model_path, "
+                          "teacher.model_path) at a Hugging Face model directory or a cached model id, or use "
+                          "model.preset")
     return json.loads(file.read_text())
 
 

@@ -126,8 +126,8 @@ def predict_step_time(engines: dict[str, EngineSettings], rollout: RolloutSettin
     out["generate"] = prefill + decode_bytes(shape, samples_per_gpu, rollout.prompt_len,
                                              rollout.response_len) / (gpu.copy_bytes_per_s * frac)
     for stage in stages:
-        e = engines.get({"old_log_prob": "actor", "ref": "ref", "values": "critic", "update_critic": "critic",
-                         "update_actor": "actor"}.get(stage, ""))
+        e = engines.get({"old_log_prob": "actor", "ref": "ref", "teacher": "teacher", "values": "critic",
+                         "update_critic": "critic", "update_actor": "actor"}.get(stage, ""))
         if stage == "ref" and e is None:
             e = actor  # LoRA: the reference is the actor with adapters off
         if e is None or stage == "generate":

@@ -1,10 +1,13 @@
-"""PPO with a critic (GAE) on a simulated three-node Ray cluster (three raylets on this machine, one CPU slot each,
-gloo): one rank per node, checkpoints mirrored to an fsspec remote (`file://`, standing in for object storage); the
-node of rank 2 removed mid-run ends the run `failed` naming node, rank and stage; with the local checkpoints gone
-and a freshly joined node, the same command resumes from the remote with bit-exact actor and critic state.
+"""Training on a simulated three-node Ray cluster (three raylets on this machine, gloo; the head has two CPU slots,
+the others one). PPO with a critic (GAE), one rank per node, checkpoints mirrored to an fsspec remote (`file://`,
+standing in for object storage): the node of rank 2 removed mid-run ends the run `failed` naming node, rank and
+stage; with the local checkpoints gone and a freshly joined node, the same command resumes from the remote with
+bit-exact actor and critic state. GRPO on two nodes samples and trains as on one node (both ranks on the head), and
+resumes its own step-1 checkpoint bit-exact.
 
-One cluster, one run and one resume: starting the raylets and the workers dominates the cost (each run spends
-25-60 s bringing up its three workers on a loaded 2-core machine; the steps take seconds).
+One cluster for the module: starting the raylets and the workers dominates the cost (each run spends 25-60 s
+bringing up its workers on a loaded 2-core machine; the steps take seconds). The GRPO resume reuses the run's
+workers (now at step 2) instead of starting new ones.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ppo_testlib import tiny_ppo_config
+import torch
+from ppo_testlib import deterministic_metrics, tiny_ppo_config
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -26,6 +30,7 @@ cluster_utils = pytest.importorskip("ray.cluster_utils")
 from hybridflow.controller import WorkerError  # noqa: E402
 from hybridflow.tracking.jsonl import read_events  # noqa: E402
 from hybridflow.trainer.ppo import PPOTrainer  # noqa: E402
+from hybridflow.trainer.roles import WorkerGroups  # noqa: E402
 from hybridflow.trainer.run import run_ppo  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -38,7 +43,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def cluster():
     if ray.is_initialized():  # a Ray started by another test module of this process is not this cluster
         ray.shutdown()
-    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
         cluster.add_node(num_cpus=1)
@@ -172,3 +177,80 @@ def test_ppo_gae_across_three_nodes_node_loss_then_resume_from_remote(
     for root in (ckpt, remote):
         assert json.loads((root / "global_step_3" / "extra.json").read_text())["global_step"] == 3
         assert len(list((root / "global_step_3" / "ranks").iterdir())) == 3
+
+
+def _node_of(host: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _grpo(tmp: Path, cluster: Any, name: str, nnodes: int, *extra: str,
+          groups: WorkerGroups | None = None) -> tuple[PPOTrainer, list[torch.Tensor]]:
+    """A GRPO trainer of two ranks on `nnodes` nodes (on `groups` when given), and the list its training steps'
+    responses are recorded in."""
+    cfg = tiny_ppo_config(tmp, tmp / "grpo_ckpt", 2, "algorithm.adv_estimator=grpo", "trainer.backend=ray",
+                          f"trainer.nnodes={nnodes}", f"trainer.n_gpus_per_node={2 // nnodes}",
+                          f"trainer.ray_address={cluster.address}", "trainer.logger=[]",
+                          f"trainer.run_dir={tmp / name}", "trainer.checkpoint.async_save=false", *extra)
+    trainer, responses = PPOTrainer(cfg, groups=groups), []
+    generate = trainer.algorithm.generate
+
+    def recording(batch: Any, metrics: dict[str, float]) -> Any:
+        out = generate(batch, metrics)
+        responses.append(out.batch["responses"].clone())
+        return out
+
+    trainer.algorithm.generate = recording
+    return trainer, responses
+
+
+def _rank_nodes(trainer: PPOTrainer) -> list[str]:
+    handles = trainer.groups.owners[0]._handles  # noqa: SLF001 - the test asks each actor where it runs
+    return ray.get([h.__ray_call__.remote(_node_of) for h in handles], timeout=60)
+
+
+def _same_metrics(expected: dict[str, float], got: dict[str, float]) -> None:
+    """Every training metric of `expected` (not wall clock, not validation: only a run's last step validates) is
+    in `got` bit for bit."""
+    expected = {k: v for k, v in deterministic_metrics(expected).items() if not k.startswith("val/")}
+    assert set(expected) <= set(got), set(expected) - set(got)
+    for key, value in expected.items():
+        assert got[key] == value or (value != value and got[key] != got[key]), (key, value, got[key])  # NaN == NaN
+
+
+def test_grpo_across_two_nodes_equals_one_node_and_resumes(cluster: Any, tmp_path: Path) -> None:
+    head = cluster.head_node.node_id
+    # 1. the reference: both ranks on the head node (two slots), one step
+    one, one_rows = _grpo(tmp_path, cluster, "one_node", 1, "trainer.total_training_steps=1",
+                          "trainer.checkpoint.save_freq=0")
+    try:
+        assert _rank_nodes(one) == [head, head]
+        reference = one.fit()
+    finally:
+        one.close()
+
+    # 2. one rank per node, two steps, a checkpoint each: step 1 samples the same tokens and logs the same metrics
+    two, rows = _grpo(tmp_path, cluster, "two_nodes", 2, "trainer.total_training_steps=2",
+                      "trainer.checkpoint.save_freq=1")
+    resumed = None
+    try:
+        nodes = _rank_nodes(two)
+        assert nodes[0] == head and nodes[1] != head, (nodes, head)
+        history = two.fit()
+        assert [m["training/global_step"] for m in history] == [1, 2]
+        assert len(rows) == 2 and torch.equal(rows[0], one_rows[0]) and not torch.equal(rows[0], rows[1])
+        _same_metrics(reference[0], history[0])
+        ranks = sorted(p.name for p in (tmp_path / "grpo_ckpt" / "global_step_1" / "ranks").iterdir())
+        assert ranks == ["rank_00000.json", "rank_00001.json"], ranks
+
+        # 3. the same ranks (holding step 2's weights) resume from step 1's checkpoint: step 2 again, bit-exact
+        two.ckpt.close()  # `resumed` takes over the groups (and closes them)
+        two.algorithm.reward_fn.close()
+        resumed, again = _grpo(tmp_path, cluster, "resumed", 2, "trainer.total_training_steps=2",
+                               "trainer.checkpoint.save_freq=0", "trainer.resume_mode=path",
+                               f"trainer.resume_path={tmp_path / 'grpo_ckpt' / 'global_step_1'}", groups=two.groups)
+        repeated = resumed.fit()
+        assert [m["training/global_step"] for m in repeated] == [2] and len(again) == 1
+        assert torch.equal(again[0], rows[1])
+        _same_metrics(history[1], repeated[0])
+    finally:
+        (resumed or two).close()
