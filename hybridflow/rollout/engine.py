@@ -110,7 +110,7 @@ class RolloutEngine:
         self._fp8: fp8.Fp8Weights | None = None
         if self.cfg.quantization == "fp8":
             fp8.check_supported(module, fallback_reason=reason, tp_size=self.cfg.tensor_model_parallel_size,
-                                device=self.device, dtype=self.dtype)
+                                device=self.device, dtype=None if self._fallback else self.dtype)
             self._fp8 = fp8.Fp8Weights()
             logger.info("rollout: fp8 decoder projections (per-channel weight, per-token activation scales)")
         self._weights: ModelWeights | None = None

@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def check_supported(module: nn.Module, *, fallback_reason: str | None, tp_size: int, device: torch.device,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype | None) -> None:
     """ValueError naming `rollout.quantization` when fp8 generation cannot run here (checked when the engine binds)."""
     why = None
     if fallback_reason:
