@@ -160,3 +160,20 @@ def test_scaled_mm_matches_the_emulation_on_cuda():
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
     ref = F.linear(x.float(), w, bias.float())
     assert (got.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with compute capability >= 8.9 (torch._scaled_mm in fp8)")
+def test_fp8_engine_on_cuda_keeps_its_graphs_across_switches_and_tracks_bf16():
+    model = _qwen(seed=1).cuda()  # fp32 master weights: bf16 cast buffers, then the fp8 stacks
+    prompts = make_prompts(16, 12, model.config.vocab_size, seed=3, meta={"do_sample": False})
+    ref = make_engine(model, 12, 10).generate(prompts)
+    engine = make_engine(model, 12, 10, quantization="fp8")
+    first = engine.generate(prompts)
+    graphs = dict(engine._runner.graphs)
+    assert graphs and engine._weights.layers[0].qkv.dtype == torch.float8_e4m3fn
+    engine.sync_weights()
+    assert engine._runner.graphs == graphs  # refilled in place: nothing recaptured
+    again = engine.generate(prompts)
+    assert torch.equal(again.batch["responses"], first.batch["responses"])
+    frac, _ = _agreement(first, ref)
+    assert frac >= 0.75, frac
