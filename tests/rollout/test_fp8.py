@@ -13,8 +13,11 @@ from rollout_helpers import CUDA, make_engine, make_model, make_prompts
 from test_model_families import make_family
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from benchmarks.lora_switch_work import build_model
 from hybridflow.config import load_config
+from hybridflow.engine.lora import lora_factors
 from hybridflow.rollout import fp8
+from hybridflow.rollout.weights import WeightView
 
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= fp8.MIN_CAPABILITY
 EPS = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: a normal value rounds within 1/16 of itself
@@ -122,6 +125,19 @@ def test_fp8_buffers_keep_their_storage_and_follow_an_optimizer_step():
                                          model.model.layers[1].self_attn.k_proj.weight,
                                          model.model.layers[1].self_attn.v_proj.weight]).detach())
     assert torch.equal(lw.qkv.float(), want.float()) and torch.equal(lw.qkv_scale, want_scale)
+
+
+def test_fp8_quantizes_the_lora_merged_weights():
+    model = build_model("tiny", 2, lora_rank=4, lora_alpha=8.0, targets="all-linear", base_dtype=torch.float32,
+                        b_std=0.3)
+    with torch.no_grad():
+        lw = fp8.Fp8Weights().quantize(WeightView(model, torch.float32, torch.device("cpu")).build()).layers[1]
+    owner = model.model.layers[1].mlp.down_proj
+    b, a, scale = lora_factors(owner)
+    merged = (owner.weight + scale * b @ a).detach()
+    got = fp8.dequantize(lw.down, lw.down_scale)
+    assert ((got - merged).abs() <= EPS * merged.abs() + SUB * lw.down_scale[:, None] + 1e-6).all()
+    assert (got - merged).norm() < 0.2 * (got - owner.weight).norm()  # the adapter's delta is in the codes
 
 
 def test_fp8_refused_where_it_cannot_run():
