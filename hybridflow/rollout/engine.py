@@ -147,6 +147,8 @@ class RolloutEngine:
         self._weights = None
         if getattr(self, "_view", None) is not None:
             self._view.release()
+        if getattr(self, "_fp8", None) is not None:  # the runner and its graphs are gone: give training the memory
+            self._fp8.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

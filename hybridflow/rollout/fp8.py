@@ -103,6 +103,10 @@ class Fp8Weights:
     def __init__(self) -> None:
         self._stacks: dict[str, torch.Tensor] = {}
 
+    def release(self) -> None:
+        """Drop the stacks (`RolloutEngine.release_cache`: no captured graph refers to them any more)."""
+        self._stacks.clear()
+
     def _stack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._stacks.get(name)
         if buf is None or tuple(buf.shape) != shape or buf.device != device:

@@ -125,6 +125,9 @@ def test_fp8_buffers_keep_their_storage_and_follow_an_optimizer_step():
                                          model.model.layers[1].self_attn.k_proj.weight,
                                          model.model.layers[1].self_attn.v_proj.weight]).detach())
     assert torch.equal(lw.qkv.float(), want.float()) and torch.equal(lw.qkv_scale, want_scale)
+    engine.release_cache()  # back to training: the fp8 stacks are freed, and rebuilt by the next generate
+    assert not engine._fp8._stacks
+    assert engine.generate(prompts).batch["responses"].shape == (4, 6) and engine._fp8._stacks
 
 
 def test_fp8_quantizes_the_lora_merged_weights():
