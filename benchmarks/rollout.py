@@ -5,6 +5,8 @@ Random-init Qwen2.5 shapes (no download), random prompts, sampling with ignore_e
 length. Roofline = decode rows / ((weight bytes + KV bytes read per step) / measured copy bandwidth); we report it
 for the KV a perfect engine reads (mean context) and for the columns our engine attends (KV-length buckets).
 CPU smoke test:  python3 benchmarks/rollout.py --device cpu --cases tiny:4 --prompt-len 16 --new-tokens 8 --out x.json
+FP8 rollout against bf16:  --quantization none,fp8 (every case in both; each result has `mismatch`: the sampled tokens'
+log-probs from a teacher-forced HF forward of the unquantized model vs the engine's, as `rollout_is/*` would see them).
 """
 
 from __future__ import annotations
@@ -91,10 +93,11 @@ def timed(fn, dev: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, bw: float, args) -> dict[str, Any]:
+def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, bw: float, args,
+                 quantization: str = "none") -> dict[str, Any]:
     rcfg = dataclasses.replace(load_config([], []).rollout, n=1, do_sample=True, temperature=1.0, ignore_eos=True,
                                max_num_seqs=B, max_num_batched_tokens=args.prefill_tokens, free_cache_engine=False,
-                               enforce_eager=args.eager, gpu_memory_utilization=0.6)
+                               enforce_eager=args.eager, gpu_memory_utilization=0.6, quantization=quantization)
     cfg = model.config
     gen_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.fp32_master:
@@ -115,6 +118,9 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
     t_decode = max(t_gen - t_prefill, 1e-9)
     kv_tok = bytes_per_slot(engine.spec, 1, engine.dtype)
     w_bytes = weight_bytes_read(model, torch.empty(0, dtype=gen_dtype).element_size())
+    if quantization == "fp8":  # the decoder projections are read as 1-byte codes (their scales are negligible)
+        w_bytes -= sum(t.numel() for lw in engine._weights.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)) * (
+            torch.empty(0, dtype=gen_dtype).element_size() - 1)
     runner = engine._runner
     read_cols, hs = 0, 1  # replay the scheduler's choice of attended columns L per chunk of decode steps
     while hs < R:
@@ -126,6 +132,7 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
     decode_tps = B * (R - 1) / t_decode
     res = {
         "engine": "hybridflow", "preset": preset, "batch": B, "prompt_len": P, "new_tokens": R,
+        "quantization": quantization,
         "compiled": bool(runner.ops.is_compiled), "cuda_graphs": runner.use_graphs,
         "compiled_ok": {n: getattr(getattr(runner.ops, n), "ok", False)
                         for n in ("qkv_normed", "mlp_block_norm", "embed_norm")}
@@ -148,9 +155,31 @@ def bench_engine(model, preset: str, B: int, P: int, R: int, dev: torch.device, 
         res["top_kernels"] = profile_kernels(lambda: engine.generate(prompts))
         res["top_kernels_prefill"] = profile_kernels(lambda: engine.generate(one), top=40)
     engine.release_cache()
+    if args.mismatch_rows:
+        res["mismatch"] = logprob_mismatch(model, out, args.mismatch_rows)
     if args.fp32_master:
         model.to(gen_dtype)
     return res
+
+
+@torch.no_grad()
+def logprob_mismatch(model, out: DataProto, rows: int, chunk: int = 8) -> dict[str, float]:
+    """The first `rows` rows' sampled tokens scored by a teacher-forced HF forward of `model` (what the trainer's
+    old-log-prob pass computes, at temperature 1) against the engine's log-probs: ρ = exp(hf − engine) per token."""
+    b, P = out.batch, out.batch["prompts"].shape[1]
+    gaps = []
+    for s in range(0, min(rows, len(out)), chunk):
+        ids = b["input_ids"][s: s + chunk]
+        logits = model(input_ids=ids, attention_mask=b["attention_mask"][s: s + chunk],
+                       position_ids=b["position_ids"][s: s + chunk]).logits[:, P - 1:-1]
+        hf = torch.log_softmax(logits.float(), -1).gather(-1, b["responses"][s: s + chunk, :, None]).squeeze(-1)
+        mask = b["response_mask"][s: s + chunk].bool()
+        gaps.append((hf - b["rollout_log_probs"][s: s + chunk].float())[mask])
+    gap = torch.cat(gaps)
+    ratio = gap.exp()
+    return {"tokens": gap.numel(), "abs_logp_gap_mean": float(gap.abs().mean()), "abs_logp_gap_max": float(gap.abs().max()),
+            "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()), "ratio_min": float(ratio.min()),
+            "clip_frac_cap2": float((ratio > 2).float().mean())}
 
 
 def profile_kernels(fn, top: int = 25) -> list[dict[str, Any]]:
@@ -223,8 +252,10 @@ def run_preset(preset: str, batches: list[int], hf_cases: set, with_switch: bool
     model = make_model(preset, dev, dtype)
     P, R = args.prompt_len, args.new_tokens
     for B in batches:
-        _record(report, f"hybridflow {preset} b{B}", lambda: bench_engine(model, preset, B, P, R, dev, bw, args))  # noqa: B023
-        save()
+        for q in args.quantization.split(","):
+            _record(report, f"hybridflow {preset} b{B} {q}",
+                    lambda: bench_engine(model, preset, B, P, R, dev, bw, args, q))  # noqa: B023
+            save()
         if (preset, B) in hf_cases:
             _record(report, f"hf {preset} b{B}", lambda: bench_hf(model, preset, B, P, R, dev))  # noqa: B023
             save()
@@ -253,6 +284,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of eager ops (no torch.compile)")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of one generate per case")
     ap.add_argument("--sdpa", action="store_true", help="SDPA and the torch sampler instead of our Triton kernels")
+    ap.add_argument("--quantization", default="none",
+                    help="rollout.quantization values to run every case with, e.g. none,fp8")
+    ap.add_argument("--mismatch-rows", type=int, default=64,
+                    help="rows scored by an HF forward for the log-prob mismatch (0 = skip)")
     ap.add_argument("--fp32-master", action="store_true",
                     help="fp32 parameters generating in bf16 (the RL setting: cast into fused buffers)")
     args = ap.parse_args()

@@ -327,6 +327,7 @@ class RolloutConfig:
     enforce_eager: bool  # no CUDA graphs
     free_cache_engine: bool  # release the KV cache when switching back to training
     tensor_model_parallel_size: int  # ranks of one generation group (tensor parallelism); 1 = off
+    quantization: str  # none | fp8: decoder projections in float8 e4m3 at each switch (rollout/fp8.py)
     seed: int
     val_kwargs: ValSamplingConfig
     multi_turn: MultiTurnConfig
@@ -342,6 +343,13 @@ class RolloutConfig:
         _one_of("rollout.name", self.name, ("hybrid", "hf"))
         _check(self.tensor_model_parallel_size >= 1, "rollout.tensor_model_parallel_size",
                self.tensor_model_parallel_size, "must be >= 1 (1 = no tensor parallelism)")
+        _one_of("rollout.quantization", self.quantization, ("none", "fp8"))
+        if self.quantization == "fp8":
+            _check(self.name == "hybrid", "rollout.name", self.name,
+                   "rollout.quantization=fp8 needs our engine (rollout.name=hybrid); or set rollout.quantization=none")
+            _check(self.tensor_model_parallel_size == 1, "rollout.tensor_model_parallel_size",
+                   self.tensor_model_parallel_size, "rollout.quantization=fp8 runs one rank per model: set it to 1, "
+                   "or set rollout.quantization=none")
         _check(not (self.multi_turn.enable and self.name == "hf"), "rollout.multi_turn.enable", True,
                "needs our engine (rollout.name=hybrid): the hf fallback generates one turn")
         _check(not (self.agent.mode == "server" and self.multi_turn.enable), "rollout.agent.mode", "server",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.protocol import DataProto, keys
-from hybridflow.rollout import moe
+from hybridflow.rollout import fp8, moe
 from hybridflow.rollout.forward import DecodeOps, RopeTable, prefill
 from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
@@ -107,6 +107,12 @@ class RolloutEngine:
                             "sync_weights)", self.dtype, param_dtype)
             self.spec = arch_spec(module) if self.tp is None else self.tp.local
             self._view = WeightView(module, self.dtype, self.device) if self.tp is None else None
+        self._fp8: fp8.Fp8Weights | None = None
+        if self.cfg.quantization == "fp8":
+            fp8.check_supported(module, fallback_reason=reason, tp_size=self.cfg.tensor_model_parallel_size,
+                                device=self.device, dtype=None if self._fallback else self.dtype)
+            self._fp8 = fp8.Fp8Weights()
+            logger.info("rollout: fp8 decoder projections (per-channel weight, per-token activation scales)")
         self._weights: ModelWeights | None = None
         self._runner: ModelRunner | None = None
 
@@ -121,6 +127,8 @@ class RolloutEngine:
         with torch.no_grad():
             if self.tp is None:
                 self._weights = self._view.build()
+                if self._fp8 is not None:  # after the LoRA merge, into the same buffers each switch
+                    self._weights = self._fp8.quantize(self._weights)
             else:
                 local = reference_slices(self.module, self.tp) if local is None else local
                 self._weights = self.tp.model_weights(local, self.dtype, self.device)
@@ -139,6 +147,8 @@ class RolloutEngine:
         self._weights = None
         if getattr(self, "_view", None) is not None:
             self._view.release()
+        if getattr(self, "_fp8", None) is not None:  # the runner and its graphs are gone: give training the memory
+            self._fp8.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybridflow.rollout.fp8 import linear
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.moe import moe_mlp
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
@@ -72,7 +73,7 @@ def qkv_project(xn: torch.Tensor, lw: LayerWeights, heads: tuple[int, int, int],
     """`qkv_normed` before RoPE: projections and the q/k norms (for kernels that apply RoPE themselves)."""
     h, hkv, d = heads
     if lw.qkv is not None and (lw.qkv_bias is not None or lw.q_bias is None):
-        q, k, v = F.linear(xn, lw.qkv, lw.qkv_bias).split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = linear(xn, lw.qkv, lw.qkv_bias, lw.qkv_scale).split([h * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
     else:
         q = F.linear(xn, lw.q, lw.q_bias).unflatten(-1, (h, d))
@@ -85,15 +86,15 @@ def qkv_project(xn: torch.Tensor, lw: LayerWeights, heads: tuple[int, int, int],
 
 def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
     """Residual stream after o_proj and the SwiGLU MLP; attn [..., H*D]."""
-    x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
+    x = residual_add(x, linear(attn, lw.o, lw.o_bias, lw.o_scale))
     xn = rms_norm(x, lw.ln2, eps)
     if lw.moe is not None:
         return residual_add(x, moe_mlp(xn, lw.moe))
     if lw.gate_up is not None:
-        gate, up = F.linear(xn, lw.gate_up).chunk(2, dim=-1)
+        gate, up = linear(xn, lw.gate_up, scale=lw.gate_up_scale).chunk(2, dim=-1)
     else:
         gate, up = F.linear(xn, lw.gate), F.linear(xn, lw.up)
-    return residual_add(x, F.linear(F.silu(gate) * up, lw.down))
+    return residual_add(x, linear(F.silu(gate) * up, lw.down, scale=lw.down_scale))
 
 
 def residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,12 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None
     moe: moe_ops.MoEWeights | None = None  # an MoE layer (gate/up/down are then None)
+    # rollout.quantization=fp8 (`fp8.py`): qkv, o, gate_up and down are float8_e4m3fn with these fp32 scales, one per
+    # output row; None = plain weights in the generation dtype.
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
 
 @dataclass
