@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -152,6 +153,37 @@ def test_fork_bomb_is_bounded_and_killed(mode: str) -> None:
     assert r.timed_out and r.stdout.strip(), r
     assert int(r.stdout) < limit
     assert _wait_gone("hfbomb") == [], "fork-bomb processes outlived the sandbox"
+
+
+def test_a_busy_neighbour_of_the_same_uid_leaves_the_process_budget_alone(mode: str) -> None:
+    """RLIMIT_NPROC counts a uid's processes per user namespace: the program's count must be its own sandbox's, not
+    every process on the host with its uid (another sandbox's fork bomb, a caller's threads), else it cannot start."""
+    if mode in sandbox._shared_budget:
+        pytest.skip(f"uid {sandbox.NOBODY} cannot create a user namespace here: sandboxes share one process budget")
+    limit = sandbox.current_config().max_processes
+    as_nobody = {"user": sandbox.NOBODY, "group": sandbox.NOBODY, "extra_groups": []} if os.getuid() == 0 else {}
+    neighbour = subprocess.Popen(["/bin/sh", "-c", f"for i in $(seq {limit}); do sleep 30 & done; echo ready; wait"],
+                                 stdout=subprocess.PIPE, start_new_session=True, **as_nobody)
+    try:
+        assert neighbour.stdout is not None and neighbour.stdout.readline() == b"ready\n"
+        r = run_python("import os\nfor _ in range(4):\n    if os.fork() == 0:\n        os._exit(0)\n"
+                       "    os.wait()\nprint('forked')", mode=mode)
+    finally:
+        os.killpg(neighbour.pid, signal.SIGKILL)
+        neighbour.wait()
+    assert r.ok and r.stdout == "forked\n", r
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root caller's program is given a user namespace by us")
+def test_root_falls_back_to_a_shared_budget_where_nobody_cannot_create_a_user_namespace(
+        mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(sandbox, "_shared_budget", set())
+    monkeypatch.setattr(sandbox, "_probe", lambda m: m in sandbox._shared_budget)  # the user namespace fails
+    monkeypatch.setitem(sandbox._probe_errors, mode, "unshare(CLONE_NEWUSER): Operation not permitted")
+    assert sandbox.available.__wrapped__(mode) and sandbox._shared_budget == {mode}
+    assert "max_processes counts every uid-65534 process" in caplog.text and "not permitted" in caplog.text
+    r = run_python("import os\nprint(os.getuid())", mode=mode)  # the program still runs, as uid 65534
+    assert r.ok and r.stdout == "65534\n", r
 
 
 def test_8gb_allocation_fails(mode: str) -> None:
