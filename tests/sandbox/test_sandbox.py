@@ -65,6 +65,7 @@ def _wait_gone(comm: str, within_s: float = 3.0) -> list[int]:
 
 
 _NAME_ME = "import ctypes\nctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)\n"  # PR_SET_NAME → comm
+_RUN = str(os.getpid())  # in each name: a concurrent test run's processes (another worker, another user) are not ours
 
 
 # ------------------------------------------------------------------------------------------ basics
@@ -130,13 +131,13 @@ def test_setsid_grandchild_dies_at_the_timeout(mode: str, tmp_path: Path) -> Non
     tmp_path.chmod(0o777)
     late = tmp_path / "written-after-the-timeout"
     code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfsetsid").splitlines())
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfsetsid" + _RUN).splitlines())
             + f"        time.sleep(1.5)\n        open({str(late)!r}, 'w').write('escaped')\n"
             "    os._exit(0)\ntime.sleep(60)\n")
     start = time.monotonic()
     r = run_python(code, timeout_s=1.0, mode=mode)
     assert r.timed_out and r.duration_s < 3, r
-    assert _wait_gone("hfsetsid") == [], "the setsid grandchild survived the sandbox"
+    assert _wait_gone("hfsetsid" + _RUN) == [], "the setsid grandchild survived the sandbox"
     time.sleep(max(0.0, start + 2.5 - time.monotonic()))  # past the grandchild's write time
     assert not late.exists()
 
@@ -146,13 +147,13 @@ def test_fork_bomb_is_bounded_and_killed(mode: str) -> None:
     # at most 4x the limit: if the limit did not hold, the count says so instead of the loop outliving the timeout
     code = ("import os, time\nn = 0\nfor _ in range(" + str(4 * limit) + "):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n    if pid == 0:\n"
-            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfbomb").splitlines())
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfbomb" + _RUN).splitlines())
             + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, flush=True)\ntime.sleep(60)\n")
     # the bomb must reach the process limit and print before the timeout: 1.5 s was too short on a busy 2-core box
     r = run_python(code, timeout_s=4.0, mode=mode)
     assert r.timed_out and r.stdout.strip(), r
     assert int(r.stdout) < limit
-    assert _wait_gone("hfbomb") == [], "fork-bomb processes outlived the sandbox"
+    assert _wait_gone("hfbomb" + _RUN) == [], "fork-bomb processes outlived the sandbox"
 
 
 def test_a_busy_neighbour_of_the_same_uid_leaves_the_process_budget_alone(mode: str) -> None:
@@ -288,13 +289,13 @@ def test_unisolated_root_caller_runs_code_as_nobody_under_the_process_cap(caps: 
     _set_caps(allow_unisolated=True, max_processes=16)
     code = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n    if pid == 0:\n"
-            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfnonebomb").splitlines())
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfnone" + _RUN).splitlines())
             + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, os.getuid(), flush=True)\n")
     r = run_python(code, timeout_s=5.0, mode="none")
     assert r.ok and r.mode == "none", r
     forked, uid = map(int, r.stdout.split())
     assert uid == 65534 and forked < 16, r.stdout
-    assert _wait_gone("hfnonebomb") == [], "the program's children outlived its run"
+    assert _wait_gone("hfnone" + _RUN) == [], "the program's children outlived its run"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root caller's unisolated mode drops to uid 65534")
