@@ -86,7 +86,7 @@ def _drop_privileges(how: str, proc_fd: int | None) -> None:
         if proc_fd is not None:
             # The kernel counts RLIMIT_NPROC per (user namespace, uid): in the host's, it counts every uid-65534
             # process (other sandboxes' programs), so a neighbour's fork bomb would stop this program from starting.
-            # The setuid made our /proc files root's: dumpable again, so that we may write our own id maps.
+            # The uid change left us undumpable, so our /proc files are root's: dumpable again to write our id maps.
             _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
             _new_userns(proc_fd, NOBODY)
     elif how == "userns":
