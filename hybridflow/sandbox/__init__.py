@@ -6,7 +6,8 @@ site-/dist-packages dirs covered by empty tmpfs: the standard library only), the
 /dev nodes, and writes only to a private size-limited tmpfs (its cwd); it has no network (empty network
 namespace); it is pid 1's tree in its own pid namespace, so at the time limit, or when the sandbox or its caller
 dies, every process inside dies, `setsid` escapes included; rlimits cap memory (RLIMIT_AS), CPU, file size and
-processes; a root caller's program runs as uid 65534 with no capabilities.
+processes (RLIMIT_NPROC counts the sandbox's own processes only: a root caller's program runs as uid 65534 in a user
+namespace of its own, as a non-root caller's does in its); a root caller's program has no capabilities.
 When neither mode works, code rewards are refused unless `reward.sandbox.allow_unisolated=true` (mode `none`:
 rlimits and a temp dir only; a root caller's program runs as uid 65534 there too, since RLIMIT_NPROC never binds
 uid 0, and the mode is refused when that uid cannot run Python). Per-call limits may only lower the configured caps.
@@ -102,6 +103,7 @@ def _warn_capped(key: str, cap: float) -> None:
 
 # ------------------------------------------------------------------------------------------------- modes
 _probe_errors: dict[str, str] = {}
+_shared_budget: set[Mode] = set()  # modes where a root caller's program gets no user namespace of its own
 
 
 @functools.cache
@@ -112,6 +114,23 @@ def available(mode: Mode) -> bool:
     if mode == "bubblewrap" and shutil.which("bwrap") is None:
         _probe_errors[mode] = "bwrap not installed"
         return False
+    if _probe(mode):
+        return True
+    if os.getuid() != 0:
+        return False
+    first_error = _probe_errors[mode]
+    _shared_budget.add(mode)  # maybe only uid 65534 may not create a user namespace here (a sysctl, AppArmor)
+    if not _probe(mode):
+        _shared_budget.discard(mode)
+        return False
+    logger.warning("sandbox mode %s: uid %s cannot create a user namespace here (%s), so reward.sandbox."
+                   "max_processes counts every uid-%s process on this host: concurrent sandboxes share it, and a "
+                   "program may fail to start while another forks. Fix: allow unprivileged user namespaces",
+                   mode, NOBODY, first_error, NOBODY)
+    return True
+
+
+def _probe(mode: Mode) -> bool:
     try:
         result = run_python("print('ok')", mode=mode)
     except OSError as err:
@@ -195,7 +214,7 @@ def _limits(cfg: SandboxConfig, timeout_s: float, memory_mb: int) -> dict[str, i
 def _bwrap_argv(python: str, code_fd: int, spec: dict[str, Any], disk_mb: int) -> list[str]:
     argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
             "--unshare-uts", "--unshare-cgroup-try"]
-    if os.getuid() == 0:  # root: no user namespace, so the launcher can drop to a real unprivileged uid
+    if os.getuid() == 0:  # root: bwrap's user namespace would map 65534 to root; the launcher drops to real 65534
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns"]
@@ -214,8 +233,10 @@ def _bwrap_argv(python: str, code_fd: int, spec: dict[str, Any], disk_mb: int) -
     return argv + [python, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(spec)]
 
 
-def _command(mode: Mode, python: str, tmp: Path, code_fd: int, spec: dict[str, Any], disk_mb: int) -> list[str]:
-    root = os.getuid() == 0
+def _command(mode: Mode, python: str, tmp: Path, fds: list[int], spec: dict[str, Any], disk_mb: int) -> list[str]:
+    code_fd, root = fds[0], os.getuid() == 0
+    if root:  # the program's uid 65534 gets a user namespace of its own (sandbox_init._drop_privileges says why)
+        spec = {**spec, "own_userns": mode not in _shared_budget, "proc_fd": fds[1] if len(fds) > 1 else None}
     if mode == "bubblewrap":
         return _bwrap_argv(python, code_fd, {**spec, "stage": "exec", "drop": "setuid" if root else "none"}, disk_mb)
     launcher = [python, "-I", "-S", "-c", _INIT_SOURCE]
@@ -252,26 +273,29 @@ def run_python(code: str, stdin: str = "", timeout_s: float | None = None, memor
         (tmp / "main.py").write_text(code)
         (tmp / "stdin.txt").write_text(stdin)
         (tmp / "work").mkdir()
-        code_fd = os.open(tmp / "main.py", os.O_RDONLY)
+        fds = [os.open(tmp / "main.py", os.O_RDONLY)]
+        if mode == "bubblewrap" and os.getuid() == 0 and mode not in _shared_budget:
+            fds.append(os.open("/proc", os.O_PATH | os.O_DIRECTORY))  # bwrap mounts none; the launcher closes it
         try:
-            argv = _command(mode, python, tmp, code_fd, spec, cfg.disk_mb)
-            returncode, timed_out = _execute(argv, tmp, code_fd, timeout, mode)
+            argv = _command(mode, python, tmp, fds, spec, cfg.disk_mb)
+            returncode, timed_out = _execute(argv, tmp, fds, timeout, mode)
         finally:
-            os.close(code_fd)
+            for fd in fds:
+                os.close(fd)
         limit = cfg.max_output_mb * 1024 * 1024
         stdout = (tmp / "out").read_bytes()[:limit].decode("utf-8", "replace")
         stderr = (tmp / "err").read_bytes()[:limit].decode("utf-8", "replace")
     return SandboxResult(returncode, stdout, stderr, timed_out, time.monotonic() - start, mode)
 
 
-def _execute(argv: list[str], tmp: Path, code_fd: int, timeout_s: float, mode: Mode) -> tuple[int | None, bool]:
+def _execute(argv: list[str], tmp: Path, fds: list[int], timeout_s: float, mode: Mode) -> tuple[int | None, bool]:
     home = WORK_DIR if mode in ISOLATED_MODES else str(tmp / "work")
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
     with open(tmp / "stdin.txt", "rb") as fin, open(tmp / "out", "wb") as fout, open(tmp / "err", "wb") as ferr:
         (tmp / "stdin.txt").unlink()  # reachable only as the program's fd 0 (the code harness's nonce is in it)
         proc = subprocess.Popen(argv, cwd=tmp / "work", env=env, stdin=fin, stdout=fout, stderr=ferr,
-                                start_new_session=True, close_fds=True, pass_fds=(code_fd,))
+                                start_new_session=True, close_fds=True, pass_fds=fds)
         exited = _wait_unreaped(proc.pid, timeout_s)
         # The group holds the launcher and the sandbox's pid 1, whose death takes the pid namespace with it; in
         # mode none, the program's children too (else a fork bomb would outlive the run). Killed before the

@@ -1,7 +1,8 @@
 """The sandbox's trusted first process, run as `python -I -S -c <this file's source> <json spec>` (stdlib only:
 under bubblewrap it runs inside the sandbox, where the project tree is invisible).
 
-Stage `exec` sets the rlimits, drops to uid 65534, sets no_new_privs and execs the program. Stage `namespaces`
+Stage `exec` sets the rlimits, drops to uid 65534 (a root caller's program also gets a user namespace of its own,
+so that RLIMIT_NPROC counts its sandbox's processes only), sets no_new_privs and execs the program. Stage `namespaces`
 (the fallback when bubblewrap is missing) first builds the sandbox itself: new mount/pid/net/ipc/uts namespaces,
 a tmpfs root holding read-only binds of what Python needs (package dirs under an empty tmpfs) plus a size-limited
 tmpfs work dir, pivot_root; the program runs as pid 1 of its namespace, so when it or this launcher dies every
@@ -23,7 +24,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
-MNT_DETACH, PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 2, 1, 38
+MNT_DETACH, PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 2, 1, 4, 38
 # Flags a user namespace may not clear on a bind remount (the kernel locks them): keep what the source has.
 LOCKED_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME | MS_RELATIME
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -63,30 +64,54 @@ def _set_limits(limits: dict[str, int]) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] * mb,) * 2)
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _new_userns(proc_fd: int, outside: int) -> None:
+    """Enter a new user namespace where uid/gid 65534 is `outside` of the current one."""
+    _check(_libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    _write("setgroups", "deny", proc_fd)
+    _write("uid_map", f"{NOBODY} {outside} 1", proc_fd)
+    _write("gid_map", f"{NOBODY} {outside} 1", proc_fd)
+
+
 def _drop_privileges(how: str, proc_fd: int | None) -> None:
-    """setuid: real root → uid/gid 65534 (clears all capabilities). userns: uid 0 of our own user namespace →
-    uid 65534 of a nested one, which holds no power over the mounts already made."""
+    """setuid: real root → uid/gid 65534 (clears all capabilities), then, given `proc_fd`, into a user namespace of
+    its own that maps 65534 to itself. userns: uid 0 of our own user namespace → uid 65534 of a nested one, which
+    holds no power over the mounts already made."""
     if how == "setuid":
         os.setgroups([])
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
+        if proc_fd is not None:
+            # The kernel counts RLIMIT_NPROC per (user namespace, uid): in the host's, it counts every uid-65534
+            # process (other sandboxes' programs), so a neighbour's fork bomb would stop this program from starting.
+            # The uid change left us undumpable, so our /proc files are root's: dumpable again to write our id maps.
+            _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+            _new_userns(proc_fd, NOBODY)
     elif how == "userns":
         assert proc_fd is not None, "userns drop needs /proc/self opened before pivot_root"
-        _check(_libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
-        _write("setgroups", "deny", proc_fd)
-        _write("uid_map", f"{NOBODY} 0 1", proc_fd)
-        _write("gid_map", f"{NOBODY} 0 1", proc_fd)
+        _new_userns(proc_fd, 0)
     if how != "none" and os.getuid() != NOBODY:
         raise OSError(f"privilege drop {how!r} left uid {os.getuid()}, expected {NOBODY}")
 
 
+def _open_proc_self(spec: dict[str, Any]) -> int:
+    """Our /proc/<pid> (O_PATH), through the host's /proc: bubblewrap mounts none, so it comes as an fd."""
+    root = spec.get("proc_fd")
+    fd = os.open("/proc/self" if root is None else "self", os.O_PATH | os.O_DIRECTORY, dir_fd=root)
+    if root is not None:
+        os.close(root)
+    return fd
+
+
 def exec_program(spec: dict[str, Any], proc_fd: int | None = None, alive_fd: int | None = None) -> None:
+    if proc_fd is None and spec.get("own_userns"):
+        proc_fd = _open_proc_self(spec)
     _set_limits(spec["limits"])
     _drop_privileges(spec["drop"], proc_fd)
+    # After the drop: a user namespace's bound on its creator's whole uid is the creator's RLIMIT_NPROC at creation.
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["limits"]["processes"],) * 2)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     if alive_fd is not None:
         # Set after the uid change (which clears it); the pipe closes the race with a launcher that already died.
@@ -167,7 +192,8 @@ def run_namespaces(spec: dict[str, Any]) -> None:
     if pid == 0:  # pid 1 of the new pid namespace
         os.close(alive_w)
         try:
-            proc_fd = os.open("/proc/self", os.O_PATH | os.O_DIRECTORY) if spec["drop"] == "userns" else None
+            needs_proc = spec["drop"] == "userns" or spec.get("own_userns")
+            proc_fd = _open_proc_self(spec) if needs_proc else None
             _build_root(spec)
             exec_program(spec, proc_fd, alive_r)
         except BaseException as err:  # noqa: BLE001 — report any setup failure, then exit without cleanup

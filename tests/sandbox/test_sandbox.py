@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def _wait_gone(comm: str, within_s: float = 3.0) -> list[int]:
 
 
 _NAME_ME = "import ctypes\nctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)\n"  # PR_SET_NAME → comm
+_RUN = str(os.getpid())  # in each name: a concurrent test run's processes (another worker, another user) are not ours
 
 
 # ------------------------------------------------------------------------------------------ basics
@@ -129,13 +131,13 @@ def test_setsid_grandchild_dies_at_the_timeout(mode: str, tmp_path: Path) -> Non
     tmp_path.chmod(0o777)
     late = tmp_path / "written-after-the-timeout"
     code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfsetsid").splitlines())
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfsetsid" + _RUN).splitlines())
             + f"        time.sleep(1.5)\n        open({str(late)!r}, 'w').write('escaped')\n"
             "    os._exit(0)\ntime.sleep(60)\n")
     start = time.monotonic()
     r = run_python(code, timeout_s=1.0, mode=mode)
     assert r.timed_out and r.duration_s < 3, r
-    assert _wait_gone("hfsetsid") == [], "the setsid grandchild survived the sandbox"
+    assert _wait_gone("hfsetsid" + _RUN) == [], "the setsid grandchild survived the sandbox"
     time.sleep(max(0.0, start + 2.5 - time.monotonic()))  # past the grandchild's write time
     assert not late.exists()
 
@@ -145,13 +147,44 @@ def test_fork_bomb_is_bounded_and_killed(mode: str) -> None:
     # at most 4x the limit: if the limit did not hold, the count says so instead of the loop outliving the timeout
     code = ("import os, time\nn = 0\nfor _ in range(" + str(4 * limit) + "):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n    if pid == 0:\n"
-            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfbomb").splitlines())
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfbomb" + _RUN).splitlines())
             + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, flush=True)\ntime.sleep(60)\n")
     # the bomb must reach the process limit and print before the timeout: 1.5 s was too short on a busy 2-core box
     r = run_python(code, timeout_s=4.0, mode=mode)
     assert r.timed_out and r.stdout.strip(), r
     assert int(r.stdout) < limit
-    assert _wait_gone("hfbomb") == [], "fork-bomb processes outlived the sandbox"
+    assert _wait_gone("hfbomb" + _RUN) == [], "fork-bomb processes outlived the sandbox"
+
+
+def test_a_busy_neighbour_of_the_same_uid_leaves_the_process_budget_alone(mode: str) -> None:
+    """RLIMIT_NPROC counts a uid's processes per user namespace: the program's count must be its own sandbox's, not
+    every process on the host with its uid (another sandbox's fork bomb, a caller's threads), else it cannot start."""
+    if mode in sandbox._shared_budget:
+        pytest.skip(f"uid {sandbox.NOBODY} cannot create a user namespace here: sandboxes share one process budget")
+    limit = sandbox.current_config().max_processes
+    as_nobody = {"user": sandbox.NOBODY, "group": sandbox.NOBODY, "extra_groups": []} if os.getuid() == 0 else {}
+    neighbour = subprocess.Popen(["/bin/sh", "-c", f"for i in $(seq {limit}); do sleep 30 & done; echo ready; wait"],
+                                 stdout=subprocess.PIPE, start_new_session=True, **as_nobody)
+    try:
+        assert neighbour.stdout is not None and neighbour.stdout.readline() == b"ready\n"
+        r = run_python("import os\nfor _ in range(4):\n    if os.fork() == 0:\n        os._exit(0)\n"
+                       "    os.wait()\nprint('forked')", mode=mode)
+    finally:
+        os.killpg(neighbour.pid, signal.SIGKILL)
+        neighbour.wait()
+    assert r.ok and r.stdout == "forked\n", r
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root caller's program is given a user namespace by us")
+def test_root_falls_back_to_a_shared_budget_where_nobody_cannot_create_a_user_namespace(
+        mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(sandbox, "_shared_budget", set())
+    monkeypatch.setattr(sandbox, "_probe", lambda m: m in sandbox._shared_budget)  # the user namespace fails
+    monkeypatch.setitem(sandbox._probe_errors, mode, "unshare(CLONE_NEWUSER): Operation not permitted")
+    assert sandbox.available.__wrapped__(mode) and sandbox._shared_budget == {mode}
+    assert "max_processes counts every uid-65534 process" in caplog.text and "not permitted" in caplog.text
+    r = run_python("import os\nprint(os.getuid())", mode=mode)  # the program still runs, as uid 65534
+    assert r.ok and r.stdout == "65534\n", r
 
 
 def test_8gb_allocation_fails(mode: str) -> None:
@@ -256,13 +289,13 @@ def test_unisolated_root_caller_runs_code_as_nobody_under_the_process_cap(caps: 
     _set_caps(allow_unisolated=True, max_processes=16)
     code = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n    if pid == 0:\n"
-            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfnonebomb").splitlines())
+            + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfnone" + _RUN).splitlines())
             + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, os.getuid(), flush=True)\n")
     r = run_python(code, timeout_s=5.0, mode="none")
     assert r.ok and r.mode == "none", r
     forked, uid = map(int, r.stdout.split())
     assert uid == 65534 and forked < 16, r.stdout
-    assert _wait_gone("hfnonebomb") == [], "the program's children outlived its run"
+    assert _wait_gone("hfnone" + _RUN) == [], "the program's children outlived its run"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root caller's unisolated mode drops to uid 65534")
