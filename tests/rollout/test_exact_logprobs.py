@@ -1,6 +1,7 @@
 """`actor_rollout.exact_logprobs`: the rollout engine's sampled-token log-probs equal the trainer's packed forward
 bit for bit (torch.equal, CPU fp32, tiny Qwen2) — ragged prompts, rows stopping at different steps, any
-micro-batching, multi-turn KV reuse, after an optimizer step — and a perturbed key-block order breaks it.
+micro-batching, multi-turn KV reuse, after an optimizer step — and a perturbed key-block order breaks it; on a
+GPU the same in bf16, with and without CUDA graphs (run by benchmarks/gpu_tests.sh).
 Small tiles (ROW_TILE 16, KEY_BLOCK 8) so that these short sequences cross several tiles and key blocks."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from rollout_helpers import EOS, PAD, make_model, make_prompts, rollout_cfg
+from rollout_helpers import CUDA, EOS, PAD, make_model, make_prompts, rollout_cfg
 from test_multi_turn import AlwaysCall, Echo
 
 from hybridflow.agentic.session import ToolSession
@@ -30,14 +31,14 @@ def _small_tiles(monkeypatch):
     monkeypatch.setattr(invariant, "KEY_BLOCK", 8)
 
 
-def _engines(tmp_path, exact: bool = True, **cfg_kw) -> tuple[TrainEngine, RolloutEngine]:
+def _engines(tmp_path, exact: bool = True, device: str = "cpu", **cfg_kw) -> tuple[TrainEngine, RolloutEngine]:
     model = make_model("qwen")
     model.save_pretrained(tmp_path)
     save_builtin_tokenizer(tmp_path)
     cfg = load_config([], [f"model.path={tmp_path}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                            "actor.ppo_micro_batch_size_per_gpu=8", "actor.log_prob_micro_batch_size_per_gpu=8",
                            "actor.grad_clip=1e6", "actor.optim.lr=1e-2", f"actor_rollout.exact_logprobs={exact}"])
-    train = TrainEngine(actor_spec(cfg), device="cpu")
+    train = TrainEngine(actor_spec(cfg), device=device)
     # many stop ids: rows finish at different steps
     stops = list(range(3, 99, 7))
     rollout = RolloutEngine(train.module, rollout_cfg(free_cache_engine=False, temperature=0.7,
@@ -99,3 +100,19 @@ def test_default_mode_differs_in_the_last_bits(gloo, tmp_path):
     ours, theirs = _trainer_logprobs(train, out, 8), _rollout_logprobs(out)
     assert not torch.equal(ours, theirs)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA bf16 (benchmarks/gpu_tests.sh)")
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_bf16_bitwise_with_and_without_graphs(gloo, tmp_path, eager):
+    train, rollout = _engines(tmp_path, device="cuda", enforce_eager=eager)
+    assert rollout.dtype == torch.bfloat16 and rollout.use_graphs is not eager
+    out = rollout.generate(make_prompts(4, P, 300, seed=3, meta={"n": 2}))
+    ours = _rollout_logprobs(out)
+    for micro in (8, 3):
+        assert torch.equal(_trainer_logprobs(train, out, micro), ours), micro
+    train_update(train, out, lambda o, mb, n: (-(o["log_probs"] * mb.batch["response_mask"]).sum() / 50, {}),
+                 HEAD, UpdatePlan(8))
+    rollout.sync_weights()
+    out2 = rollout.generate(make_prompts(4, P, 300, seed=5, meta={"n": 2}))
+    assert torch.equal(_trainer_logprobs(train, out2, 5), _rollout_logprobs(out2))
