@@ -7,10 +7,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 from ppo_testlib import deterministic_metrics, tiny_ppo_config
 
-from hybridflow.config import resolve
+from hybridflow.config import load_config, resolve
+from hybridflow.config.dotted import ConfigError
+from hybridflow.config.validate import validate_config
 from hybridflow.trainer.ppo import PPOTrainer
 
 STEPS = 2
@@ -58,3 +61,10 @@ def test_old_log_probs_come_from_the_rollout_and_change_nothing(tmp_path: Path) 
     for a, b in zip(copied, recomputed):
         assert a["rollout_is/max"] == 1.0 and b["rollout_is/max"] == 1.0
         assert deterministic_metrics(a) == deterministic_metrics(b)
+
+
+def test_config_refuses_what_exact_mode_cannot_reproduce() -> None:
+    validate_config(load_config(overrides=["actor_rollout.exact_logprobs=true"]))
+    for bad in ("data.use_packed_dataset=false", "rollout.name=hf", "model.lora.rank=8"):
+        with pytest.raises(ConfigError, match=rf"actor_rollout.exact_logprobs=true with {bad}"):
+            validate_config(load_config(overrides=["actor_rollout.exact_logprobs=true", bad]))
