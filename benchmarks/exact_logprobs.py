@@ -98,8 +98,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
+        kw = {"device_id": torch.device("cuda", 0)} if device == "cuda" else {}
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+                                world_size=1, **kw)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device}
     for mode in args.modes.split(","):
         result[mode] = run_mode(args, mode == "exact", device)

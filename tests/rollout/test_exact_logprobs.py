@@ -7,6 +7,10 @@ Small tiles (ROW_TILE 16, KEY_BLOCK 8) so that these short sequences cross sever
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,9 +106,8 @@ def test_default_mode_differs_in_the_last_bits(gloo, tmp_path):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA bf16 (benchmarks/gpu_tests.sh)")
-@pytest.mark.parametrize("eager", [False, True])
-def test_cuda_bf16_bitwise_with_and_without_graphs(gloo, tmp_path, eager):
+def check_cuda_bf16(tmp_path: Path, eager: bool) -> None:
+    """The bitwise checks on CUDA in bf16 (run by the test below in a process with an NCCL group)."""
     train, rollout = _engines(tmp_path, device="cuda", enforce_eager=eager)
     assert rollout.dtype == torch.bfloat16 and rollout.use_graphs is not eager
     out = rollout.generate(make_prompts(4, P, 300, seed=3, meta={"n": 2}))
@@ -116,3 +119,28 @@ def test_cuda_bf16_bitwise_with_and_without_graphs(gloo, tmp_path, eager):
     rollout.sync_weights()
     out2 = rollout.generate(make_prompts(4, P, 300, seed=5, meta={"n": 2}))
     assert torch.equal(_trainer_logprobs(train, out2, 5), _rollout_logprobs(out2))
+
+
+CUDA_SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+sys.path[:0] = ["tests/rollout"]
+import test_exact_logprobs as t
+from hybridflow.engine import invariant
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+eager = sys.argv[2] == "1"
+if not eager:  # small tiles: several tiles and key blocks; eager runs the shipped sizes
+    invariant.ROW_TILE, invariant.KEY_BLOCK = 16, 8
+t.check_cuda_bf16(Path(sys.argv[1]), eager)
+dist.destroy_process_group()
+print("exact cuda ok")
+"""
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA bf16 (benchmarks/gpu_tests.sh)")
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_bf16_bitwise_with_and_without_graphs(tmp_path, eager):
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", CUDA_SCRIPT, str(tmp_path), str(int(eager))], cwd=root,
+                          capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(root)})
+    assert proc.returncode == 0 and "exact cuda ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
