@@ -16,7 +16,7 @@ from hybridflow.config.dotted import ConfigError
 from hybridflow.config.validate import validate_config
 from hybridflow.trainer.ppo import PPOTrainer
 
-STEPS = 2
+STEPS = 1
 
 
 def _cfg(tmp: Path, *extra: str):
