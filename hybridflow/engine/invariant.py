@@ -43,9 +43,8 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
         if n < ROW_TILE:
             t = torch.cat([t, t.new_zeros(ROW_TILE - n, t.shape[1])])
         out.append(fn(t.contiguous())[:n])
-    if not out:
-        return fn(x_MK.new_zeros(ROW_TILE, x_MK.shape[1]))[:0].reshape(*lead, -1)
-    return torch.cat(out).reshape(*lead, -1)
+    y = torch.cat(out) if out else fn(x_MK.new_zeros(ROW_TILE, x_MK.shape[1]))[:0]
+    return y.reshape(*lead, y.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
