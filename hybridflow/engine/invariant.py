@@ -78,18 +78,20 @@ def token_logprobs(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature:
 
 
 def attention(q_NHD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Tensor, rows_N: torch.Tensor,
-              first_N: torch.Tensor, last_N: torch.Tensor, num_blocks: int, scale: float) -> torch.Tensor:
+              first_N: torch.Tensor, last_N: torch.Tensor, num_blocks: int | list[int],
+              scale: float) -> torch.Tensor:
     """o [N, H, D] (q's dtype): query i attends to keys k[rows[i], :, first[i] .. last[i]] (inclusive, contiguous)
-    in blocks of KEY_BLOCK columns from first[i]; `num_blocks` covers the longest range (extra blocks change no
-    bit). Queries in tiles of ROW_TILE (padded with query 0), scores and softmax in fp32."""
+    in blocks of KEY_BLOCK columns from first[i]; `num_blocks` (one count, or one per query tile) covers the longest
+    range (extra blocks change no bit). Queries in tiles of ROW_TILE (the last one repeats its last query), scores
+    and softmax in fp32."""
     N, H, D = q_NHD.shape
     hkv = k_SHCD.shape[1]
     out = []
-    for s in range(0, N, ROW_TILE):
-        idx = torch.arange(s, s + ROW_TILE, device=q_NHD.device).clamp_(max=N - 1) if N else None
+    for i, s in enumerate(range(0, N, ROW_TILE)):
+        idx = torch.arange(s, s + ROW_TILE, device=q_NHD.device).clamp_(max=N - 1)
         n = min(ROW_TILE, N - s)
-        o = _attention_tile(q_NHD[idx], k_SHCD, v_SHCD, rows_N[idx], first_N[idx], last_N[idx], num_blocks, scale,
-                            hkv)
+        blocks = num_blocks if isinstance(num_blocks, int) else num_blocks[i]
+        o = _attention_tile(q_NHD[idx], k_SHCD, v_SHCD, rows_N[idx], first_N[idx], last_N[idx], blocks, scale, hkv)
         out.append(o[:n])
     return torch.cat(out).to(q_NHD.dtype) if out else q_NHD.new_zeros(0, H, D)
 
@@ -129,8 +131,13 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
     pos = torch.arange(T, device=dev)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    o = attention(query[0].transpose(0, 1), key, value, torch.zeros_like(pos), cu[:-1][seq], pos,
-                  -(-int(max_len) // KEY_BLOCK), scale)
+    first = cu[:-1][seq]
+    # each query tile runs only the key blocks its longest prefix needs (one host sync; the causal triangle halves
+    # the work) — `max_len` would give the same bits
+    need = (pos - first) // KEY_BLOCK + 1
+    blocks = torch.cat([need, need.new_zeros(-T % ROW_TILE)]).view(-1, ROW_TILE).amax(1).tolist() if T else []
+    assert max(blocks, default=0) <= -(-int(max_len) // KEY_BLOCK), (blocks, max_len)
+    o = attention(query[0].transpose(0, 1), key, value, torch.zeros_like(pos), first, pos, blocks, scale)
     return o.unsqueeze(0)
 
 
