@@ -31,12 +31,18 @@ def unsupported(w: ModelWeights) -> str | None:
 
 def forward_tokens(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_N: torch.Tensor, pos_N: torch.Tensor,
                    slot_N: torch.Tensor, col_N: torch.Tensor, start_N: torch.Tensor, last_S: torch.Tensor,
-                   cache: KVCache, max_keys: int) -> torch.Tensor:
-    """Logits [S, V] of tokens `last_S` after running the N tokens (see module docstring); `max_keys` bounds every
-    token's key count col - start + 1 (it sets the number of key blocks: any bound gives the same bits)."""
+                   cache: KVCache, max_keys: int | None = None) -> torch.Tensor:
+    """Logits [S, V] of tokens `last_S` after running the N tokens (see module docstring). `max_keys` bounds every
+    token's key count col - start + 1 and sets the number of key blocks (any bound gives the same bits; static for
+    a CUDA graph); None = each query tile's own need, read from the device once."""
     N = ids_N.shape[0]
     h, hkv, d, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.eps
-    blocks = -(-max_keys // invariant.KEY_BLOCK)
+    if max_keys is None:
+        need = (col_N - start_N) // invariant.KEY_BLOCK + 1
+        blocks = torch.cat([need, need.new_zeros(-N % invariant.ROW_TILE)]).view(-1, invariant.ROW_TILE)
+        blocks = blocks.amax(1).tolist()
+    else:
+        blocks = -(-max_keys // invariant.KEY_BLOCK)
     x = F.embedding(ids_N, w.embed)
     cos, sin = rope.cos[pos_N].unsqueeze(-2), rope.sin[pos_N].unsqueeze(-2)
     for layer, lw in enumerate(w.layers):

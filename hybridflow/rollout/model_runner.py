@@ -322,7 +322,7 @@ class ModelRunner:
         last = torch.cumsum(valid.sum(-1), 0) - 1
         logits = exact_forward.forward_tokens(self.weights, self.spec, self.rope, ids_BP[b_idx, p_idx],
                                               pos_BP[b_idx, p_idx], first[b_idx], p_idx, (P - valid.sum(-1))[b_idx],
-                                              last, self.cache, P)
+                                              last, self.cache)
         if n > 1:
             for kc, vc in zip(self.cache.k, self.cache.v):
                 kc[slot_t, :, :P] = kc[first[src], :, :P]
@@ -345,8 +345,7 @@ class ModelRunner:
         ids_N[torch.tensor(first, device=dev)] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
         self.valid[slot_N, col_N] = True
         return exact_forward.forward_tokens(self.weights, self.spec, self.rope, ids_N, pos_N, slot_N, col_N,
-                                            self.start[slot_N], torch.tensor(last, device=dev), self.cache,
-                                            max(col) + 1)
+                                            self.start[slot_N], torch.tensor(last, device=dev), self.cache)
 
     def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                 mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
