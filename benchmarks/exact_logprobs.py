@@ -2,7 +2,8 @@
 random-init model — generation, the trainer's log-prob pass, one update — with the gap between the rollout's
 log-probs and the trainer's (max |Δ|, share of tokens whose ratio leaves [0.99, 1.01]) and the time of each stage.
 
-GPU (one H200):  PYTHONPATH=. python3 benchmarks/exact_logprobs.py --out $OUT/exact_logprobs.json
+GPU (one H200):  PYTHONPATH=. python3 benchmarks/exact_logprobs.py --out $OUT/exact_grpo.json  (then
+                 --mini-batches 4 --out $OUT/exact_ppo4.json; --preset qwen2.5-1.5b for the larger shape)
 CPU smoke test:  PYTHONPATH=. python3 benchmarks/exact_logprobs.py --preset tiny --prompts 2 --n 2 --prompt-len 16 \
                      --response-len 8 --out /tmp/exact.json
 """
@@ -70,7 +71,7 @@ def run_mode(args: argparse.Namespace, exact: bool, device: str) -> dict[str, fl
     _sync()
     t["old_log_prob_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    train_update(train, out, _loss, head, UpdatePlan(args.prompts * args.n))
+    train_update(train, out, _loss, head, UpdatePlan(args.prompts * args.n // args.mini_batches))
     _sync()
     t["update_s"] = time.perf_counter() - t0
     mask = out.batch["response_mask"].bool()
@@ -79,7 +80,9 @@ def run_mode(args: argparse.Namespace, exact: bool, device: str) -> dict[str, fl
     t |= {"max_abs_dlogp": float(delta.abs().max()), "tokens": int(mask.sum()),
           "share_ratio_outside_1pct": float(((ratio < 0.99) | (ratio > 1.01)).float().mean()),
           "step_s_with_recompute": t["gen_s"] + t["old_log_prob_s"] + t["update_s"],
-          "step_s_sync": t["gen_s"] + t["update_s"] + (0.0 if exact else t["old_log_prob_s"])}
+          # sync mode: old log-probs are recomputed with several mini-batches, unless exact mode copies them
+          "step_s_sync": t["gen_s"] + t["update_s"] + (t["old_log_prob_s"] if args.mini_batches > 1 and not exact
+                                                       else 0.0)}
     del train, rollout
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return t
@@ -92,6 +95,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--response-len", type=int, default=128)
+    ap.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per update (GRPO 1, PPO e.g. 4)")
     ap.add_argument("--modes", default="default,exact")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
