@@ -42,6 +42,9 @@ class Resolved:
     # needs no old log-probs: it compares the update's own log-probs with the reference's), with online DPO, and
     # with algorithm.rollout_is (its ratio is old_log_probs / rollout_log_probs).
     recompute_old_log_prob: bool
+    # Where old log-probs are needed but `actor_rollout.exact_logprobs` makes the rollout's the trainer's, bit for bit
+    # (sync mode: the sampling policy is the one before the update): copied, no forward pass.
+    old_log_prob_from_rollout: bool = False
 
     @property
     def num_roles(self) -> int:
@@ -88,6 +91,9 @@ def resolve(cfg: Config) -> Resolved:
         else None
     )
     use_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg)
+    needs_old = (cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg) or cfg.algorithm.rollout_is.mode is not None
+                 or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1))
+    from_rollout = needs_old and cfg.actor_rollout.exact_logprobs and cfg.trainer.mode == "sync" and not cfg.dpo.online
     return Resolved(
         world_size=world,
         process_on_nodes=nodes,
@@ -98,7 +104,6 @@ def resolve(cfg: Config) -> Resolved:
         use_reference=use_reference,
         use_reward_model=cfg.reward.reward_model.enable or any(s.name == "model" for s in cfg.reward.sources),
         use_teacher=cfg.algorithm.adv_estimator == "distill",
-        recompute_old_log_prob=cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg)
-        or cfg.algorithm.rollout_is.mode is not None
-        or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1),
+        recompute_old_log_prob=needs_old and not from_rollout,
+        old_log_prob_from_rollout=from_rollout,
     )

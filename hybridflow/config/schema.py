@@ -359,6 +359,9 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class ActorRolloutConfig:
     backend: str  # only `hybrid` for now: one worker trains and generates on the same GPUs and weights
+    # both engines run the batch-invariant ops (engine/invariant.py): the rollout's log-probs equal the trainer's
+    # bit for bit, and in sync mode the old_log_prob recompute is skipped (needs packed forwards, one rollout rank)
+    exact_logprobs: bool = False
 
     def __post_init__(self) -> None:
         _check(self.backend == "hybrid", "actor_rollout.backend", self.backend,

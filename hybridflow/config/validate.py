@@ -18,7 +18,7 @@ def validate_config(cfg: Config, command: str = "train") -> None:
         errors += _name_errors(cfg) + _online_dpo_errors(cfg) + _mode_errors(cfg) + _teacher_errors(cfg)
     if rl or command == "dpo":
         errors += _tp_errors(cfg, command)
-    errors += _lora_errors(cfg)
+    errors += _lora_errors(cfg) + _exact_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -177,6 +177,20 @@ def _tp_errors(cfg: Config, command: str) -> list[str]:
                     "generate and the agent endpoint run one whole model per rank; use rollout.name=hybrid with "
                     "rollout.agent.mode=builtin, or rollout.tensor_model_parallel_size=1")
     return errs
+
+
+def _exact_errors(cfg: Config) -> list[str]:
+    """actor_rollout.exact_logprobs: the cases whose forwards have no batch-invariant form (engine/invariant.py)."""
+    if not cfg.actor_rollout.exact_logprobs:
+        return []
+    key, fix = "actor_rollout.exact_logprobs=true", "or set actor_rollout.exact_logprobs=false"
+    why = {"data.use_packed_dataset=false": not cfg.data.use_packed_dataset,
+           f"rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size}":
+               cfg.rollout.tensor_model_parallel_size > 1,
+           "rollout.name=hf": cfg.rollout.name == "hf",
+           f"model.lora.rank={cfg.model.lora.rank}": cfg.model.lora.enabled}
+    return [f"{key} with {k}: the trainer's packed forward (with merged weights) on one rollout rank is what exact "
+            f"mode makes the engine reproduce; change {k.split('=')[0]} {fix}" for k, bad in why.items() if bad]
 
 
 def _divisor(n: int) -> int:

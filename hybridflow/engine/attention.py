@@ -18,6 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.engine import invariant
+
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "hybridflow_packed"
@@ -126,6 +128,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """HF attention-interface function: varlen when `hf_cu_seqlens` is given, else HF SDPA."""
     cu = kwargs.pop(CU_SEQLENS, None)
     max_len = kwargs.pop(MAX_SEQLEN, None)
+    if kwargs.pop(invariant.EXACT_KWARG, False):
+        return invariant.packed_attention(query, key, value, cu, int(max_len), scaling), None
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     if cu is None and softcap:  # SDPA refuses soft-capping; HF's mask already holds causality/window/padding
         if dropout:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from hybridflow.engine import invariant
 from hybridflow.utils.compile import GuardedCompile
 
 # K: tokens, C: rows of one chunk, H: hidden size, V: vocab.
@@ -63,20 +64,26 @@ def _kernels(device: torch.device) -> tuple[Callable, Callable]:
 
 
 def _forward(hidden_KH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, labels_K: torch.Tensor,
-             temperature: float, chunk_size: int, with_entropy: bool
+             temperature: float, chunk_size: int, with_entropy: bool, exact: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     stats = _kernels(hidden_KH.device)[0]
-    out = [stats(F.linear(h_CH, weight_VH, bias_V), y_C, temperature, with_entropy)
-           for h_CH, y_C in zip(hidden_KH.split(chunk_size), labels_K.split(chunk_size))]
+    if exact:  # the rollout's bits for log p(label) (engine/invariant.py); logZ / entropy as usual, for backward
+        temp = torch.tensor(temperature, dtype=torch.float32, device=hidden_KH.device)
+        out = [(invariant.token_logprobs(z_CV, y_C, temp), *stats(z_CV, y_C, temperature, with_entropy)[1:])
+               for h_CH, y_C in zip(hidden_KH.split(chunk_size), labels_K.split(chunk_size))
+               for z_CV in [invariant.linear(h_CH, weight_VH, bias_V)]]
+    else:
+        out = [stats(F.linear(h_CH, weight_VH, bias_V), y_C, temperature, with_entropy)
+               for h_CH, y_C in zip(hidden_KH.split(chunk_size), labels_K.split(chunk_size))]
     logp_K, logz_K = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
     return logp_K, logz_K, (torch.cat([o[2] for o in out]) if with_entropy else None)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_KH, weight_VH, bias_V, labels_K, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden_KH, weight_VH, bias_V, labels_K, temperature, chunk_size, with_entropy, exact):
         logp_K, logz_K, ent_K = _forward(hidden_KH, weight_VH, bias_V, labels_K, temperature, chunk_size,
-                                         with_entropy)
+                                         with_entropy, exact)
         ctx.save_for_backward(hidden_KH, weight_VH, bias_V, labels_K, logz_K, ent_K)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)  # an unused entropy arrives as None: its [C, V] term is skipped
@@ -91,7 +98,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden_KH, weight_VH, bias_V, labels_K, logz_K, ent_K = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if dlogp_K is None and (dent_K is None or ent_K is None):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         dlogp_K = torch.zeros_like(logz_K) if dlogp_K is None else dlogp_K
         dent_K = None if ent_K is None else dent_K
         dlogits_fn, C = _kernels(hidden_KH.device)[1], ctx.chunk_size
@@ -111,13 +118,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_b:
                 dbias_V += dlogits_CV.sum(0, dtype=torch.float32)
         dbias_V = None if dbias_V is None else dbias_V.to(bias_V.dtype)
-        return dhidden_KH, dweight_VH, dbias_V, None, None, None, None
+        return dhidden_KH, dweight_VH, dbias_V, None, None, None, None, None
 
 
 def chunked_logprobs(hidden_KH: torch.Tensor, head: torch.nn.Linear | torch.Tensor, labels_K: torch.Tensor, *,
-                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(label) [K] (fp32) and entropy [K] or None, for hidden states [K, H] and an output head [V, H]."""
+                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                     exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) [K] (fp32) and entropy [K] or None, for hidden states [K, H] and an output head [V, H].
+    `exact`: log p(label) through the batch-invariant ops (the rollout engine's bits; backward unchanged)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     if chunk_size < 1:
@@ -129,8 +137,9 @@ def chunked_logprobs(hidden_KH: torch.Tensor, head: torch.nn.Linear | torch.Tens
         return empty, (empty if with_entropy else None)
     needs_grad = any(t is not None and t.requires_grad for t in (hidden_KH, weight, bias))
     if not (torch.is_grad_enabled() and needs_grad):
-        logp_K, _, ent_K = _forward(hidden_KH, weight, bias, labels_K, float(temperature), chunk_size, with_entropy)
+        logp_K, _, ent_K = _forward(hidden_KH, weight, bias, labels_K, float(temperature), chunk_size, with_entropy,
+                                    exact)
         return logp_K, ent_K
     logp_K, ent_K = _ChunkedLogprobs.apply(hidden_KH, weight, bias, labels_K, float(temperature), chunk_size,
-                                           with_entropy)
+                                           with_entropy, exact)
     return logp_K, (ent_K if with_entropy else None)

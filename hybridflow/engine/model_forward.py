@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.engine import invariant
 from hybridflow.engine.attention import CU_SEQLENS, MAX_SEQLEN
 from hybridflow.engine.logprobs import chunked_logprobs
 from hybridflow.engine.packing import ModelInputs
@@ -31,8 +32,13 @@ class HeadRequest:
 
 def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest) -> dict[str, torch.Tensor]:
     kwargs: dict[str, Any] = {}
+    exact = invariant.installed(self)
     if inputs.cu_seqlens is not None:
         kwargs = {CU_SEQLENS: inputs.cu_seqlens, MAX_SEQLEN: inputs.max_seqlen}
+    elif exact:
+        raise ValueError("actor_rollout.exact_logprobs=true needs packed forwards; set data.use_packed_dataset=true")
+    if exact:
+        kwargs[invariant.EXACT_KWARG] = True
     out = self.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                           position_ids=inputs.position_ids, use_cache=False, **kwargs)
     hidden = out.last_hidden_state
@@ -42,7 +48,7 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
     if req.kind == "lm":
         logp, ent = chunked_logprobs(hidden_NH.index_select(0, inputs.src_K), self.get_output_embeddings(),
                                      inputs.labels_K, temperature=req.temperature, chunk_size=req.chunk_size,
-                                     with_entropy=req.with_entropy)
+                                     with_entropy=req.with_entropy, exact=exact)
         return {"log_probs": logp} if ent is None else {"log_probs": logp, keys.ENTROPY: ent}
     idx = inputs.src_K if req.kind == "value" else inputs.last_K
     # sum over the single output column: a fresh tensor, not a view (FSDP2 output hooks dislike views).

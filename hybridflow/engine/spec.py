@@ -51,6 +51,7 @@ class EngineSpec:
     packed: bool = True  # data.use_packed_dataset: forward passes without padding
     lora: LoraConfig | None = None  # adapters on a trained module (rank 0 or None = full fine-tuning)
     routing_replay: bool = False  # MoE: forwards use the batch's `routed_experts` (engine/moe_replay.py)
+    exact_logprobs: bool = False  # batch-invariant forward ops (engine/invariant.py), as the rollout engine's
 
     def __post_init__(self) -> None:
         if self.head not in MODULE_HEADS:

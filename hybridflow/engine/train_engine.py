@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, loss_normalizer
 from hybridflow.engine import checkpoint as ckpt
+from hybridflow.engine import invariant
 from hybridflow.engine.attention import register as register_attention
 from hybridflow.engine.compile import compile_layers, wants_compile
 from hybridflow.engine.flops import FlopsCounter
@@ -108,7 +109,9 @@ class TrainEngine:
         # adapted leaf names (None = full fine-tuning); adapters are fp32 masters, only they (and a scalar head) train
         self.lora_targets = apply_lora(model, spec.lora, spec.model.seed) if spec.uses_lora else None
         model.to(self.device)
-        if wants_compile(spec.model.use_torch_compile, self.device):
+        if spec.exact_logprobs:  # before FSDP2 wraps the modules; compiled layers would fuse other roundings
+            invariant.install(model)
+        elif wants_compile(spec.model.use_torch_compile, self.device):
             compile_layers(decoder_layers(model))
         reduce_dtype, master_dtype = DTYPES[fsdp.reduce_dtype], DTYPES[fsdp.param_dtype]
         masters = None

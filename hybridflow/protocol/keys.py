@@ -133,6 +133,7 @@ REWARD = Stage("reward", (RESPONSES, RESPONSE_MASK), (TOKEN_LEVEL_SCORES,),
                optional=(RM_SCORES, DATA_SOURCE, TURN_REWARDS))
 REWARD_MODEL_SCORE = Stage("reward_model", MODEL_INPUTS, (RM_SCORES,))
 OLD_LOG_PROB = Stage("old_log_prob", MODEL_INPUTS, (OLD_LOG_PROBS, ENTROPY))
+OLD_FROM_ROLLOUT = Stage("old_from_rollout", (ROLLOUT_LOG_PROBS,), (OLD_LOG_PROBS,))  # exact log-probs, sync mode
 REF = Stage("ref", MODEL_INPUTS, (REF_LOG_PROB,))
 TEACHER = Stage("teacher", MODEL_INPUTS, (TEACHER_LOG_PROBS,))
 VALUES_STAGE = Stage("values", MODEL_INPUTS, (VALUES,))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.protocol import DataProto, keys
-from hybridflow.rollout import fp8, moe
+from hybridflow.rollout import exact_forward, fp8, moe
 from hybridflow.rollout.forward import DecodeOps, RopeTable, prefill
 from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
@@ -56,8 +56,9 @@ class RolloutEngine:
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, check_every: int | None = None,
                  tokenizer: Tokenizer | None = None, chat_template: str | None = None,
-                 tp: TPContext | None = None) -> None:
+                 tp: TPContext | None = None, exact_logprobs: bool = False) -> None:
         self.cfg = rollout_cfg
+        self.exact = exact_logprobs  # actor_rollout.exact_logprobs: the trainer's log-prob bits (exact_forward.py)
         size = 1 if tp is None else tp.size
         if size != rollout_cfg.tensor_model_parallel_size:
             raise ValueError(f"rollout.tensor_model_parallel_size={rollout_cfg.tensor_model_parallel_size} but the "
@@ -96,6 +97,9 @@ class RolloutEngine:
         if self.tp is not None and (self._fallback is not None or self.agent is not None):
             raise ValueError(f"rollout.tensor_model_parallel_size={self.tp.size} needs our engine on a "
                              f"Llama-family model ({reason or 'rollout.agent.mode=server is per rank'}); set it to 1")
+        if self.exact and (self._fallback is not None or self.tp is not None):
+            raise ValueError(f"actor_rollout.exact_logprobs=true needs our engine on one rank "
+                             f"({reason or 'rollout.tensor_model_parallel_size > 1'}); set it to false")
         if self._fallback is not None and self.session is not None:
             raise ValueError(f"rollout.multi_turn.enable=true needs our engine, but it falls back to HF generate "
                              f"({reason}); disable multi_turn or use a supported (Llama-family) model")
@@ -175,8 +179,11 @@ class RolloutEngine:
             # the forward's pieces and the sampler, chosen once for this device (torch, compiled, Triton)
             ops = DecodeOps.for_device(self.device, self.compile_decode)
             sampler = build_sampler(self.device, self.compile_decode) if self.tp is None else ShardedSampler(self.tp)
+            if self.exact and (why := exact_forward.unsupported(self._weights)):
+                raise ValueError(f"actor_rollout.exact_logprobs=true does not support {why}; set it to false")
             self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
-                                       use_graphs=self.use_graphs, ops=ops, sampler=sampler, tp=self.tp)
+                                       use_graphs=self.use_graphs, ops=ops, sampler=sampler, tp=self.tp,
+                                       exact=self.exact)
             self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
         return self._runner
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import numpy
 import torch
 
-from hybridflow.rollout import forward, moe
+from hybridflow.engine import invariant
+from hybridflow.rollout import exact_forward, forward, moe
 from hybridflow.rollout.forward import EAGER_OPS, DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.sampling import Sampler, SamplingParams, ShardedSampler, sample, sampler_values
@@ -67,8 +68,11 @@ class ModelRunner:
 
     def __init__(self, spec: ArchSpec, weights: ModelWeights, rope: RopeTable, cache: KVCache, *, pad_id: int,
                  max_new_tokens: int, use_graphs: bool, ops: DecodeOps, sampler: Sampler,
-                 tp: TPContext | None = None) -> None:
+                 tp: TPContext | None = None, exact: bool = False) -> None:
         self.spec, self.weights, self.rope, self.cache = spec, weights, rope, cache
+        # exact log-probs (actor_rollout.exact_logprobs): every forward is `exact_forward.forward_tokens` and each
+        # sampled token's log-prob is `invariant.token_logprobs` of the full softmax — the trainer's bits
+        self.exact = exact
         self.tp = tp
         self.vocab = spec.vocab if tp is None else tp.spec.vocab
         # prefill and the SDPA extension run eagerly; a failed capture falls back to these as well
@@ -149,13 +153,13 @@ class ModelRunner:
         slot_t = torch.tensor(slots, device=dev)
         src = torch.arange(B, device=dev).repeat_interleave(n)
         with moe.recording(self.weights.layers) as sinks:
-            logits = forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t,
-                                     src, self.prefill_ops)
+            logits = (self._prefill_exact(ids_BP, mask_BP, pos_BP, slot_t, src, n) if self.exact else
+                      forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t,
+                                      src, self.prefill_ops))
         if self.routes is not None:
             self.routes[slot_t, :P] = moe.stacked(sinks, B, P)[src]
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
-        tok, logp = self.sampler(logits[src], self.mode, self.temperature, self.top_k, self.top_p, seeds_t,
-                                 torch.zeros_like(seeds_t))
+        tok, logp = self._sample(logits[src], seeds_t, torch.zeros_like(seeds_t))
         self.valid[slot_t] = False
         self.valid[slot_t, :P] = mask_BP.bool()[src]
         self.start[slot_t] = (P - mask_BP.long().sum(-1))[src]
@@ -195,7 +199,9 @@ class ModelRunner:
         col0 = [prompt_width + st - 1 for st in steps]  # the column of response token step - 1 (re-fed)
         cols = torch.arange(self.valid.shape[1], device=dev)
         self.valid[slots_t] &= cols[None] < torch.tensor(col0, device=dev)[:, None]
-        if self.ops.attention is not None:
+        if self.exact:
+            logits = self._extend_exact(items, steps, col0, slots_t)
+        elif self.ops.attention is not None:
             logits = self._extend_ranged(items, steps, col0, slots_t)
         else:
             logits = self._extend_sdpa(items, steps, col0, slots_t)
@@ -213,8 +219,7 @@ class ModelRunner:
         counter, next_col, next_pos = per_slot
         self.out_tok[app[0], app[1]] = app[2]
         self.out_logp[app[0], app[1]] = 0.0
-        tok, logp = self.sampler(logits, self.mode, self.temperature, self.top_k, self.top_p, self.seed[slots_t],
-                                 counter)
+        tok, logp = self._sample(logits, self.seed[slots_t], counter)
         self.out_tok[slots_t, counter] = tok
         self.out_logp[slots_t, counter] = logp
         new_len = counter + 1
@@ -310,16 +315,67 @@ class ModelRunner:
         return forward.extend_batch(self.weights, self.spec, self.rope, ids, pos, lens, self.cache, slots_t, col0,
                                     self.valid, self.eager_ops)
 
+    def _prefill_exact(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor,
+                       slot_t: torch.Tensor, src: torch.Tensor, n: int) -> torch.Tensor:
+        """Prefill through `exact_forward` into each prompt's first slot, then copy its K/V columns to the other
+        n - 1; last logits [B, V]."""
+        P = ids_BP.shape[1]
+        valid = mask_BP.bool()
+        b_idx, p_idx = valid.nonzero(as_tuple=True)  # prompt after prompt; each ends at column P - 1
+        first = slot_t[::n]
+        last = torch.cumsum(valid.sum(-1), 0) - 1
+        logits = exact_forward.forward_tokens(self.weights, self.spec, self.rope, ids_BP[b_idx, p_idx],
+                                              pos_BP[b_idx, p_idx], first[b_idx], p_idx, (P - valid.sum(-1))[b_idx],
+                                              last, self.cache)
+        if n > 1:
+            for kc, vc in zip(self.cache.k, self.cache.v):
+                kc[slot_t, :, :P] = kc[first[src], :, :P]
+                vc[slot_t, :, :P] = vc[first[src], :, :P]
+        return logits
+
+    def _extend_exact(self, items: list[tuple[int, list[int], int]], steps: list[int], col0: list[int],
+                      slots_t: torch.Tensor) -> torch.Tensor:
+        """The new tokens of every slot (and each turn's re-fed last token) flat through `exact_forward`."""
+        dev = self.device
+        ids, pos, slot, col, first, last = [], [], [], [], [], []
+        for (s, new_ids, resp_pos0), st, c in zip(items, steps, col0):
+            first.append(len(ids))
+            ids += [0, *new_ids]  # the re-fed sampled token is filled in on the device below
+            pos += range(resp_pos0 + st - 1, resp_pos0 + st + len(new_ids))
+            slot += [s] * (len(new_ids) + 1)
+            col += range(c, c + len(new_ids) + 1)
+            last.append(len(ids) - 1)
+        ids_N, pos_N, slot_N, col_N = torch.tensor([ids, pos, slot, col], dtype=torch.long).to(dev)
+        ids_N[torch.tensor(first, device=dev)] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
+        self.valid[slot_N, col_N] = True
+        return exact_forward.forward_tokens(self.weights, self.spec, self.rope, ids_N, pos_N, slot_N, col_N,
+                                            self.start[slot_N], torch.tensor(last, device=dev), self.cache)
+
+    def _sample(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler's (tokens, log-probs); in exact mode the log-prob of the full softmax at the temperature,
+        as the trainer computes it (under top-k / top-p too, where the sampler reports the filtered one)."""
+        tok, logp = self.sampler(logits, mode or self.mode, self.temperature, self.top_k, self.top_p, seeds, steps)
+        if self.exact:
+            logp = invariant.token_logprobs(logits, tok, self.temperature)
+        return tok, logp
+
     # --------------------------------------------------------------------------------------------------- decode
     def _eager_step(self, b: int, L: int, mode: str) -> None:
         T = self.cache.max_len
         with moe.recording(self.weights.layers) as sinks:
-            logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
-                                    self.cidx[:b], self.valid[:b], self.start[:b], self.cache, L)
+            if self.exact:
+                rows = torch.arange(b, device=self.device)
+                self.valid[:b].scatter_(1, self.cidx[:b, None], True)
+                logits = exact_forward.forward_tokens(self.weights, self.spec, self.rope, self.tok[:b], self.pos[:b],
+                                                      rows, self.cidx[:b], self.start[:b], rows, self.cache, L)
+            else:
+                logits = forward.decode(self.weights, self.spec, self.rope, self.ops, self.tok[:b], self.pos[:b],
+                                        self.cidx[:b], self.valid[:b], self.start[:b], self.cache, L)
         if self.routes is not None:  # captured with the step: the graph replays the write
             self.routes[torch.arange(b, device=self.device), self.cidx[:b]] = moe.stacked(sinks, b)
         resp_len, done = self.resp_len[:b], self.done[:b]
-        tok, logp = self.sampler(logits, mode, self.temperature, self.top_k, self.top_p, self.seed[:b], resp_len)
+        tok, logp = self._sample(logits, self.seed[:b], resp_len, mode)
         live = ~done
         col = torch.where(live, resp_len, self.R)[:, None]  # finished rows write into the trash column R
         self.out_tok[:b].scatter_(1, col, tok[:, None])

@@ -153,6 +153,8 @@ class PPOAlgorithm(Algorithm):
             self._reward_stage(timer),
             Stage("balance", self._balance, timed=False),  # rows spread evenly over the data-parallel ranks
             WorkerCall("old_log_prob", self.old_log_prob, keys.OLD_LOG_PROB) if res.recompute_old_log_prob else None,
+            Stage("old_from_rollout", self._old_from_rollout, keys.OLD_FROM_ROLLOUT, timed=False)
+            if res.old_log_prob_from_rollout else None,
             WorkerCall("ref", self.ref_log_prob, keys.REF) if res.use_reference else None,
             WorkerCall(keys.TEACHER.name, self.teacher_log_prob, keys.TEACHER) if res.use_teacher else None,
             WorkerCall(keys.VALUES_STAGE.name, self.values, keys.VALUES_STAGE) if critic else None,
@@ -302,6 +304,15 @@ class PPOAlgorithm(Algorithm):
             metrics |= rollout_is_metrics(out.batch[keys.OLD_LOG_PROBS], batch.batch[keys.ROLLOUT_LOG_PROBS],
                                           batch.batch[keys.RESPONSE_MASK], mode=is_cfg.mode, cap=is_cfg.cap)
         return out
+
+    def _old_from_rollout(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """3'. Exact log-probs in sync mode: the rollout's log-probs are the sampling policy's as the trainer computes
+        them (the same bits), so they are the old log-probs — the recompute pass is skipped."""
+        batch.batch[keys.OLD_LOG_PROBS] = batch.batch[keys.ROLLOUT_LOG_PROBS].clone()
+        if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:
+            metrics |= rollout_is_metrics(batch.batch[keys.OLD_LOG_PROBS], batch.batch[keys.ROLLOUT_LOG_PROBS],
+                                          batch.batch[keys.RESPONSE_MASK], mode=is_cfg.mode, cap=is_cfg.cap)
+        return batch
 
     def ref_log_prob(self, batch: DataProto, metrics: dict[str, float], beside: Beside | None = None) -> DataProto:
         """4. Log-probs of the reference policy (only when KL is used)."""

@@ -48,6 +48,7 @@ def build_engine_rollout(cfg: Config, engine: TrainEngine, tokenizer: Tokenizer,
         engine.module, cfg.rollout, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
         device=device, tokenizer=tokenizer, chat_template=cfg.data.chat_template, tp=tp,
+        exact_logprobs=cfg.actor_rollout.exact_logprobs,
     )
     if tp is None:
         return rollout, None

@@ -90,7 +90,7 @@ class RolloutWorker(Worker):
             self.module, cfg.rollout, eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id, max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=cfg.data.max_response_length, device=self.device, tokenizer=self.tokenizer,
-            check_every=check_every,
+            check_every=check_every, exact_logprobs=cfg.actor_rollout.exact_logprobs,
         )
         if check_every is not None and self.rollout.uses_hf_fallback:
             logger.warning("trainer.async.partial_rollout=continue: this model runs on the HF generate fallback, "

@@ -1,0 +1,64 @@
+"""The rollout's forward under `actor_rollout.exact_logprobs`: prefill, decode and multi-turn extension as one
+flat batch of tokens through the batch-invariant ops (engine/invariant.py), so every token's logits — and the
+sampled token's log-prob — have the bits the trainer's packed forward computes for it.
+
+Decision: one function for the three cases. Token i sits at cache slot `slot[i]`, column `col[i]`, and attends to
+that slot's columns [start[i], col[i]] (its sequence from the first real token); its K/V are written before the
+layer attends, so a prompt's or an extension's tokens see each other causally. The ops are the HF module's, op for
+op: unfused q/k/v and gate/up projections (the fused matrices are other GEMM shapes), RoPE from the same table in
+the activation dtype, residual adds in the activation dtype. Eager; CUDA graphs can capture it (no host sync).
+
+Legend: N tokens, S returned rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine import invariant
+from hybridflow.rollout.forward import RopeTable, apply_rope
+from hybridflow.rollout.kv_cache import KVCache
+from hybridflow.rollout.weights import ArchSpec, ModelWeights
+
+
+def unsupported(w: ModelWeights) -> str | None:
+    """Why exact mode cannot run these weights, or None."""
+    if any(lw.moe is not None for lw in w.layers):
+        return "MoE layers (the expert dispatch has no batch-invariant form here)"
+    return None
+
+
+def forward_tokens(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_N: torch.Tensor, pos_N: torch.Tensor,
+                   slot_N: torch.Tensor, col_N: torch.Tensor, start_N: torch.Tensor, last_S: torch.Tensor,
+                   cache: KVCache, max_keys: int | None = None) -> torch.Tensor:
+    """Logits [S, V] of tokens `last_S` after running the N tokens (see module docstring). `max_keys` bounds every
+    token's key count col - start + 1 and sets the number of key blocks (any bound gives the same bits; static for
+    a CUDA graph); None = each query tile's own need, read from the device once."""
+    N = ids_N.shape[0]
+    h, hkv, d, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.eps
+    if max_keys is None:
+        need = (col_N - start_N) // invariant.KEY_BLOCK + 1
+        blocks = torch.cat([need, need.new_zeros(-N % invariant.ROW_TILE)]).view(-1, invariant.ROW_TILE)
+        blocks = blocks.amax(1).tolist()
+    else:
+        blocks = -(-max_keys // invariant.KEY_BLOCK)
+    x = F.embedding(ids_N, w.embed)
+    cos, sin = rope.cos[pos_N].unsqueeze(-2), rope.sin[pos_N].unsqueeze(-2)
+    for layer, lw in enumerate(w.layers):
+        xn = invariant.rms_norm(x, lw.ln1, eps)
+        q = invariant.linear(xn, lw.q, lw.q_bias).view(N, h, d)
+        k = invariant.linear(xn, lw.k, lw.k_bias).view(N, hkv, d)
+        v = invariant.linear(xn, lw.v, lw.v_bias).view(N, hkv, d)
+        if lw.q_norm is not None:
+            q, k = invariant.rms_norm(q, lw.q_norm, eps), invariant.rms_norm(k, lw.k_norm, eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kc, vc = cache.k[layer], cache.v[layer]
+        kc[slot_N, :, col_N] = k
+        vc[slot_N, :, col_N] = v
+        o = invariant.attention(q, kc, vc, slot_N, start_N, col_N, blocks, d ** -0.5)
+        x = x + invariant.linear(o.reshape(N, -1), lw.o, lw.o_bias)
+        xn = invariant.rms_norm(x, lw.ln2, eps)
+        act = F.silu(invariant.linear(xn, lw.gate)) * invariant.linear(xn, lw.up)
+        x = x + invariant.linear(act, lw.down)
+    return invariant.linear(invariant.rms_norm(x[last_S], w.norm, eps), w.lm_head)
