@@ -188,6 +188,7 @@ def _exact_errors(cfg: Config) -> list[str]:
            f"rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size}":
                cfg.rollout.tensor_model_parallel_size > 1,
            "rollout.name=hf": cfg.rollout.name == "hf",
+           "rollout.quantization=fp8": cfg.rollout.quantization == "fp8",
            f"model.lora.rank={cfg.model.lora.rank}": cfg.model.lora.enabled}
     return [f"{key} with {k}: the trainer's packed forward (with merged weights) on one rollout rank is what exact "
             f"mode makes the engine reproduce; change {k.split('=')[0]} {fix}" for k, bad in why.items() if bad]

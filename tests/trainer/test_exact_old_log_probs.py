@@ -65,6 +65,6 @@ def test_old_log_probs_come_from_the_rollout_and_change_nothing(tmp_path: Path) 
 
 def test_config_refuses_what_exact_mode_cannot_reproduce() -> None:
     validate_config(load_config(overrides=["actor_rollout.exact_logprobs=true"]))
-    for bad in ("data.use_packed_dataset=false", "rollout.name=hf", "model.lora.rank=8"):
+    for bad in ("data.use_packed_dataset=false", "rollout.name=hf", "rollout.quantization=fp8", "model.lora.rank=8"):
         with pytest.raises(ConfigError, match=rf"actor_rollout.exact_logprobs=true with {bad}"):
             validate_config(load_config(overrides=["actor_rollout.exact_logprobs=true", bad]))
