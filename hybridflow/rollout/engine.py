@@ -34,7 +34,7 @@ from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
 from hybridflow.rollout.sampling import SamplingParams, ShardedSampler, build_sampler, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
 from hybridflow.rollout.tensor_parallel import TPContext, reference_slices
-from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
+from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, check_parallel, unsupported_reason
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class RolloutEngine:
                              f"engine was given a tensor-parallel group of {size}: the workers build the group from "
                              "that key (pass tp=TPContext(...) of that size)")
         self.tp = tp if size > 1 else None
-        moe.check_parallel(module, rollout_cfg)
+        check_parallel(module, rollout_cfg)
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
         self.agent = _agent_rollout(rollout_cfg, tokenizer, chat_template, pad_token_id, max_prompt_length,

@@ -34,7 +34,14 @@ if TYPE_CHECKING:  # tp_layout reads ArchSpec from here
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *moe_ops.MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *moe_ops.MOE_MODEL_TYPES)
+# Their HF modules hold one fused qkv_proj and gate_up_proj ([q; k; v] and [gate; up] rows) per layer.
+FUSED_PROJ_TYPES = ("phi3",)
+# Families that could share the decode pieces but differ in ways they do not model (the HF fallback runs them).
+_NOT_PORTED = {
+    "gemma2": "Gemma-2 soft-caps attention logits (tanh inside the softmax), which neither SDPA nor the range-"
+              "attention kernel computes",
+}
 Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA layer's (B [out, r], A [r, in], alpha/r)
 STACK_BYTES = 256 * 2**20  # the most temporary memory (stacked LoRA factors B, A) the merge allocates at a time
 
@@ -106,6 +113,8 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     """Why our runner cannot run `module` (None = it can); the HF fallback logs this reason."""
     cfg = getattr(module, "config", None)
     mtype = getattr(cfg, "model_type", None)
+    if mtype in _NOT_PORTED:
+        return f"model_type={mtype!r}: {_NOT_PORTED[mtype]}"
     if mtype not in SUPPORTED_MODEL_TYPES:
         return f"model_type={mtype!r} is not one of {SUPPORTED_MODEL_TYPES}"
     inner = getattr(module, "model", None)
@@ -115,19 +124,35 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
         return "module.model has no rotary_emb"
     window = getattr(cfg, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
-    if mtype in ("mistral", "mixtral") and window is not None:
+    if mtype in ("mistral", "mixtral", "phi3") and window is not None:  # every layer, when set
         sliding = True
     if sliding and window is not None and window < max_total_len:
         return f"sliding-window attention (window {window} < prompt+response length {max_total_len})"
+    if mtype in FUSED_PROJ_TYPES:
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            return (f"rope_parameters={rope} (rope_type {rope.get('rope_type')!r}, partial_rotary_factor "
+                    f"{rope.get('partial_rotary_factor', 1.0)}): {mtype} runs natively with the default RoPE over "
+                    "the whole head only (longrope switches frequencies with the sequence length)")
+    projs = ("gate_up_proj", "down_proj") if mtype in FUSED_PROJ_TYPES else ("gate_proj", "up_proj", "down_proj")
     mlp = next((layer.mlp for layer in inner.layers if not moe_ops.is_moe_layer(layer.mlp)), None)
-    if mlp is not None and getattr(mlp, "gate_proj", None) is None:
-        return "MLP is not gate/up/down (SwiGLU)"
-    if mlp is not None and any(getattr(getattr(mlp, n), "bias", None) is not None
-                               for n in ("gate_proj", "up_proj", "down_proj")):
+    if mlp is not None and any(getattr(mlp, n, None) is None for n in projs):
+        return f"MLP is not {'/'.join(projs)} (SwiGLU)"
+    if mlp is not None and any(getattr(getattr(mlp, n), "bias", None) is not None for n in projs):
         return "MLP projections have biases"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act={cfg.hidden_act!r} (only silu)"
     return moe_ops.unsupported_reason(module)
+
+
+def check_parallel(module: nn.Module, rollout_cfg: object) -> None:
+    """Raise when tensor parallelism cannot split this model: MoE layers, fused q/k/v and gate/up projections."""
+    moe_ops.check_parallel(module, rollout_cfg)
+    tp = getattr(rollout_cfg, "tensor_model_parallel_size", 1)
+    mtype = getattr(module.config, "model_type", None)
+    if tp > 1 and mtype in FUSED_PROJ_TYPES:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} with {mtype}: its fused qkv_proj/gate_up_proj "
+                         "are not split across tensor-parallel ranks; set rollout.tensor_model_parallel_size=1")
 
 
 def arch_spec(module: nn.Module) -> ArchSpec:
@@ -450,18 +475,28 @@ class WeightView:
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
         att, mlp = layer.self_attn, layer.mlp
-        qkv_owners, qkv_roles = [att.q_proj, att.k_proj, att.v_proj], ["q", "k", "v"]
-        qkv, (q, k, v) = self._get_fused(qkv_owners, qkv_roles)
-        if qkv is not None and all(o.bias is not None for o in qkv_owners):
-            qkv_bias, (qb, kb, vb) = self._get_fused(qkv_owners, qkv_roles, "bias")
+        if hasattr(att, "qkv_proj"):  # fused in the module (Phi-3): q/k/v are row views of it, no bias
+            qkv, qkv_bias, (qb, kb, vb) = self._get(att.qkv_proj, role="qkv"), None, (None, None, None)
+            cfg = self.module.config
+            head_dim = arch_spec(self.module).head_dim
+            q, k, v = qkv.split([cfg.num_attention_heads * head_dim, *[cfg.num_key_value_heads * head_dim] * 2])
         else:
-            qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias", r) for o, r in zip(qkv_owners, qkv_roles)]
+            qkv_owners, qkv_roles = [att.q_proj, att.k_proj, att.v_proj], ["q", "k", "v"]
+            qkv, (q, k, v) = self._get_fused(qkv_owners, qkv_roles)
+            if qkv is not None and all(o.bias is not None for o in qkv_owners):
+                qkv_bias, (qb, kb, vb) = self._get_fused(qkv_owners, qkv_roles, "bias")
+            else:
+                qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias", r) for o, r in zip(qkv_owners, qkv_roles)]
         if moe_ops.is_moe_layer(mlp):
             lora = [n for n, m in mlp.named_modules() if hasattr(m, "lora_A") and not n.startswith("shared_expert")]
             gate_up, gate, up, down = None, None, None, None
             moe = moe_ops.build_weights(self._get, mlp, self.module.config, lora)
         else:
-            gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
+            if hasattr(mlp, "gate_up_proj"):  # fused in the module (Phi-3)
+                gate_up = self._get(mlp.gate_up_proj, role="gate_up")
+                gate, up = gate_up.chunk(2)
+            else:
+                gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
             down, moe = self._get(mlp.down_proj, role="down"), None
         return LayerWeights(
             ln1=self._get(layer.input_layernorm, role="ln1"), ln2=self._get(layer.post_attention_layernorm, role="ln2"),

@@ -20,6 +20,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -52,6 +53,8 @@ FAMILIES = {
     # head_dim 24 != hidden / heads = 16: the q/k norms and RoPE run over an explicit head_dim
     "qwen3": lambda: Qwen3Config(**_SMALL, head_dim=24, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**_SMALL, sliding_window=4096),  # window wider than the rows: full attention
+    # fused qkv_proj / gate_up_proj in the module: the engine reads q/k/v and gate/up as row views of them
+    "phi3": lambda: Phi3Config(**_SMALL, sliding_window=4096),
     # MoE: 8 experts, 2 per token (rollout/moe.py); Qwen2-MoE adds a gated shared expert and a dense layer
     "qwen3_moe": lambda: Qwen3MoeConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=8,
                                         num_experts_per_tok=2, norm_topk_prob=True),
