@@ -37,11 +37,25 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *moe_ops.MOE_MODEL_TYPES)
 # Their HF modules hold one fused qkv_proj and gate_up_proj ([q; k; v] and [gate; up] rows) per layer.
 FUSED_PROJ_TYPES = ("phi3",)
-# Families that could share the decode pieces but differ in ways they do not model (the HF fallback runs them).
-_NOT_PORTED = {
-    "gemma2": "Gemma-2 soft-caps attention logits (tanh inside the softmax), which neither SDPA nor the range-"
-              "attention kernel computes",
-}
+# Gemma-2/3 differ from the Llama family in what every decode piece computes — (1 + w) RMSNorms, also around the
+# attention and MLP outputs, a scaled embedding, attention scaled by query_pre_attn_scalar**-0.5, GELU-tanh, and
+# per layer type: RoPE bases (Gemma-3) or soft-capped attention logits (Gemma-2, which no SDPA or range-attention
+# kernel computes). A port would thread all of it through the compiled pieces and the Triton kernels; until then
+# the HF fallback runs them (correct, slow).
+_GEMMA = ("(1 + w) RMSNorms around attention and MLP, embedding x sqrt(hidden), query_pre_attn_scalar={q}, "
+          "GELU-tanh MLP{extra} are not in the decode pieces")
+
+
+def _not_ported(cfg: object) -> str | None:
+    mtype = getattr(cfg, "model_type", None)
+    if mtype == "gemma2":
+        return _GEMMA.format(q=cfg.query_pre_attn_scalar, extra=f", attn_logit_softcapping="
+                             f"{cfg.attn_logit_softcapping} (no SDPA or kernel form)")
+    if mtype == "gemma3_text":
+        rope = cfg.rope_parameters
+        bases = {t: (rope.get(t) or {}).get("rope_theta") for t in ("sliding_attention", "full_attention")}
+        return _GEMMA.format(q=cfg.query_pre_attn_scalar, extra=f", per-layer RoPE bases {bases}, q/k norms")
+    return None
 Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA layer's (B [out, r], A [r, in], alpha/r)
 STACK_BYTES = 256 * 2**20  # the most temporary memory (stacked LoRA factors B, A) the merge allocates at a time
 
@@ -113,8 +127,9 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     """Why our runner cannot run `module` (None = it can); the HF fallback logs this reason."""
     cfg = getattr(module, "config", None)
     mtype = getattr(cfg, "model_type", None)
-    if mtype in _NOT_PORTED:
-        return f"model_type={mtype!r}: {_NOT_PORTED[mtype]}"
+    not_ported = _not_ported(cfg)
+    if not_ported is not None:
+        return f"model_type={mtype!r}: {not_ported}"
     if mtype not in SUPPORTED_MODEL_TYPES:
         return f"model_type={mtype!r} is not one of {SUPPORTED_MODEL_TYPES}"
     inner = getattr(module, "model", None)

@@ -3,8 +3,9 @@
 For every model type in `SUPPORTED_MODEL_TYPES`: (a) our rollout forward — prefill of left-padded prompts, then
 several decode steps through the KV cache — against one HF forward of the whole rows, and a sampled generate's
 log-probs against HF's recomputation; (b) the training forward (`TrainEngine.infer`, FSDP2 on one gloo rank)
-against the same HF recomputation. Families outside it (Gemma-2) train one step and generate through
-the HF fallback, which warns once that generation is slow.
+against the same HF recomputation. Families outside it (Gemma-2, Gemma-3) and Phi-3 (native, fused projections)
+train one step and generate, the former through the HF fallback, which warns once (with the reason) that generation
+is slow.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rollout_helpers import EOS, PAD, make_engine, make_prompts, rollout_cfg
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -31,7 +33,7 @@ from hybridflow.config import load_config
 from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, train_update
 from hybridflow.models.tokenizer import _vocab, save_builtin_tokenizer
 from hybridflow.rollout import RolloutEngine, forward
-from hybridflow.rollout.weights import SUPPORTED_MODEL_TYPES
+from hybridflow.rollout.weights import SUPPORTED_MODEL_TYPES, WeightView, check_parallel, unsupported_reason
 from hybridflow.workers.engine_specs import actor_spec
 
 VOCAB = len(_vocab())  # the built-in tokenizer's, so a saved model directory loads with it
@@ -66,6 +68,9 @@ FAMILIES = {
 FALLBACK = {
     "gemma2": lambda: Gemma2Config(**_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # one sliding layer (window 4, local RoPE base) and one global one; q/k norms; no soft-capping
+    "gemma3_text": lambda: Gemma3TextConfig(**_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                            layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -175,8 +180,8 @@ def _push_up(outputs, micro, norm):
     return -(outputs["log_probs"] * micro.batch["response_mask"]).sum() / norm["token-mean"], {}
 
 
-@pytest.mark.parametrize("family", sorted(FALLBACK))
-def test_fallback_family_trains_and_generates(family, gloo, tmp_path, caplog):
+@pytest.mark.parametrize("family", [*sorted(FALLBACK), "phi3"])
+def test_family_trains_one_step_and_generates(family, gloo, tmp_path, caplog):
     model = make_family(family)
     engine = train_engine_for(model, tmp_path)
     with caplog.at_level(logging.WARNING, logger="hybridflow.rollout.hf_fallback"):
@@ -186,16 +191,17 @@ def test_fallback_family_trains_and_generates(family, gloo, tmp_path, caplog):
         out = rollout.generate(prompts)
         rollout.generate(prompts)
     slow = [r for r in caplog.records if "slow" in r.getMessage()]
-    assert rollout._fallback is not None and len(slow) == 1, [r.getMessage() for r in caplog.records]
-    assert rollout.uses_hf_fallback is True
-    assert "\n" not in slow[0].getMessage() and family.split("_")[0] in slow[0].getMessage()
+    fallback = family in FALLBACK
+    assert rollout.uses_hf_fallback is fallback and len(slow) == fallback, [r.getMessage() for r in caplog.records]
+    if fallback:
+        assert "\n" not in slow[0].getMessage() and family.split("_")[0] in slow[0].getMessage()
     b = out.batch
     assert b["responses"].shape == (6, R) and b["response_mask"].sum() > 0
     before = engine.infer(out, HeadRequest("lm", temperature=1.0))["log_probs"] * b["response_mask"]
     # the fallback's log-probs (HF generate's scores) agree with the training forward on the same rows
     torch.testing.assert_close(b["rollout_log_probs"], before, atol=ATOL, rtol=0)
-    # ... and with HF's eager forward of the original model (Gemma-2: attention and final-logit soft-capping,
-    # sliding-window layers shorter than the packed rows)
+    # ... and with HF's eager forward of the original model (Gemma-2: attention and final-logit soft-capping;
+    # Gemma-2/3: sliding-window layers shorter than the packed rows)
     torch.testing.assert_close(before, hf_response_logprobs(model, out), atol=ATOL, rtol=0)
     train_update(engine, out, _push_up, HeadRequest("lm", temperature=1.0), UpdatePlan(6))
     after = engine.infer(out, HeadRequest("lm", temperature=1.0))["log_probs"] * b["response_mask"]
@@ -203,3 +209,44 @@ def test_fallback_family_trains_and_generates(family, gloo, tmp_path, caplog):
     assert (after - before).sum() > 0  # one step pushed the sampled responses up
     again = rollout.generate(prompts)  # generation reads the updated weights
     assert again.batch["responses"].shape == (6, R)
+
+
+# --------------------------------------------------------------------------------- Phi-3's fused projections
+def test_phi3_fused_projections_are_row_views():
+    """Zero copy: q/k/v and gate/up are row views of the module's qkv_proj / gate_up_proj (no second copy). Cast
+    (bf16 generation from fp32): one fused buffer per projection, refreshed in place at the next build."""
+    model = make_family("phi3")
+    att, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    lw = WeightView(model, torch.float32, torch.device("cpu")).build().layers[1]
+    assert lw.qkv.data_ptr() == att.qkv_proj.weight.data_ptr()
+    assert lw.gate_up.data_ptr() == mlp.gate_up_proj.weight.data_ptr()
+    q_rows, kv_rows = 4 * 16, 2 * 16
+    torch.testing.assert_close(torch.cat([lw.q, lw.k, lw.v]), att.qkv_proj.weight, atol=0, rtol=0)
+    assert lw.k.data_ptr() == att.qkv_proj.weight[q_rows].data_ptr() and lw.v.shape[0] == kv_rows
+    torch.testing.assert_close(lw.up, mlp.gate_up_proj.weight[96:], atol=0, rtol=0)
+    view = WeightView(model, torch.bfloat16, torch.device("cpu"))
+    lw = view.build().layers[1]
+    ptr = lw.qkv.data_ptr()
+    with torch.no_grad():
+        att.qkv_proj.weight.mul_(2)
+    lw = view.build().layers[1]
+    assert lw.qkv.data_ptr() == ptr and lw.k.data_ptr() == lw.qkv[q_rows].data_ptr()
+    torch.testing.assert_close(lw.k.float(), att.qkv_proj.weight[q_rows: q_rows + kv_rows], atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+                                  {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}],
+                         ids=["longrope", "partial"])
+def test_phi3_other_rope_falls_back_naming_the_value(rope):
+    cfg = Phi3Config(**_SMALL, rope_parameters=rope)
+    reason = unsupported_reason(AutoModelForCausalLM.from_config(cfg), P + R)
+    assert reason is not None and "rope_parameters=" in reason, reason
+    assert ("'longrope'" if rope["rope_type"] == "longrope" else "partial_rotary_factor 0.5") in reason
+
+
+def test_phi3_refuses_tensor_parallel():
+    model = make_family("phi3")
+    check_parallel(model, rollout_cfg(tensor_model_parallel_size=1))
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 with phi3"):
+        check_parallel(model, rollout_cfg(tensor_model_parallel_size=2))
