@@ -105,7 +105,7 @@ class RolloutEngine:
             if self.dtype != param_dtype:
                 logger.info("rollout: generation in %s from %s parameters (cast into reused buffers at each "
                             "sync_weights)", self.dtype, param_dtype)
-            self.spec = arch_spec(module) if self.tp is None else self.tp.local
+            self.spec = arch_spec(module, self.dtype) if self.tp is None else self.tp.local
             self._view = WeightView(module, self.dtype, self.device) if self.tp is None else None
         self._weights: ModelWeights | None = None
         self._runner: ModelRunner | None = None

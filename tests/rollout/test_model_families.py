@@ -57,6 +57,10 @@ FAMILIES = {
     "mistral": lambda: MistralConfig(**_SMALL, sliding_window=4096),  # window wider than the rows: full attention
     # fused qkv_proj / gate_up_proj in the module: the engine reads q/k/v and gate/up as row views of them
     "phi3": lambda: Phi3Config(**_SMALL, sliding_window=4096),
+    # (1 + w) norms around attention and MLP, GELU-tanh, embedding x sqrt(hidden), attention scaled by
+    # query_pre_attn_scalar**-0.5 (not head_dim's), a local RoPE base on the sliding layer (window wider than the rows)
+    "gemma3_text": lambda: Gemma3TextConfig(**_SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=4096,
+                                            layer_types=["sliding_attention", "full_attention"]),
     # MoE: 8 experts, 2 per token (rollout/moe.py); Qwen2-MoE adds a gated shared expert and a dense layer
     "qwen3_moe": lambda: Qwen3MoeConfig(**_SMALL, head_dim=16, moe_intermediate_size=32, num_experts=8,
                                         num_experts_per_tok=2, norm_topk_prob=True),
@@ -68,9 +72,6 @@ FAMILIES = {
 FALLBACK = {
     "gemma2": lambda: Gemma2Config(**_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    # one sliding layer (window 4, local RoPE base) and one global one; q/k norms; no soft-capping
-    "gemma3_text": lambda: Gemma3TextConfig(**_SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                                            layer_types=["sliding_attention", "full_attention"]),
 }
 
 
