@@ -3,9 +3,8 @@
 For every model type in `SUPPORTED_MODEL_TYPES`: (a) our rollout forward — prefill of left-padded prompts, then
 several decode steps through the KV cache — against one HF forward of the whole rows, and a sampled generate's
 log-probs against HF's recomputation; (b) the training forward (`TrainEngine.infer`, FSDP2 on one gloo rank)
-against the same HF recomputation. Families outside it (Gemma-2, Gemma-3) and Phi-3 (native, fused projections)
-train one step and generate, the former through the HF fallback, which warns once (with the reason) that generation
-is slow.
+against the same HF recomputation. Gemma-2 (outside it), Phi-3 and Gemma-3 train one step and generate, Gemma-2
+through the HF fallback, which warns once (with the reason) that generation is slow.
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ from hybridflow.config import load_config
 from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, train_update
 from hybridflow.models.tokenizer import _vocab, save_builtin_tokenizer
 from hybridflow.rollout import RolloutEngine, forward
+from hybridflow.rollout.decode_attention import decode_attention_ref
+from hybridflow.rollout.kv_store_kernel import store_kv_ref
 from hybridflow.rollout.weights import SUPPORTED_MODEL_TYPES, WeightView, check_parallel, unsupported_reason
 from hybridflow.workers.engine_specs import actor_spec
 
@@ -108,12 +109,20 @@ def hf_response_logprobs(model, out, temperature: float = 1.0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- (a) rollout forward parity
+# decode through SDPA, or through the torch references of the GPU kernels (K/V store and range attention, RoPE
+# applied inside them from each row's cos/sin: the per-layer tables and the attention scale cross their interface)
+DECODE_OPS = {"sdpa": forward.EAGER_OPS,
+              "kernel-refs": forward.DecodeOps(attention=decode_attention_ref, kv_store=store_kv_ref)}
+
+
+@pytest.mark.parametrize("decode_ops", sorted(DECODE_OPS))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_rollout_prefill_and_decode_logits_match_hf(family):
+def test_rollout_prefill_and_decode_logits_match_hf(family, decode_ops):
     model = make_family(family)
     engine = make_engine(model, P, R)
     assert engine._fallback is None and engine.uses_hf_fallback is False, f"{family} fell back to HF generate"
     runner = engine._prepare()
+    ops = DECODE_OPS[decode_ops]
     prompts = make_prompts(3, P, VOCAB, seed=1)
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -127,7 +136,7 @@ def test_rollout_prefill_and_decode_logits_match_hf(family):
         valid[:, :P] = mask.bool()
         start = P - mask.sum(-1)
         for s in range(DECODE_STEPS):
-            ours.append(forward.decode(runner.weights, runner.spec, runner.rope, runner.ops, new[:, s],
+            ours.append(forward.decode(runner.weights, runner.spec, runner.rope, ops, new[:, s],
                                        pos[:, -1] + 1 + s, torch.full((B,), P + s), valid, start, runner.cache, T))
     ours_t = torch.stack(ours, 1).float()  # [B, 1 + steps, V]
     full_ids = torch.cat([ids, new], 1)
@@ -137,6 +146,19 @@ def test_rollout_prefill_and_decode_logits_match_hf(family):
     assert ref.abs().max() > 0.5  # logits that carry signal
     torch.testing.assert_close(ours_t, ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(ours_t.log_softmax(-1), ref.log_softmax(-1), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rollout_greedy_tokens_match_hf_generate(family):
+    model = make_family(family)
+    prompts = make_prompts(3, P, VOCAB, seed=6, meta={"do_sample": False})
+    out = make_engine(model, P, R).generate(prompts)
+    with torch.no_grad():
+        ref = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                             max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)[:, P:]
+    got = out.batch["responses"]
+    assert torch.equal(got[:, : ref.shape[1]], ref), (got, ref)
+    assert (got[:, ref.shape[1]:] == PAD).all()
 
 
 def test_llama3_rope_scaling_is_active():
@@ -181,7 +203,7 @@ def _push_up(outputs, micro, norm):
     return -(outputs["log_probs"] * micro.batch["response_mask"]).sum() / norm["token-mean"], {}
 
 
-@pytest.mark.parametrize("family", [*sorted(FALLBACK), "phi3"])
+@pytest.mark.parametrize("family", [*sorted(FALLBACK), "phi3", "gemma3_text"])
 def test_family_trains_one_step_and_generates(family, gloo, tmp_path, caplog):
     model = make_family(family)
     engine = train_engine_for(model, tmp_path)
@@ -251,3 +273,33 @@ def test_phi3_refuses_tensor_parallel():
     check_parallel(model, rollout_cfg(tensor_model_parallel_size=1))
     with pytest.raises(ValueError, match="tensor_model_parallel_size=2 with phi3"):
         check_parallel(model, rollout_cfg(tensor_model_parallel_size=2))
+
+
+# ------------------------------------------------------------------------------------------------- Gemma-3
+def test_gemma3_norms_are_one_plus_w_in_fp32_and_replays_refresh_them():
+    """Gemma's norms scale by 1 + w: the views hold that sum in fp32 (bf16 generation included), and a replayed
+    build (`build_plan`) recomputes it from the updated parameter."""
+    model = make_family("gemma3_text")
+    layer = model.model.layers[0]
+    view = WeightView(model, torch.bfloat16, torch.device("cpu"))
+    w = view.build()
+    assert w.layers[0].ln1.dtype == torch.float32 and w.layers[0].q.dtype == torch.bfloat16
+    torch.testing.assert_close(w.layers[0].post_mlp_norm, 1 + layer.post_feedforward_layernorm.weight, atol=0, rtol=0)
+    torch.testing.assert_close(w.norm, 1 + model.model.norm.weight, atol=0, rtol=0)
+    with torch.no_grad():
+        layer.self_attn.k_norm.weight.add_(0.25)
+    again = view.build()
+    assert view._plan is not None and again is w  # the replay: the same views, refreshed
+    torch.testing.assert_close(again.layers[0].k_norm, 1 + layer.self_attn.k_norm.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change,expect", [(dict(attn_logit_softcapping=50.0), "soft-capped"),
+                                           (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+                                           (dict(sliding_window=4), "sliding-window attention (window 4"),
+                                           (dict(use_bidirectional_attention=True), "use_bidirectional_attention")])
+def test_gemma3_variants_the_engine_does_not_compute_fall_back(change, expect):
+    cfg = FAMILIES["gemma3_text"]()
+    for key, value in change.items():
+        setattr(cfg, key, value)
+    reason = unsupported_reason(AutoModelForCausalLM.from_config(cfg), P + R)
+    assert reason is not None and expect in reason, reason
