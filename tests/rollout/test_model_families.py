@@ -152,7 +152,9 @@ def test_rollout_prefill_and_decode_logits_match_hf(family, decode_ops):
 def test_rollout_greedy_tokens_match_hf_generate(family):
     model = make_family(family)
     prompts = make_prompts(3, P, VOCAB, seed=6, meta={"do_sample": False})
-    out = make_engine(model, P, R).generate(prompts)
+    engine = make_engine(model, P, R)
+    out = engine.generate(prompts)
+    assert not engine.uses_hf_fallback, family
     with torch.no_grad():
         ref = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
                              max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)[:, P:]
@@ -171,8 +173,9 @@ def test_llama3_rope_scaling_is_active():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_rollout_sampled_logprobs_match_hf(family):
     model = make_family(family)
-    out = make_engine(model, P, R).generate(make_prompts(3, P, VOCAB, seed=3, meta={"n": 2, "temperature": 0.9}))
-    assert out.batch["response_mask"].sum() > 0
+    engine = make_engine(model, P, R)
+    out = engine.generate(make_prompts(3, P, VOCAB, seed=3, meta={"n": 2, "temperature": 0.9}))
+    assert out.batch["response_mask"].sum() > 0 and not engine.uses_hf_fallback
     torch.testing.assert_close(out.batch["rollout_log_probs"], hf_response_logprobs(model, out, 0.9),
                                atol=ATOL, rtol=0)
 
