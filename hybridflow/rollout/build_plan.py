@@ -28,7 +28,8 @@ COPY, ADDMM, STACKED, ADD_ONE = "copy", "addmm", "stacked", "add_one"
 #          fresh B and A stacks per chunk, filled from `sources` (each chunk's n B's then its n A's) by one
 #          `_foreach_copy_` (cast included), then one `baddbmm_` per chunk (the stacks are temporaries, as in a fresh
 #          build: allocated per run, at most STACK_BYTES at a time)
-# ADD_ONE: (ADD_ONE, buffers)                                      buffers += 1 (Gemma's (1 + w) norm weights)
+# ADD_ONE: (ADD_ONE, buffers)                                      fp32 buffers of w → 1 + w, w rounded to the
+#          generation dtype first (Gemma's norm as the model computes it in that dtype: 1 + w.float())
 Op = tuple
 
 
@@ -42,6 +43,8 @@ def run_ops(ops: list[Op], sources: list[torch.Tensor] | _Same, dtype: torch.dty
             _, w, b, a, scale = op
             w.addmm_(sources[b].to(dtype), sources[a].to(dtype), alpha=scale)
         elif kind == ADD_ONE:
+            if dtype != torch.float32:
+                torch._foreach_copy_(op[1], [t.to(dtype) for t in op[1]])
             torch._foreach_add_(op[1], 1.0)
         else:
             dst: list[torch.Tensor] = []

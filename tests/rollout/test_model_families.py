@@ -279,21 +279,28 @@ def test_phi3_refuses_tensor_parallel():
 
 
 # ------------------------------------------------------------------------------------------------- Gemma-3
+def in_bf16(p: torch.Tensor) -> torch.Tensor:
+    return 1 + p.detach().bfloat16().float()
+
+
 def test_gemma3_norms_are_one_plus_w_in_fp32_and_replays_refresh_them():
-    """Gemma's norms scale by 1 + w: the views hold that sum in fp32 (bf16 generation included), and a replayed
-    build (`build_plan`) recomputes it from the updated parameter."""
+    """Gemma's norms scale by 1 + w.float(): under bf16 generation the views hold 1 + bf16(w) in fp32 (what the
+    model computes in bf16, e.g. the training forward with bf16 parameters), and a replayed build (`build_plan`)
+    recomputes it from the updated parameter."""
     model = make_family("gemma3_text")
     layer = model.model.layers[0]
     view = WeightView(model, torch.bfloat16, torch.device("cpu"))
     w = view.build()
     assert w.layers[0].ln1.dtype == torch.float32 and w.layers[0].q.dtype == torch.bfloat16
-    torch.testing.assert_close(w.layers[0].post_mlp_norm, 1 + layer.post_feedforward_layernorm.weight, atol=0, rtol=0)
-    torch.testing.assert_close(w.norm, 1 + model.model.norm.weight, atol=0, rtol=0)
+    assert not torch.equal(in_bf16(model.model.norm.weight), 1 + model.model.norm.weight)  # the rounding counts
+    torch.testing.assert_close(w.layers[0].post_mlp_norm, in_bf16(layer.post_feedforward_layernorm.weight), atol=0,
+                               rtol=0)
+    torch.testing.assert_close(w.norm, in_bf16(model.model.norm.weight), atol=0, rtol=0)
     with torch.no_grad():
         layer.self_attn.k_norm.weight.add_(0.25)
     again = view.build()
     assert view._plan is not None and again is w  # the replay: the same views, refreshed
-    torch.testing.assert_close(again.layers[0].k_norm, 1 + layer.self_attn.k_norm.weight, atol=0, rtol=0)
+    torch.testing.assert_close(again.layers[0].k_norm, in_bf16(layer.self_attn.k_norm.weight), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("change,expect", [(dict(attn_logit_softcapping=50.0), "soft-capped"),
