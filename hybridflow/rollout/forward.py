@@ -160,7 +160,7 @@ class RangeAttention(Protocol):
     q·k defaults to 1/sqrt(D)."""
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                 end: torch.Tensor, scale: float | None = None, *, rows: torch.Tensor | None = None,
+                 end: torch.Tensor, *, scale: float | None = None, rows: torch.Tensor | None = None,
                  cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None) -> torch.Tensor:
         ...
@@ -360,7 +360,7 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
         if ops.attention is None:
             o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask, spec.attn_scale)
         else:
-            o = ops.attention(qg, kc, vc, start_b, end_b, spec.attn_scale, **kernel_rope)
+            o = ops.attention(qg, kc, vc, start_b, end_b, scale=spec.attn_scale, **kernel_rope)
         if fuse:  # the next layer's input norm, or the final norm after the last layer
             nxt = w.layers[layer + 1].ln1 if layer + 1 < len(w.layers) else w.norm
             x, xn = ops.mlp_block_norm(x, o.reshape(b, -1), lw, nxt, spec.eps)
@@ -400,7 +400,7 @@ def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeO
         q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps) if fuse else ops.qkv(x, lw, cos, sin, heads, spec.eps)
         kc, vc = cache.k[layer], cache.v[layer]
         store(kc, vc, k, v, col_N, slot_N)
-        o = ops.attention(q.view(N, hkv, group, d), kc, vc, start_N, end_N, spec.attn_scale, rows=slot_N)
+        o = ops.attention(q.view(N, hkv, group, d), kc, vc, start_N, end_N, scale=spec.attn_scale, rows=slot_N)
         if fuse and layer + 1 < n_layers:  # the last layer's final norm runs on the S returned rows only
             x, xn = ops.mlp_block_norm(x, o.reshape(N, -1), lw, w.layers[layer + 1].ln1, spec.eps)
         else:
