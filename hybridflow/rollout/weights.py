@@ -152,12 +152,18 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
         sliding = True
     if sliding and window is not None and window < max_total_len:
         return f"sliding-window attention (window {window} < prompt+response length {max_total_len})"
-    if mtype in FUSED_PROJ_TYPES:
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-            return (f"rope_parameters={rope} (rope_type {rope.get('rope_type')!r}, partial_rotary_factor "
-                    f"{rope.get('partial_rotary_factor', 1.0)}): {mtype} runs natively with the default RoPE over "
-                    "the whole head only (longrope switches frequencies with the sequence length)")
+    if mtype in FUSED_PROJ_TYPES:  # transformers 5: rope_parameters; 4.x: rope_scaling and partial_rotary_factor
+        key = "rope_parameters" if getattr(cfg, "rope_parameters", None) is not None else "rope_scaling"
+        rope = dict(getattr(cfg, key, None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+        if rope_type != "default" or partial != 1.0:
+            return (f"{key}={rope} (rope_type {rope_type!r}, partial_rotary_factor {partial}): {mtype} runs "
+                    "natively with the default RoPE over the whole head only (longrope switches frequencies with "
+                    "the sequence length)")
+    if mtype in GEMMA_TYPES and not getattr(inner.rotary_emb, "layer_types", None):
+        return ("this transformers version keeps Gemma-3's local RoPE in a module of its own (rotary_emb_local); "
+                "the engine reads one rotary embedding that takes the layer type (transformers >= 5)")
     projs = ("gate_up_proj", "down_proj") if mtype in FUSED_PROJ_TYPES else ("gate_proj", "up_proj", "down_proj")
     mlp = next((layer.mlp for layer in inner.layers if not moe_ops.is_moe_layer(layer.mlp)), None)
     if mlp is not None and any(getattr(mlp, n, None) is None for n in projs):
