@@ -21,13 +21,15 @@ from torch import nn
 
 from hybridflow.engine.lora import lora_state
 
-COPY, ADDMM, STACKED = "copy", "addmm", "stacked"
+COPY, ADDMM, STACKED, ADD_ONE = "copy", "addmm", "stacked", "add_one"
 # COPY:    (COPY, destinations, source indices)                   one `_foreach_copy_` (cast included)
 # ADDMM:   (ADDMM, w, b index, a index, scale)                    w += scale·B·A (one matrix)
 # STACKED: (STACKED, sources, [(w [n, out, in], B stack shape [n, out, r], A stack shape [n, r, in], scale), ...])
 #          fresh B and A stacks per chunk, filled from `sources` (each chunk's n B's then its n A's) by one
 #          `_foreach_copy_` (cast included), then one `baddbmm_` per chunk (the stacks are temporaries, as in a fresh
 #          build: allocated per run, at most STACK_BYTES at a time)
+# ADD_ONE: (ADD_ONE, buffers)                                      fp32 buffers of w → 1 + w, w rounded to the
+#          generation dtype first (Gemma's norm as the model computes it in that dtype: 1 + w.float())
 Op = tuple
 
 
@@ -40,6 +42,10 @@ def run_ops(ops: list[Op], sources: list[torch.Tensor] | _Same, dtype: torch.dty
         elif kind == ADDMM:
             _, w, b, a, scale = op
             w.addmm_(sources[b].to(dtype), sources[a].to(dtype), alpha=scale)
+        elif kind == ADD_ONE:
+            if dtype != torch.float32:
+                torch._foreach_copy_(op[1], [t.to(dtype) for t in op[1]])
+            torch._foreach_add_(op[1], 1.0)
         else:
             dst: list[torch.Tensor] = []
             todo = []
@@ -122,7 +128,7 @@ class Recorder:
             op = (COPY, op[1], [num(id(t)) for t in op[2]])
         elif op[0] == ADDMM:
             op = (ADDMM, op[1], num(id(op[2])), num(id(op[3])), op[4])
-        else:
+        elif op[0] == STACKED:
             op = (STACKED, [num(id(t)) for t in op[1]], op[2])
         self.ops.append(op)
 

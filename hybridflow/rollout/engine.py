@@ -34,7 +34,7 @@ from hybridflow.rollout.multi_turn import MultiTurnResult, MultiTurnScheduler
 from hybridflow.rollout.sampling import SamplingParams, ShardedSampler, build_sampler, row_seed
 from hybridflow.rollout.scheduler import GenerateResult, Scheduler
 from hybridflow.rollout.tensor_parallel import TPContext, reference_slices
-from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, unsupported_reason
+from hybridflow.rollout.weights import ModelWeights, WeightView, arch_spec, check_parallel, unsupported_reason
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class RolloutEngine:
                              f"engine was given a tensor-parallel group of {size}: the workers build the group from "
                              "that key (pass tp=TPContext(...) of that size)")
         self.tp = tp if size > 1 else None
-        moe.check_parallel(module, rollout_cfg)
+        check_parallel(module, rollout_cfg)
         # None unless rollout.multi_turn.enable; `chat_template` = data.chat_template (user/tool turns follow it)
         self.session = _tool_session(rollout_cfg, tokenizer, chat_template)
         self.agent = _agent_rollout(rollout_cfg, tokenizer, chat_template, pad_token_id, max_prompt_length,
@@ -109,7 +109,7 @@ class RolloutEngine:
             if self.dtype != param_dtype:
                 logger.info("rollout: generation in %s from %s parameters (cast into reused buffers at each "
                             "sync_weights)", self.dtype, param_dtype)
-            self.spec = arch_spec(module) if self.tp is None else self.tp.local
+            self.spec = arch_spec(module, self.dtype) if self.tp is None else self.tp.local
             self._view = WeightView(module, self.dtype, self.device) if self.tp is None else None
         self._fp8: fp8.Fp8Weights | None = None
         if self.cfg.quantization == "fp8":
@@ -179,7 +179,7 @@ class RolloutEngine:
             # the forward's pieces and the sampler, chosen once for this device (torch, compiled, Triton)
             ops = DecodeOps.for_device(self.device, self.compile_decode)
             sampler = build_sampler(self.device, self.compile_decode) if self.tp is None else ShardedSampler(self.tp)
-            if self.exact and (why := exact_forward.unsupported(self._weights)):
+            if self.exact and (why := exact_forward.unsupported(self._weights, self.spec)):
                 raise ValueError(f"actor_rollout.exact_logprobs=true does not support {why}; set it to false")
             self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
                                        use_graphs=self.use_graphs, ops=ops, sampler=sampler, tp=self.tp,

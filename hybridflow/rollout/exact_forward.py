@@ -22,10 +22,13 @@ from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.weights import ArchSpec, ModelWeights
 
 
-def unsupported(w: ModelWeights) -> str | None:
+def unsupported(w: ModelWeights, spec: ArchSpec | None = None) -> str | None:
     """Why exact mode cannot run these weights, or None."""
     if any(lw.moe is not None for lw in w.layers):
         return "MoE layers (the expert dispatch has no batch-invariant form here)"
+    if any(lw.post_attn_norm is not None or lw.gelu_tanh for lw in w.layers) or (
+            spec is not None and (spec.attn_scale is not None or spec.embed_scale is not None)):
+        return "Gemma-style layers (post-norms, GELU, scaled embeddings: the invariant forward is Llama-shaped)"
     return None
 
 

@@ -1,4 +1,6 @@
-"""Llama-family forward (Llama, Qwen2, Qwen3, Mistral) over `ModelWeights`: batched prefill and one decode step.
+"""Llama-family forward (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma-3) over `ModelWeights`: batched prefill and one
+decode step. Gemma-3's differences ride on the weights and spec: (1 + w) norms kept in fp32 (`rms_norm`), norms of
+the attention and MLP outputs, GELU-tanh, a scaled embedding and attention, and RoPE tables per layer type.
 
 Numerics follow the HF modules op for op (fp32 RMSNorm statistics, RoPE in the activation dtype, SDPA), so greedy
 decoding matches `generate` token for token in fp32. Decode folds the GQA group into SDPA's query axis
@@ -37,9 +39,13 @@ _EXTEND_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDN
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: w times the normalised x rounded to x's dtype. A weight kept in fp32 under a lower-precision
+    x (Gemma's 1 + w, `WeightView`) multiplies before the rounding, as Gemma's norm does (in fp32: the same product)."""
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w.dtype == torch.float32 and dtype != torch.float32:
+        return (xf * w).to(dtype)
     return w * xf.to(dtype)
 
 
@@ -85,8 +91,9 @@ def qkv_project(xn: torch.Tensor, lw: LayerWeights, heads: tuple[int, int, int],
 
 
 def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
-    """Residual stream after o_proj and the SwiGLU MLP; attn [..., H*D]."""
-    x = residual_add(x, linear(attn, lw.o, lw.o_bias, lw.o_scale))
+    """Residual stream after o_proj and the SwiGLU (Gemma: GELU-tanh) MLP; attn [..., H*D]."""
+    h = linear(attn, lw.o, lw.o_bias, lw.o_scale)
+    x = residual_add(x, h if lw.post_attn_norm is None else rms_norm(h, lw.post_attn_norm, eps))
     xn = rms_norm(x, lw.ln2, eps)
     if lw.moe is not None:
         return residual_add(x, moe_mlp(xn, lw.moe))
@@ -94,7 +101,9 @@ def mlp_block(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float)
         gate, up = linear(xn, lw.gate_up, scale=lw.gate_up_scale).chunk(2, dim=-1)
     else:
         gate, up = F.linear(xn, lw.gate), F.linear(xn, lw.up)
-    return residual_add(x, linear(F.silu(gate) * up, lw.down, scale=lw.down_scale))
+    act = F.gelu(gate, approximate="tanh") if lw.gelu_tanh else F.silu(gate)
+    h = linear(act * up, lw.down, scale=lw.down_scale)
+    return residual_add(x, h if lw.post_mlp_norm is None else rms_norm(h, lw.post_mlp_norm, eps))
 
 
 def residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -116,17 +125,23 @@ def mlp_block_norm(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, next_n
     return x, rms_norm(x, next_norm, eps)
 
 
-def embed_norm(tok: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream's start and the first layer's input norm: (x, rms_norm(x, ln1)), x = embed[tok]."""
-    x = F.embedding(tok, embed)
+def embed_norm(tok: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor, eps: float,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's start and the first layer's input norm: (x, rms_norm(x, ln1)), x = embed[tok]
+    (times `scale`, Gemma's)."""
+    x = scaled(F.embedding(tok, embed), scale)
     return x, rms_norm(x, ln1, eps)
 
 
+def scaled(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """x * scale (the spec's `embed_scale`, already rounded to x's dtype); x itself when None."""
+    return x if scale is None else x * scale
+
+
 def sdpa_attention(q_bHGD: torch.Tensor, k_bHTD: torch.Tensor, v_bHTD: torch.Tensor,
-                   mask_b11T: torch.Tensor) -> torch.Tensor:
+                   mask_b11T: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """GQA decode attention through SDPA: the G query heads of a kv head ride on SDPA's query axis."""
-    return F.scaled_dot_product_attention(q_bHGD, k_bHTD, v_bHTD, attn_mask=mask_b11T)
+    return F.scaled_dot_product_attention(q_bHGD, k_bHTD, v_bHTD, attn_mask=mask_b11T, scale=scale)
 
 
 Heads = tuple[int, int, int]  # (H, Hkv, D)
@@ -136,16 +151,19 @@ QKVProjectFn = Callable[[torch.Tensor, LayerWeights, Heads, float], tuple[torch.
 MLPFn = Callable[[torch.Tensor, torch.Tensor, LayerWeights, float], torch.Tensor]  # `mlp_block`
 MLPNormFn = Callable[[torch.Tensor, torch.Tensor, LayerWeights, torch.Tensor, float],
                      tuple[torch.Tensor, torch.Tensor]]  # `mlp_block_norm`
-EmbedNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+EmbedNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float | None],
+                       tuple[torch.Tensor, torch.Tensor]]  # `embed_norm`
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.embedding(ids, table), F.linear(x, lm_head)
 
 
 class RangeAttention(Protocol):
     """o [b, Hkv, G, D] attending each query row to cache row `rows[i]` (default i), columns [start[i], end[i]);
-    with cos/sin [b, D] RoPE is applied to q first (`decode_attention.decode_attention`, its `_ref`)."""
+    with cos/sin [b, D] RoPE is applied to q first (`decode_attention.decode_attention`, its `_ref`); `scale` of
+    q·k defaults to 1/sqrt(D)."""
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                 end: torch.Tensor, *, rows: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                 end: torch.Tensor, *, scale: float | None = None, rows: torch.Tensor | None = None,
+                 cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None) -> torch.Tensor:
         ...
 
@@ -258,16 +276,28 @@ def _triton_kv_store(device: torch.device) -> KVStore | None:
 
 
 class RopeTable:
-    """cos/sin for positions [0, max_len) from the module's own rotary embedding (handles every rope_type)."""
+    """cos/sin for positions [0, max_len) from the module's own rotary embedding (handles every rope_type); one
+    table per layer type when the embedding takes the type (Gemma-3: local and global RoPE bases)."""
 
     def __init__(self, module: nn.Module, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         rotary = module.model.rotary_emb
         pos = torch.arange(max_len, device=device)[None]
         dummy = torch.zeros(1, dtype=dtype, device=device)
+        types = list(getattr(rotary, "layer_types", None) or [None])
+        self.tables = []  # [(cos, sin)] each [max_len, D]
         with torch.no_grad():
-            cos, sin = rotary(dummy, pos)
-        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [max_len, D]
+            for t in types:
+                cos, sin = rotary(dummy, pos) if t is None else rotary(dummy, pos, t)
+                self.tables.append((cos[0].to(dtype), sin[0].to(dtype)))
+        self.cos, self.sin = self.tables[0]
+        n = module.config.num_hidden_layers
+        self.layer_table = [0] * n if types == [None] else [types.index(t) for t in module.config.layer_types[:n]]
         self.max_len = max_len
+
+    def at(self, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: (cos, sin) [*pos.shape, D] at positions `pos` (one gather per table)."""
+        got = [(cos[pos], sin[pos]) for cos, sin in self.tables]
+        return [got[i] for i in self.layer_table]
 
 
 def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
@@ -279,8 +309,8 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
     B, P = ids_BP.shape
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     group = spec.num_heads // spec.num_kv_heads
-    x = ops.embed(ids_BP, w.embed)
-    cos, sin = rope.cos[pos_BP], rope.sin[pos_BP]
+    x = scaled(ops.embed(ids_BP, w.embed), spec.embed_scale)
+    rope_L = rope.at(pos_BP)
     causal = torch.ones(P, P, dtype=torch.bool, device=ids_BP.device).tril()
     # Pad query rows see only themselves (no NaN from all-masked rows); real rows see real keys up to themselves.
     attn_mask = (causal & mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids_BP.device)
@@ -290,14 +320,14 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
     causal_only = bool(mask_BP.all())
     gqa = ids_BP.device.type == "cuda" and group > 1
     for layer, lw in enumerate(w.layers):
-        q, k, v = ops.qkv(x, lw, cos, sin, heads, spec.eps)
+        q, k, v = ops.qkv(x, lw, *rope_L[layer], heads, spec.eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
         cache.write_prompt(layer, k, v, slots_M, src_M)
         if not gqa:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal_only else attn_mask,
-                                           is_causal=causal_only, enable_gqa=gqa)
+                                           is_causal=causal_only, enable_gqa=gqa, scale=spec.attn_scale)
         x = ops.mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
     last = rms_norm(x[:, -1], w.norm, spec.eps)
     return ops.logits(last, w.lm_head)
@@ -319,19 +349,20 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
     valid_bT.scatter_(1, cidx_b[:, None], True)
     fuse = ops.fuse_norms
     if fuse:
-        x, xn = ops.embed_norm(tok_b, w.embed, w.layers[0].ln1, spec.eps)
+        x, xn = ops.embed_norm(tok_b, w.embed, w.layers[0].ln1, spec.eps, spec.embed_scale)
     else:
-        x = ops.embed(tok_b, w.embed)
+        x = scaled(ops.embed(tok_b, w.embed), spec.embed_scale)
     if ops.attention is None:  # additive mask built once per step (not converted from bool inside every layer)
         valid = valid_bT[:, :kv_len]
         attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
         attn_mask = attn_mask[:, None, None, :]
     else:
         end_b = cidx_b + 1
-    cos, sin = rope.cos[pos_b], rope.sin[pos_b]
+    rope_L = rope.at(pos_b)
     rope_k = ops.rope_in_kernels and fuse and ops.kv_store is not None and ops.attention is not None
-    kernel_rope = dict(cos=cos, sin=sin) if rope_k else {}
     for layer, lw in enumerate(w.layers):
+        cos, sin = rope_L[layer]
+        kernel_rope = dict(cos=cos, sin=sin) if rope_k else {}
         if rope_k:
             q, k, v = ops.qkv_project(xn, lw, heads, spec.eps)
         elif fuse:
@@ -346,9 +377,9 @@ def decode(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeOps, tok
             ops.kv_store(kc, vc, k, v, cidx_b, **kernel_rope)
         qg = q.view(b, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
         if ops.attention is None:
-            o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask)
+            o = sdpa_attention(qg, kc[:b, :, :kv_len], vc[:b, :, :kv_len], attn_mask, spec.attn_scale)
         else:
-            o = ops.attention(qg, kc, vc, start_b, end_b, **kernel_rope)
+            o = ops.attention(qg, kc, vc, start_b, end_b, scale=spec.attn_scale, **kernel_rope)
         if fuse:  # the next layer's input norm, or the final norm after the last layer
             nxt = w.layers[layer + 1].ln1 if layer + 1 < len(w.layers) else w.norm
             x, xn = ops.mlp_block_norm(x, o.reshape(b, -1), lw, nxt, spec.eps)
@@ -379,15 +410,16 @@ def extend_ranged(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ops: DecodeO
     end_N = col_N + 1
     fuse, n_layers = ops.fuse_norms, len(w.layers)
     if fuse:
-        x, xn = ops.embed_norm(ids_N, w.embed, w.layers[0].ln1, spec.eps)
+        x, xn = ops.embed_norm(ids_N, w.embed, w.layers[0].ln1, spec.eps, spec.embed_scale)
     else:
-        x = ops.embed(ids_N, w.embed)
-    cos, sin = rope.cos[pos_N], rope.sin[pos_N]
+        x = scaled(ops.embed(ids_N, w.embed), spec.embed_scale)
+    rope_L = rope.at(pos_N)
     for layer, lw in enumerate(w.layers):
+        cos, sin = rope_L[layer]
         q, k, v = ops.qkv_normed(xn, lw, cos, sin, heads, spec.eps) if fuse else ops.qkv(x, lw, cos, sin, heads, spec.eps)
         kc, vc = cache.k[layer], cache.v[layer]
         store(kc, vc, k, v, col_N, slot_N)
-        o = ops.attention(q.view(N, hkv, group, d), kc, vc, start_N, end_N, rows=slot_N)
+        o = ops.attention(q.view(N, hkv, group, d), kc, vc, start_N, end_N, scale=spec.attn_scale, rows=slot_N)
         if fuse and layer + 1 < n_layers:  # the last layer's final norm runs on the S returned rows only
             x, xn = ops.mlp_block_norm(x, o.reshape(N, -1), lw, w.layers[layer + 1].ln1, spec.eps)
         else:
@@ -431,17 +463,17 @@ def extend_batch(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_SK: torch
     mask_SKC = valid_XT[slots_S, :end][:, None, :] & (c[None, None, :] <= cols_SK[:, :, None])
     hkv, group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
     mask = mask_SKC[:, None, None].expand(S, 1, group, K, end).reshape(S, 1, group * K, end)  # once, all layers
-    x = ops.embed(ids_SK, w.embed)
-    cos, sin = rope.cos[pos_SK], rope.sin[pos_SK]
+    x = scaled(ops.embed(ids_SK, w.embed), spec.embed_scale)
+    rope_L = rope.at(pos_SK)
     with sdpa_kernel(_EXTEND_BACKENDS):
         for layer, lw in enumerate(w.layers):
-            q, k, v = qkv(x, lw, cos, sin, heads, spec.eps)  # [S, K, heads, D]
+            q, k, v = qkv(x, lw, *rope_L[layer], heads, spec.eps)  # [S, K, heads, D]
             cache.k[layer][s_idx, :, c_idx] = k.flatten(0, 1).index_select(0, flat_t)
             cache.v[layer][s_idx, :, c_idx] = v.flatten(0, 1).index_select(0, flat_t)
             kc = cache.k[layer][slots_S, :, :end]  # [S, Hkv, end, D]
             vc = cache.v[layer][slots_S, :, :end]
             qg = q.view(S, K, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(S, hkv, group * K, d)
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # [S, Hkv, G*K, D]
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=spec.attn_scale)  # [S, Hkv, G*K, D]
             o = o.view(S, hkv, group, K, d).permute(0, 3, 1, 2, 4).reshape(S, K, hkv * group * d)
             x = ops.mlp_block(x, o, lw, spec.eps)
     last = x[torch.arange(S, device=dev), last_S]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.rollout.forward import DecodeOps, rms_norm
+from hybridflow.rollout.forward import DecodeOps, rms_norm, scaled
 from hybridflow.rollout.tp_layout import TPLayout, check_divisible, local_spec, param_slice, take, vocab_range
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights, arch_spec, tp_model_weights
 
@@ -82,9 +82,9 @@ class TPContext:
         x = F.embedding(local.clamp(0, table.shape[0] - 1), table)
         return self.all_reduce(x.masked_fill_(~mine[..., None], 0))
 
-    def embed_norm(self, tok: torch.Tensor, table: torch.Tensor, ln1: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.embed(tok, table)
+    def embed_norm(self, tok: torch.Tensor, table: torch.Tensor, ln1: torch.Tensor, eps: float,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = scaled(self.embed(tok, table), scale)
         return x, rms_norm(x, ln1, eps)
 
     def mlp_block(self, x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:

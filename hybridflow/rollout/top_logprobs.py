@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridflow.rollout.forward import mlp_block, qkv, rms_norm
+from hybridflow.rollout.forward import mlp_block, qkv, rms_norm, scaled
 from hybridflow.rollout.model_runner import ModelRunner
 
 
@@ -24,12 +24,11 @@ def top_logprobs(runner: ModelRunner, ids: list[int], n_sampled: int, k: int, te
     heads, group = (spec.num_heads, spec.num_kv_heads, spec.head_dim), spec.num_heads // spec.num_kv_heads
     ids_1L = torch.tensor([ids], dtype=torch.long, device=dev)
     pos_1L = torch.arange(len(ids), device=dev)[None]
-    x = F.embedding(ids_1L, w.embed)
-    cos, sin = runner.rope.cos[pos_1L], runner.rope.sin[pos_1L]
-    for lw in w.layers:
+    x = scaled(F.embedding(ids_1L, w.embed), spec.embed_scale)
+    for lw, (cos, sin) in zip(w.layers, runner.rope.at(pos_1L)):
         q, kk, v = (t.transpose(1, 2) for t in qkv(x, lw, cos, sin, heads, spec.eps))  # [1, heads, L, D]
         o = F.scaled_dot_product_attention(q, kk.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                                           is_causal=True)
+                                           is_causal=True, scale=spec.attn_scale)
         x = mlp_block(x, o.transpose(1, 2).flatten(-2), lw, spec.eps)
     before = x[0, len(ids) - n_sampled - 1: len(ids) - 1]  # the positions that predicted the sampled ids
     logits_NV = F.linear(rms_norm(before, w.norm, spec.eps), w.lm_head).float() / temperature

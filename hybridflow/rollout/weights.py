@@ -16,6 +16,7 @@ the sources are unchanged and replay the ops (~0.2 ms of checks instead of a ~5 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -27,14 +28,36 @@ import torch
 from torch import nn
 
 from hybridflow.rollout import moe as moe_ops
-from hybridflow.rollout.build_plan import ADDMM, COPY, STACKED, BuildPlan, Recorder
+from hybridflow.rollout.build_plan import ADD_ONE, ADDMM, COPY, STACKED, BuildPlan, Recorder
 
 if TYPE_CHECKING:  # tp_layout reads ArchSpec from here
     from hybridflow.rollout.tp_layout import TPLayout
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *moe_ops.MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", *moe_ops.MOE_MODEL_TYPES)
+# Their HF modules hold one fused qkv_proj and gate_up_proj ([q; k; v] and [gate; up] rows) per layer.
+FUSED_PROJ_TYPES = ("phi3",)
+# Gemma-3 (text): (1 + w) RMSNorms (kept in fp32, `forward.rms_norm`), also on the attention and MLP outputs
+# (`post_attn_norm`, `post_mlp_norm`), embedding × sqrt(hidden), scale query_pre_attn_scalar**-0.5, GELU-tanh, and
+# RoPE bases per layer type (`forward.RopeTable`).
+GEMMA_TYPES = ("gemma3_text",)
+
+
+def _not_ported(cfg: object) -> str | None:
+    """What a Gemma config asks that the decode pieces do not compute (soft-capped logits: no SDPA or kernel form)."""
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in ("gemma2", *GEMMA_TYPES):
+        return None
+    caps = {k: getattr(cfg, k, None) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    caps = {k: v for k, v in caps.items() if v is not None}
+    if caps:
+        return f"soft-capped logits {caps} (neither SDPA nor the range-attention kernel computes them)"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True (the engine decodes causally)"
+    if mtype == "gemma2":
+        return "model_type='gemma2' is not ported (Gemma-2 checkpoints soft-cap attention logits)"
+    return None
 Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA layer's (B [out, r], A [r, in], alpha/r)
 STACK_BYTES = 256 * 2**20  # the most temporary memory (stacked LoRA factors B, A) the merge allocates at a time
 
@@ -68,6 +91,11 @@ class LayerWeights:
     o_scale: torch.Tensor | None = None
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    # Gemma: RMSNorms of the attention output and of the MLP output before their residual adds (ln2 is then the
+    # pre-MLP norm); the MLP's activation is GELU-tanh instead of SiLU
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    gelu_tanh: bool = False
 
 
 @dataclass
@@ -106,12 +134,17 @@ class ArchSpec:
     head_dim: int
     vocab: int
     eps: float
+    attn_scale: float | None = None  # softmax scale of q·k; None = 1/sqrt(head_dim)
+    embed_scale: float | None = None  # Gemma: the embedding times sqrt(hidden), rounded to the generation dtype
 
 
 def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     """Why our runner cannot run `module` (None = it can); the HF fallback logs this reason."""
     cfg = getattr(module, "config", None)
     mtype = getattr(cfg, "model_type", None)
+    not_ported = _not_ported(cfg)
+    if not_ported is not None:
+        return f"model_type={mtype!r}: {not_ported}"
     if mtype not in SUPPORTED_MODEL_TYPES:
         return f"model_type={mtype!r} is not one of {SUPPORTED_MODEL_TYPES}"
     inner = getattr(module, "model", None)
@@ -121,27 +154,54 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
         return "module.model has no rotary_emb"
     window = getattr(cfg, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
-    if mtype in ("mistral", "mixtral") and window is not None:
+    if mtype in ("mistral", "mixtral", "phi3") and window is not None:  # every layer, when set
         sliding = True
     if sliding and window is not None and window < max_total_len:
         return f"sliding-window attention (window {window} < prompt+response length {max_total_len})"
+    if mtype in FUSED_PROJ_TYPES:  # transformers 5: rope_parameters; 4.x: rope_scaling and partial_rotary_factor
+        key = "rope_parameters" if getattr(cfg, "rope_parameters", None) is not None else "rope_scaling"
+        rope = dict(getattr(cfg, key, None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+        if rope_type != "default" or partial != 1.0:
+            return (f"{key}={rope} (rope_type {rope_type!r}, partial_rotary_factor {partial}): {mtype} runs "
+                    "natively with the default RoPE over the whole head only (longrope switches frequencies with "
+                    "the sequence length)")
+    if mtype in GEMMA_TYPES and not getattr(inner.rotary_emb, "layer_types", None):
+        return ("this transformers version keeps Gemma-3's local RoPE in a module of its own (rotary_emb_local); "
+                "the engine reads one rotary embedding that takes the layer type (transformers >= 5)")
+    projs = ("gate_up_proj", "down_proj") if mtype in FUSED_PROJ_TYPES else ("gate_proj", "up_proj", "down_proj")
     mlp = next((layer.mlp for layer in inner.layers if not moe_ops.is_moe_layer(layer.mlp)), None)
-    if mlp is not None and getattr(mlp, "gate_proj", None) is None:
-        return "MLP is not gate/up/down (SwiGLU)"
-    if mlp is not None and any(getattr(getattr(mlp, n), "bias", None) is not None
-                               for n in ("gate_proj", "up_proj", "down_proj")):
+    if mlp is not None and any(getattr(mlp, n, None) is None for n in projs):
+        return f"MLP is not {'/'.join(projs)} (SwiGLU)"
+    if mlp is not None and any(getattr(getattr(mlp, n), "bias", None) is not None for n in projs):
         return "MLP projections have biases"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act={cfg.hidden_act!r} (only silu)"
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if mtype in GEMMA_TYPES else "silu"):
+        return f"hidden activation {act!r} (silu; gelu_pytorch_tanh for Gemma)"
     return moe_ops.unsupported_reason(module)
 
 
-def arch_spec(module: nn.Module) -> ArchSpec:
+def check_parallel(module: nn.Module, rollout_cfg: object) -> None:
+    """Raise when tensor parallelism cannot split this model: MoE layers, fused q/k/v and gate/up projections."""
+    moe_ops.check_parallel(module, rollout_cfg)
+    tp = getattr(rollout_cfg, "tensor_model_parallel_size", 1)
+    mtype = getattr(module.config, "model_type", None)
+    if tp > 1 and mtype in (*FUSED_PROJ_TYPES, *GEMMA_TYPES):
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} with {mtype}: tensor parallelism covers the "
+                         "Llama family's separate projections and norms only; set rollout.tensor_model_parallel_size=1")
+
+
+def arch_spec(module: nn.Module, dtype: torch.dtype = torch.float32) -> ArchSpec:
     cfg = module.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gemma = cfg.model_type in GEMMA_TYPES
+    # as HF: an fp32 buffer of sqrt(hidden), cast to the weights' dtype before the multiply
+    embed_scale = float(torch.tensor(cfg.hidden_size**0.5).to(dtype)) if gemma else None
     return ArchSpec(num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
                     num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab=cfg.vocab_size,
-                    eps=float(cfg.rms_norm_eps))
+                    eps=float(cfg.rms_norm_eps), attn_scale=cfg.query_pre_attn_scalar**-0.5 if gemma else None,
+                    embed_scale=embed_scale)
 
 
 # The name of a decoder parameter from `layers.` / `embed_tokens.` / `norm.` / `lm_head.` on, whatever wraps it.
@@ -260,6 +320,7 @@ class WeightView:
         self._parts: dict[object, list[torch.Tensor]] = {}  # (fused buffer key, layer) -> its row-slice views
         self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies batched into one foreach
         self._deltas: list[tuple[torch.Tensor, Factors, str]] = []  # (buffer holding W, (B, A, s), role): += s·B·A
+        self._plus_one: list[torch.Tensor] = []  # fp32 copies of Gemma norm weights w, made 1 + w at the flush
         self._lora_layers = [m for m in module.modules() if hasattr(m, "lora_A")]  # PEFT LoRA layers
         # -> their base Linear (read directly: PEFT's `weight` property walks the wrapper chain)
         self._lora_base = {id(m): m.get_base_layer() for m in self._lora_layers}
@@ -323,7 +384,9 @@ class WeightView:
         dst, src = self._pending
         if dst:
             self._rec.run((COPY, dst, src), self.dtype, self.device)
-        self._pending = ([], [])
+        if self._plus_one:
+            self._rec.run((ADD_ONE, self._plus_one), self.dtype, self.device)
+        self._pending, self._plus_one = ([], []), []
         self._apply_deltas()
 
     def _apply_deltas(self) -> None:
@@ -374,48 +437,55 @@ class WeightView:
         if group:
             self._rec.run((STACKED, sources, group), self.dtype, self.device)
 
-    def _buffer(self, key: object, shape: torch.Size, gathered: bool, slot: tuple[int, int] | None = None
-                ) -> torch.Tensor:
+    def _buffer(self, key: object, shape: torch.Size, gathered: bool, slot: tuple[int, int] | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
         """The reused buffer of `key`. With `slot` = (i, layers) (a decoder layer's role) it is slice i of one
         persistent [layers, *shape] stack, so that one projection's copies in every layer are equal-stride slices of
         one tensor (the batched in-place LoRA merge); a shape change reallocates the stack at its first use in a
-        build; a layer whose shape differs from an earlier one's in the same build gets a buffer of its own."""
+        build; a layer whose shape differs from an earlier one's in the same build gets a buffer of its own.
+        `dtype`: the buffer's, when not the generation dtype."""
+        dtype = dtype or self.dtype
         if slot is not None:
             i, count = slot
             stack = self._buffers.get(key)
-            if stack is None or stack.shape[0] != count or stack.shape[1:] != shape:
+            if stack is None or stack.shape[0] != count or stack.shape[1:] != shape or stack.dtype != dtype:
                 if key in self._stacked:  # an earlier layer of this build holds a slice of it
-                    return self._buffer_unstacked((key, i), shape, gathered)
-                stack = torch.empty((count, *shape), dtype=self.dtype, device=self.device)
+                    return self._buffer_unstacked((key, i), shape, gathered, dtype)
+                stack = torch.empty((count, *shape), dtype=dtype, device=self.device)
                 self._buffers[key] = stack
             self._stacked.add(key)
             if gathered:
                 self._gathered.add(key)
             return stack[i]
-        return self._buffer_unstacked(key, shape, gathered)
+        return self._buffer_unstacked(key, shape, gathered, dtype)
 
-    def _buffer_unstacked(self, key: object, shape: torch.Size, gathered: bool) -> torch.Tensor:
+    def _buffer_unstacked(self, key: object, shape: torch.Size, gathered: bool, dtype: torch.dtype
+                          ) -> torch.Tensor:
         buf = self._buffers.get(key)
-        if buf is None or buf.shape != shape:
-            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             self._buffers[key] = buf
         if gathered:
             self._gathered.add(key)
         return buf
 
-    def _get(self, owner: nn.Module | None, attr: str = "weight", role: str = "") -> torch.Tensor | None:
+    def _get(self, owner: nn.Module | None, attr: str = "weight", role: str = "", *, plus_one: bool = False
+             ) -> torch.Tensor | None:
         """`owner.<attr>` in the generation dtype: the parameter itself when possible, else a reused buffer keyed by
         (role, attr) inside a decoder layer (a slice of that role's stack), (owner, attr) outside — stable across
-        steps, unlike FSDP's temporary unsharded tensors."""
+        steps, unlike FSDP's temporary unsharded tensors. `plus_one` (Gemma's norms): 1 + w in an fp32 buffer."""
         p = self._param(owner, attr)
         if p is None:
             return None
         src, temporary = self._read(p)
         factors = self._factors(owner, attr)
-        if not temporary and factors is None and src.dtype == self.dtype and src.device == self.device:
+        if not (temporary or plus_one) and factors is None and src.dtype == self.dtype and src.device == self.device:
             return src  # zero copy: the training parameter itself
         slot = self._slot if role else None
-        buf = self._buffer(("layers", role, attr) if slot else (id(owner), attr), src.shape, temporary, slot)
+        buf = self._buffer(("layers", role, attr) if slot else (id(owner), attr), src.shape, temporary, slot,
+                           torch.float32 if plus_one else None)
+        if plus_one:
+            self._plus_one.append(buf)
         if temporary and not self._unsharded:
             buf.copy_(src)  # a parameter gathered on its own is copied and freed at once
         else:
@@ -456,25 +526,43 @@ class WeightView:
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
         att, mlp = layer.self_attn, layer.mlp
-        qkv_owners, qkv_roles = [att.q_proj, att.k_proj, att.v_proj], ["q", "k", "v"]
-        qkv, (q, k, v) = self._get_fused(qkv_owners, qkv_roles)
-        if qkv is not None and all(o.bias is not None for o in qkv_owners):
-            qkv_bias, (qb, kb, vb) = self._get_fused(qkv_owners, qkv_roles, "bias")
+        if hasattr(att, "qkv_proj"):  # fused in the module (Phi-3): q/k/v are row views of it, no bias
+            qkv, qkv_bias, (qb, kb, vb) = self._get(att.qkv_proj, role="qkv"), None, (None, None, None)
+            cfg = self.module.config
+            head_dim = arch_spec(self.module).head_dim
+            q, k, v = qkv.split([cfg.num_attention_heads * head_dim, *[cfg.num_key_value_heads * head_dim] * 2])
         else:
-            qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias", r) for o, r in zip(qkv_owners, qkv_roles)]
+            qkv_owners, qkv_roles = [att.q_proj, att.k_proj, att.v_proj], ["q", "k", "v"]
+            qkv, (q, k, v) = self._get_fused(qkv_owners, qkv_roles)
+            if qkv is not None and all(o.bias is not None for o in qkv_owners):
+                qkv_bias, (qb, kb, vb) = self._get_fused(qkv_owners, qkv_roles, "bias")
+            else:
+                qkv_bias, (qb, kb, vb) = None, [self._get(o, "bias", r) for o, r in zip(qkv_owners, qkv_roles)]
         if moe_ops.is_moe_layer(mlp):
             lora = [n for n, m in mlp.named_modules() if hasattr(m, "lora_A") and not n.startswith("shared_expert")]
             gate_up, gate, up, down = None, None, None, None
             moe = moe_ops.build_weights(self._get, mlp, self.module.config, lora)
         else:
-            gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
+            if hasattr(mlp, "gate_up_proj"):  # fused in the module (Phi-3)
+                gate_up = self._get(mlp.gate_up_proj, role="gate_up")
+                gate, up = gate_up.chunk(2)
+            else:
+                gate_up, (gate, up) = self._get_fused([mlp.gate_proj, mlp.up_proj], ["gate", "up"])
             down, moe = self._get(mlp.down_proj, role="down"), None
+        gemma = self.module.config.model_type in GEMMA_TYPES
+        norm = functools.partial(self._get, plus_one=gemma)
+        if gemma:  # post_attention_layernorm normalises the attention output; pre_feedforward_layernorm is ln2
+            ln2, post_attn = norm(layer.pre_feedforward_layernorm, role="ln2"), norm(layer.post_attention_layernorm,
+                                                                                    role="post_attn_norm")
+            post_mlp = norm(layer.post_feedforward_layernorm, role="post_mlp_norm")
+        else:
+            ln2, post_attn, post_mlp = self._get(layer.post_attention_layernorm, role="ln2"), None, None
         return LayerWeights(
-            ln1=self._get(layer.input_layernorm, role="ln1"), ln2=self._get(layer.post_attention_layernorm, role="ln2"),
+            ln1=norm(layer.input_layernorm, role="ln1"), ln2=ln2, post_attn_norm=post_attn, post_mlp_norm=post_mlp,
             q=q, k=k, v=v, o=self._get(att.o_proj, role="o"), q_bias=qb, k_bias=kb, v_bias=vb,
-            o_bias=self._get(att.o_proj, "bias", "o"), q_norm=self._get(getattr(att, "q_norm", None), role="q_norm"),
-            k_norm=self._get(getattr(att, "k_norm", None), role="k_norm"), gate=gate, up=up,
-            down=down, qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up, moe=moe)
+            o_bias=self._get(att.o_proj, "bias", "o"), q_norm=norm(getattr(att, "q_norm", None), role="q_norm"),
+            k_norm=norm(getattr(att, "k_norm", None), role="k_norm"), gate=gate, up=up,
+            down=down, qkv=qkv, qkv_bias=qkv_bias, gate_up=gate_up, moe=moe, gelu_tanh=gemma)
 
     def build(self) -> ModelWeights:
         """Refresh all views (cheap when zero-copy) and return them; `ptrs` tells callers if storage moved. Replays
@@ -510,7 +598,7 @@ class WeightView:
             with self._fsdp_unsharded(m):
                 embed = self._get(inner.embed_tokens)
                 lm_head = embed if tied else self._get(m.lm_head)  # tied: one gather/cast, not two
-                norm = self._get(inner.norm)
+                norm = self._get(inner.norm, plus_one=m.config.model_type in GEMMA_TYPES)
             self._flush()
             weights = ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
                                    owned_buffers=bool(self._buffers))

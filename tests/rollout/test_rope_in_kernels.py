@@ -59,9 +59,9 @@ def test_rope_in_kernels_is_the_default_only_with_both_kernels():
     assert forward.DecodeOps().rope_in_kernels and forward.DecodeOps.compiled().rope_in_kernels
     runner = make_engine(model_of("qwen3"), P, 6)._prepare()
 
-    def attention_without_rope(q, kc, vc, start, end, rows=None, **rope):
+    def attention_without_rope(q, kc, vc, start, end, scale=None, rows=None, **rope):
         assert not rope, "cos/sin reached the attention although K was written by torch"
-        return decode_attention_ref(q, kc, vc, start, end, rows=rows)
+        return decode_attention_ref(q, kc, vc, start, end, scale, rows=rows)
 
     a = run_decode(runner, forward.DecodeOps(attention=attention_without_rope))
     b = run_decode(runner, forward.DecodeOps(attention=decode_attention_ref, rope_in_kernels=False))
