@@ -31,10 +31,13 @@ class HeadRequest:
 
 def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest) -> dict[str, torch.Tensor]:
     kwargs: dict[str, Any] = {}
+    position_ids = inputs.position_ids
     if inputs.cu_seqlens is not None:
         kwargs = {CU_SEQLENS: inputs.cu_seqlens, MAX_SEQLEN: inputs.max_seqlen}
+    if inputs.vision is not None:  # the vision tower runs here; HF computes the 3-D rope positions (get_rope_index)
+        kwargs, position_ids = dict(inputs.vision), None
     out = self.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                          position_ids=inputs.position_ids, use_cache=False, **kwargs)
+                          position_ids=position_ids, use_cache=False, **kwargs)
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     if req.kind == "lm" and getattr(self.config, "final_logit_softcapping", None):

@@ -2,6 +2,8 @@
 
 Slow but general. Log-probs come from the *processed* scores (after temperature/top-k/top-p), i.e. the sampling
 distribution, like the native engine. Per-request seeds are not supported here: one global seed per call.
+Vision-language models generate here: each row's images (`multi_modal_inputs`, repeated for its n samples) go to
+HF generate, which runs the vision tower once in prefill and continues the 3-D rope positions while decoding.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from hybridflow.data.vision import batch_vision_inputs
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.rollout.scheduler import GenerateResult
 
@@ -33,12 +36,17 @@ class HFGenerate:
 
     @torch.no_grad()
     def run(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, n: int, params: SamplingParams, seeds: list[int],
-            max_new: int) -> GenerateResult:
+            max_new: int, images: list[dict[str, torch.Tensor]] | None = None) -> GenerateResult:
+        """`images`: each prompt's `multi_modal_inputs` (vision-language models)."""
         if params.do_sample:
             logger.debug("HF fallback: per-request seeds unsupported; seeding the global RNG with %d", seeds[0])
             torch.manual_seed(seeds[0])
         ids, mask = ids_BP.repeat_interleave(n, 0), mask_BP.repeat_interleave(n, 0)
-        out = self.module.generate(input_ids=ids, attention_mask=mask, generation_config=self._config(params, max_new))
+        rows = None if images is None else [row for row in images for _ in range(n)]
+        vision = batch_vision_inputs(rows, ids, getattr(self.module.config, "image_token_id", None))
+        vision = {k: v.to(ids.device) for k, v in vision.items()}
+        out = self.module.generate(input_ids=ids, attention_mask=mask, generation_config=self._config(params, max_new),
+                                   **vision)
         gen = out.sequences[:, ids.shape[1]:]
         L = gen.shape[1]
         logp = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, gen[..., None]).squeeze(-1)
