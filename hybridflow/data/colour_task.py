@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Iterator
+from functools import lru_cache
 
 from PIL import Image
 
@@ -34,8 +35,9 @@ def space() -> Iterator[tuple[str, str, str]]:
         yield f"<image>How many {COLOURS[colour][0]}?", str(layout.count(colour)), layout
 
 
+@lru_cache(maxsize=NUM_PROBLEMS)
 def draw(layout: str) -> bytes:
-    """PNG bytes of `layout` (white background)."""
+    """PNG bytes of `layout` (white background); cached, as training repeats problems."""
     img = Image.new("RGB", (GRID * CELL, GRID * CELL), (255, 255, 255))
     for i, c in enumerate(layout):
         if c in COLOURS:

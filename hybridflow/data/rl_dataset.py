@@ -133,9 +133,11 @@ class RLHFDataset(Dataset):
         by_prompt: dict[str, int] = {}
         lengths = []
         for row in self.rows:
-            key = repr(row["messages"]) if not row[IMAGE_KEY] else row["index"]  # image sizes vary the length
+            counts = self.vision.token_counts(row[IMAGE_KEY]) if row[IMAGE_KEY] else []  # from image sizes
+            key = repr(row["messages"]) + repr(counts)
             if key not in by_prompt:
-                by_prompt[key] = len(self._encode(row)[0])
+                text = render(self.tokenizer, row["messages"], self.chat_template, tools=self.tools)
+                by_prompt[key] = len(encode(self.tokenizer, self.vision.expand(text, counts) if counts else text))
             lengths.append(by_prompt[key])
         over = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
         if over and self.truncation == "error":

@@ -40,6 +40,11 @@ def check_images(row: dict[str, Any], messages: list[dict[str, str]]) -> list[An
         if not isinstance(data, (bytes, Image.Image)) or (isinstance(data, bytes) and not data):
             raise MalformedRow(f"{IMAGE_KEY}[{j}] must be image bytes, a {{'bytes': ...}} dict or a PIL image, "
                                f"got {type(img).__name__}{' without bytes' if isinstance(img, dict) else ''}")
+        if isinstance(data, bytes):
+            try:
+                Image.open(io.BytesIO(data))  # reads the header only
+            except OSError as err:
+                raise MalformedRow(f"{IMAGE_KEY}[{j}] is not a readable image ({err})") from err
     return images
 
 
@@ -60,15 +65,18 @@ class VisionPrompts:
         self.image_processor = image_processor
         self.merge = int(getattr(image_processor, "merge_size", 2))
 
-    def expand(self, text: str, grid_thw: torch.Tensor) -> str:
-        """Each `<image>` of `text` → vision start, one pad per merged patch of that image, vision end."""
+    def token_counts(self, images: Sequence[Any]) -> list[int]:
+        """Image tokens of each image, from its size alone (the file header: no pixels decoded)."""
+        sizes = [(i.get("bytes") if isinstance(i, dict) else i) for i in images]
+        sizes = [s.size if isinstance(s, Image.Image) else Image.open(io.BytesIO(s)).size for s in sizes]
+        return [self.image_processor.get_number_of_image_patches(h, w, {}) // self.merge ** 2 for w, h in sizes]
+
+    @staticmethod
+    def expand(text: str, counts: Sequence[int]) -> str:
+        """Each `<image>` of `text` → vision start, `counts[i]` image pads (one per merged patch), vision end."""
         pieces = text.split(IMAGE_PLACEHOLDER)
-        assert len(pieces) == len(grid_thw) + 1, (len(pieces) - 1, grid_thw.shape)
-        out = [pieces[0]]
-        for thw, piece in zip(grid_thw.tolist(), pieces[1:]):
-            n = thw[0] * thw[1] * thw[2] // (self.merge * self.merge)
-            out.append(VISION_START + IMAGE_PAD * n + VISION_END + piece)
-        return "".join(out)
+        assert len(pieces) == len(counts) + 1, (len(pieces) - 1, counts)
+        return pieces[0] + "".join(VISION_START + IMAGE_PAD * n + VISION_END + p for n, p in zip(counts, pieces[1:]))
 
     def __call__(self, text: str, images: Sequence[Any]) -> tuple[str, dict[str, torch.Tensor]]:
         """(rendered text with expanded placeholders, {pixel_values, image_grid_thw}) of one prompt."""
@@ -76,7 +84,8 @@ class VisionPrompts:
             return text, {}
         out = self.image_processor(images=[decode_image(i) for i in images], return_tensors="pt")
         mm = {PIXEL_VALUES: out[PIXEL_VALUES], IMAGE_GRID_THW: out[IMAGE_GRID_THW].long()}
-        return self.expand(text, mm[IMAGE_GRID_THW]), mm
+        counts = (mm[IMAGE_GRID_THW].prod(-1) // self.merge ** 2).tolist()
+        return self.expand(text, counts), mm
 
 
 def batch_vision_inputs(rows: Sequence[dict[str, torch.Tensor]] | None, input_ids: torch.Tensor,

@@ -7,6 +7,7 @@ reduce their gradients as usual, while the full [tokens, vocab] logits are never
 
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -79,5 +80,12 @@ def install_engine_forward(model: torch.nn.Module) -> None:
             raise ValueError(f"head kind {hf_request.kind!r} must be one of {HEADS}")
         return _engine_forward(self, hf_inputs, hf_request)
 
+    # HF generate checks its model kwargs (a VLM's pixel_values...) against forward's signature: keep the original's
+    sig = inspect.signature(original)
+    params = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in ("hf_inputs", "hf_request")]
+    rest = [p for p in sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD]
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = sig.replace(parameters=[self_param, *params, *extra, *rest])
     model.forward = types.MethodType(forward, model)
     model._hf_engine_forward = True

@@ -44,8 +44,11 @@ def tiny_vl_config(**overrides: Any) -> Qwen2_5_VLConfig:
     special = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                tie_word_embeddings=False, **special) | overrides
+                rope_theta=10000.0, tie_word_embeddings=False, **special) | overrides
+    # rotary frequencies split t/h/w as Qwen2.5-VL's 16/24/24 of 64: a quarter, then halves of the rest
+    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    t = half // 4
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2]}
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
                   window_size=4 * PATCH * MERGE, fullatt_block_indexes=[1], in_channels=3)
