@@ -100,3 +100,11 @@ def test_colour_count_rows_draw_the_answer_and_survive_parquet(tmp_path):
     truth = rows[0]["reward_model"]["ground_truth"]
     assert score("hybridflow/colour_count", f"#### {truth}", truth)["score"] == 1.0
     assert score("hybridflow/colour_count", f"#### {int(truth) + 1}", truth)["score"] == 0.0
+
+
+def test_sft_on_image_rows_is_refused():
+    from hybridflow.data.sft_dataset import SFTDataset
+
+    train, _ = task_splits("colour_count", 4, 2, seed=1)
+    with pytest.raises(ValueError, match="sft rows carry images"):
+        SFTDataset(train, tiny_vl_tokenizer(), max_length=96)
