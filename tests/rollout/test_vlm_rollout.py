@@ -5,6 +5,7 @@ give every row its own images and the same 3-D rope positions, whatever the padd
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import numpy as np
 import pytest
@@ -25,8 +26,6 @@ P, R = 64, 5
 
 
 def _png(w: int, h: int, seed: int) -> dict:
-    import io
-
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
