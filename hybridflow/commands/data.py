@@ -1,7 +1,8 @@
-"""`hybridflow data prepare gsm8k|math|arithmetic|sort --input FILE [...] --out DIR`: write verl-schema parquet.
+"""`hybridflow data prepare gsm8k|math|arithmetic|sort|colour_count --input FILE [...] --out DIR`: write verl parquet.
 
 gsm8k/math read local files (one parquet per input, named by its split: `train.parquet`, `test.parquet`);
-arithmetic/sort write the built-in tasks (`train.parquet`, `val.parquet`) with `--train-size/--val-size/--seed`.
+arithmetic/sort/colour_count (its images as PNG bytes) write the built-in tasks (`train.parquet`, `val.parquet`)
+with `--train-size/--val-size/--seed`.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class LoraConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None  # local HF model directory; None → use `preset`
-    preset: str  # random-init preset when no path: tiny | qwen2.5-0.5b | qwen2.5-1.5b | qwen2.5-7b
+    preset: str  # random-init preset when no path: tiny | tiny-vl | qwen2.5-0.5b | qwen2.5-1.5b | qwen2.5-7b
     tokenizer_path: str | None  # defaults to `path`, or the built-in tokenizer for presets
     trust_remote_code: bool
     enable_gradient_checkpointing: bool

@@ -48,15 +48,17 @@ def _rows(data_cfg: DataConfig) -> tuple[list[dict] | None, list[dict] | None]:
 
 
 def build_rl_datasets(data_cfg: DataConfig, tokenizer: Tokenizer, reward_cfg: RewardConfig | None = None,
-                      tools: list[dict] | None = None) -> tuple[RLHFDataset, RLHFDataset | None]:
+                      tools: list[dict] | None = None, image_processor: Any | None = None
+                      ) -> tuple[RLHFDataset, RLHFDataset | None]:
     """(train, val) prompt datasets; val is None when parquet training files come without data.val_files.
     Ground truth is required unless `reward_cfg` scores with the reward model only or the data config opts out.
-    `tools`: tool schemas rendered into the prompts by the chat template (`agentic.prompting.prompt_tools`)."""
+    `tools`: tool schemas rendered into the prompts by the chat template (`agentic.prompting.prompt_tools`).
+    `image_processor`: a vision-language model's (`models.loader.load_image_processor`); rows may then carry images."""
     require = (ground_truth_required(data_cfg, reward_cfg) if reward_cfg is not None
                else not data_cfg.allow_missing_ground_truth)
     kwargs = dict(max_prompt_length=data_cfg.max_prompt_length, truncation=data_cfg.truncation,
                   prompt_key=data_cfg.prompt_key, strict=data_cfg.strict, chat_template=data_cfg.chat_template,
-                  require_ground_truth=require, tools=tools)
+                  require_ground_truth=require, tools=tools, image_processor=image_processor)
     train_rows, val_rows = _rows(data_cfg)
     if train_rows is not None:
         val = RLHFDataset(val_rows, tokenizer, name="val", **kwargs) if val_rows else None

@@ -5,7 +5,9 @@ Columns: `data_source` (selects the reward function), `prompt` (chat messages or
 contract (`hybridflow.data.contract`): malformed rows and empty prompts are skipped and counted in `self.skips`
 (malformed ones raise with `data.strict`); an unusable ground truth raises. Over-long prompts: `error` and `filter`
 are decided up front (one tokenisation pass, so training never dies mid-run); `left`/`right` truncate in
-`__getitem__`, which is where tokenisation happens (in the dataloader workers).
+`__getitem__`, which is where tokenisation happens (in the dataloader workers). With an image processor (a
+vision-language model) rows may carry `images`, one per `<image>` placeholder (`hybridflow.data.vision`); a
+mismatch is a malformed row.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hybridflow.data.collate import collate_rl
 from hybridflow.data.contract import SkipReport, check_ground_truths, empty_prompt_reason
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, render, to_messages
+from hybridflow.data.vision import IMAGE_KEY, VisionPrompts, check_images
 from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -37,11 +40,19 @@ def _as_dict(value: Any, column: str) -> dict[str, Any]:
     return value
 
 
-def normalize_row(row: dict[str, Any], prompt_key: str, position: int) -> dict[str, Any]:
-    """A raw row → the dataset's canonical fields; raises MalformedRow naming what is wrong."""
+def normalize_row(row: dict[str, Any], prompt_key: str, position: int, vision: bool = False) -> dict[str, Any]:
+    """A raw row → the dataset's canonical fields; raises MalformedRow naming what is wrong. `vision`: the model
+    takes images (else a row with images is malformed)."""
     if prompt_key not in row:
         raise MalformedRow(f"no {prompt_key!r} column (set data.prompt_key to the prompt column)")
     messages = to_messages(row[prompt_key])
+    if vision:
+        images = check_images(row, messages)
+    elif row.get(IMAGE_KEY) is not None and len(row[IMAGE_KEY]):
+        raise MalformedRow(f"the row has {IMAGE_KEY!r} but the model takes no images (no image processor); use a "
+                           "vision-language model or drop the column")
+    else:
+        images = []
     data_source = row.get(keys.DATA_SOURCE, "unknown")
     if not isinstance(data_source, str):
         raise MalformedRow(f"data_source must be a string, got {type(data_source).__name__}")
@@ -55,17 +66,18 @@ def normalize_row(row: dict[str, Any], prompt_key: str, position: int) -> dict[s
                          "ground_truth": reward_model.get("ground_truth")},
         keys.EXTRA_INFO: _as_dict(row.get(keys.EXTRA_INFO), keys.EXTRA_INFO),
         "index": position,
+        IMAGE_KEY: images,
     }
 
 
-def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool, skips: SkipReport
-                  ) -> list[dict[str, Any]]:
+def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool, skips: SkipReport,
+                  vision: bool = False) -> list[dict[str, Any]]:
     """Normalise every row; malformed ones raise (strict) or are skipped, empty prompts are skipped; both are
     counted in `skips` and summarised in one warning."""
     good, reasons = [], {}
     for i, row in enumerate(rows):
         try:
-            norm = normalize_row(row, prompt_key, i)
+            norm = normalize_row(row, prompt_key, i, vision)
         except MalformedRow as err:
             if strict:
                 raise ValueError(f"{skips.name} data row {i} is malformed: {err}. Fix the row, or set "
@@ -90,7 +102,7 @@ class RLHFDataset(Dataset):
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_prompt_length: int,
                  truncation: str = "error", prompt_key: str = "prompt", strict: bool = False,
                  chat_template: str | None = None, name: str = "train", require_ground_truth: bool = True,
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, image_processor: Any | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}: must be one of {', '.join(TRUNCATION_MODES)}")
         self.tokenizer = tokenizer
@@ -99,8 +111,10 @@ class RLHFDataset(Dataset):
         self.chat_template = chat_template
         self.tools = tools  # multi-turn: tool schemas offered through apply_chat_template(tools=...)
         self.name = name
+        # image prompts → expanded ids + pixel values (vision-language models only)
+        self.vision = None if image_processor is None else VisionPrompts(tokenizer, image_processor)
         self.skips = SkipReport(name, rows_read=len(rows))
-        self.rows = validate_rows(rows, prompt_key, strict, self.skips)
+        self.rows = validate_rows(rows, prompt_key, strict, self.skips, vision=self.vision is not None)
         if require_ground_truth:
             check_ground_truths(rows, self.rows, name)
         if truncation in ("error", "filter"):
@@ -119,9 +133,11 @@ class RLHFDataset(Dataset):
         by_prompt: dict[str, int] = {}
         lengths = []
         for row in self.rows:
-            key = repr(row["messages"])
+            counts = self.vision.token_counts(row[IMAGE_KEY]) if row[IMAGE_KEY] else []  # from image sizes
+            key = repr(row["messages"]) + repr(counts)
             if key not in by_prompt:
-                by_prompt[key] = len(self._encode(row))
+                text = render(self.tokenizer, row["messages"], self.chat_template, tools=self.tools)
+                by_prompt[key] = len(encode(self.tokenizer, self.vision.expand(text, counts) if counts else text))
             lengths.append(by_prompt[key])
         over = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
         if over and self.truncation == "error":
@@ -140,9 +156,17 @@ class RLHFDataset(Dataset):
                        "%d remain", self.name, len(dropped), len(over), self.max_prompt_length,
                        len(dropped) - len(over), len(self.rows))
 
-    def _encode(self, row: dict[str, Any]) -> list[int]:
+    def _encode(self, row: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        """Prompt ids and the row's image tensors ({} without images)."""
         text = render(self.tokenizer, row["messages"], self.chat_template, tools=self.tools)
-        return encode(self.tokenizer, text)
+        mm: dict[str, Any] = {}
+        if row[IMAGE_KEY]:
+            try:
+                text, mm = self.vision(text, row[IMAGE_KEY])
+            except (OSError, ValueError) as err:  # PIL cannot decode the bytes, or the image processor refuses
+                raise ValueError(f"{self.name} data row {row['index']}: cannot read its images: "
+                                 f"{type(err).__name__}: {err}. Fix the row's {IMAGE_KEY!r}") from err
+        return encode(self.tokenizer, text), mm
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -153,7 +177,11 @@ class RLHFDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         row = self.rows[i]
-        ids = self._encode(row)
+        ids, mm = self._encode(row)
+        if len(ids) > self.max_prompt_length and mm:
+            raise ValueError(f"{self.name} row {row['index']}: {len(ids)} prompt tokens with its images > "
+                             f"data.max_prompt_length={self.max_prompt_length}; truncation would cut image tokens: "
+                             "raise data.max_prompt_length")
         if len(ids) > self.max_prompt_length:
             if self.truncation == "left":
                 ids = ids[-self.max_prompt_length:]
@@ -171,4 +199,4 @@ class RLHFDataset(Dataset):
             keys.EXTRA_INFO: row[keys.EXTRA_INFO],
             "index": row["index"],
             keys.UID: f"{self.name}-{row['index']}",
-        }
+        } | ({keys.MULTI_MODAL_INPUTS: mm} if self.vision is not None else {})

@@ -80,6 +80,9 @@ class SFTDataset(Dataset):
         self.tokenizer, self.max_length, self.name = tokenizer, max_length, name
         if not rows:
             raise ValueError(f"{name} dataset has no rows")
+        if any(row.get("images") for row in rows):
+            raise ValueError(f"{name} rows carry images: supervised fine-tuning on images is not supported yet "
+                             "(GRPO/PPO is); drop the images column or train with RL")
         self.layout = sft_layout(list(rows[0]), prompt_key, name)
         by_text: dict[str, list[tuple[str, bool]]] = {}  # built-in tasks repeat problems: render each text once
 

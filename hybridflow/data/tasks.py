@@ -6,7 +6,8 @@ remain). Problems are tiny on purpose — a ~1M-parameter character model must l
 Rows follow verl's schema and also carry the SFT warm start's demonstration: `response` (the correct answer), or
 `messages` for a task whose demonstration is a conversation (`tool_calculator`: a tool call, the tool's response,
 the answer; `data/tool_task.py`). Answers come after `####`, as in GSM8K; the scorers are
-`hybridflow.rewards.synthetic` and `hybridflow.rewards.tool_task`.
+`hybridflow.rewards.synthetic` and `hybridflow.rewards.tool_task`. `colour_count` is the vision-language task (rows
+carry `images`; `data/colour_task.py`, model.preset=tiny-vl).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.data import tool_task
+from hybridflow.data import colour_task, tool_task
 from hybridflow.protocol import keys
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 class Problem:
     question: str
     answer: str  # ground truth, without the "#### " prefix
+    image: str | None = None  # vision tasks: what `Task.draw` turns into the row's one image
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Task:
     demonstrate: Callable[[Problem], list[dict[str, str]]] | None = None
     # `sft.label_noise`: a training row → a flawed demonstration of it; None = the answer one too high.
     corrupt: Callable[[dict[str, Any], random.Random], dict[str, Any]] | None = None
+    draw: Callable[[str], bytes] | None = None  # vision tasks: `Problem.image` → image bytes (PNG)
 
     @property
     def data_source(self) -> str:
@@ -59,6 +62,10 @@ def _tool_multiplication() -> Iterable[Problem]:
     return (Problem(question, answer) for question, answer in tool_task.space())
 
 
+def _colour_count() -> Iterable[Problem]:
+    return (Problem(question, answer, layout) for question, answer, layout in colour_task.space())
+
+
 def _tool_demonstration(problem: Problem) -> list[dict[str, str]]:
     return tool_task.demonstration(problem.question, problem.answer, "clean", random.Random(0))
 
@@ -69,6 +76,8 @@ TASKS: dict[str, Task] = {
     # 3-digit x 2-digit multiplication (5-digit products) through the calculator tool (multi-turn rollouts), 66,471 problems
     "tool_calculator": Task("tool_calculator", "tool use", _tool_multiplication, _tool_demonstration,
                             tool_task.flawed),
+    # count the squares of one colour in a 4x4-grid image (vision-language models), 20,000 problems
+    "colour_count": Task("colour_count", "visual counting", _colour_count, draw=colour_task.draw),
 }
 
 
@@ -87,6 +96,8 @@ def _row(task: Task, problem: Problem, split: str, index: int) -> dict[str, Any]
         keys.REWARD_MODEL: {"style": "rule", "ground_truth": problem.answer},
         keys.EXTRA_INFO: {"split": split, "index": index},
     }
+    if task.draw is not None:
+        row["images"] = [{"bytes": task.draw(problem.image)}]
     if task.demonstrate is not None:
         return row | {"messages": task.demonstrate(problem)}
     return row | {"response": f"#### {problem.answer}"}

@@ -33,7 +33,7 @@ from hybridflow.engine.lora import (
     targets_from_state,
 )
 from hybridflow.models.heads import scalar_head_config
-from hybridflow.models.loader import load_module, model_config, save_model
+from hybridflow.models.loader import load_image_processor, load_module, model_config, save_model
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
 if TYPE_CHECKING:
@@ -98,7 +98,8 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: st
              dtype: torch.dtype | None = None, tokenizer: Tokenizer | None = None, chat_template: str | None = None
              ) -> tuple[Path, str]:
     """Write `state` as an HF directory; returns (directory, kind: "full", "merged" or "peft_adapter"). With a
-    `tokenizer`, it is saved carrying `chat_template` (`data.chat_template`, see `hybridflow.data.templates`)."""
+    `tokenizer`, it is saved carrying `chat_template` (`data.chat_template`, see `hybridflow.data.templates`); a
+    vision-language model's image processor is saved beside it."""
     adapters = {k: v for k, v in state.items() if is_adapter_param(k)}
     scalar = "score.weight" in state
     if adapters and not model_cfg.lora.enabled:
@@ -118,4 +119,7 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: st
     out = save_model(out_dir, hf_config, state, None, dtype)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, chat_template)
+    image_processor = None if scalar else load_image_processor(model_cfg)
+    if image_processor is not None:  # a vision-language model's directory is loadable as `model.path` again
+        image_processor.save_pretrained(str(out))
     return out, "merged" if adapters else "full"

@@ -22,6 +22,8 @@ H100_H200_BF16_DENSE = 989e12
 
 
 def matmul_params(cfg: PretrainedConfig, with_lm_head: bool = True) -> int:
+    """Matmul parameters of the language model (a vision-language model's vision tower is not counted)."""
+    cfg = cfg.get_text_config()
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q = cfg.num_attention_heads * head_dim
@@ -37,6 +39,7 @@ class FlopsCounter:
         """`adapter_params`: None = every matmul weight trains; else the base is frozen and this many adapter
         (LoRA) weights train."""
         self.n = matmul_params(cfg, with_lm_head=False)
+        cfg = cfg.get_text_config()
         self.head = cfg.vocab_size * cfg.hidden_size if with_lm_head else 0
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim

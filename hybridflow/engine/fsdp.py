@@ -36,7 +36,9 @@ def build_mesh(device: torch.device) -> DeviceMesh:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    layers = getattr(model.base_model, "layers", None)
+    base = model.base_model
+    base = getattr(base, "language_model", base)  # vision-language models: the text decoder's layers
+    layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.base_model.layers")
     return list(layers)

@@ -7,6 +7,7 @@ reduce their gradients as usual, while the full [tokens, vocab] logits are never
 
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -33,14 +34,17 @@ class HeadRequest:
 def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest) -> dict[str, torch.Tensor]:
     kwargs: dict[str, Any] = {}
     exact = invariant.installed(self)
+    position_ids = inputs.position_ids
     if inputs.cu_seqlens is not None:
         kwargs = {CU_SEQLENS: inputs.cu_seqlens, MAX_SEQLEN: inputs.max_seqlen}
     elif exact:
         raise ValueError("actor_rollout.exact_logprobs=true needs packed forwards; set data.use_packed_dataset=true")
     if exact:
         kwargs[invariant.EXACT_KWARG] = True
+    if inputs.vision is not None:  # the vision tower runs here; HF computes the 3-D rope positions (get_rope_index)
+        kwargs, position_ids = dict(inputs.vision), None
     out = self.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                          position_ids=inputs.position_ids, use_cache=False, **kwargs)
+                          position_ids=position_ids, use_cache=False, **kwargs)
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     if req.kind == "lm" and getattr(self.config, "final_logit_softcapping", None):
@@ -82,5 +86,12 @@ def install_engine_forward(model: torch.nn.Module) -> None:
             raise ValueError(f"head kind {hf_request.kind!r} must be one of {HEADS}")
         return _engine_forward(self, hf_inputs, hf_request)
 
+    # HF generate checks its model kwargs (a VLM's pixel_values...) against forward's signature: keep the original's
+    sig = inspect.signature(original)
+    params = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in ("hf_inputs", "hf_request")]
+    rest = [p for p in sig.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD]
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = sig.replace(parameters=[self_param, *params, *extra, *rest])
     model.forward = types.MethodType(forward, model)
     model._hf_engine_forward = True

@@ -4,6 +4,8 @@ Layout in (verl): `input_ids` [B, L=P+R], prompt left-padded to P, response righ
 valid tokens are contiguous. Packing keeps only valid tokens, row after row, into [1, T] with per-sequence
 `position_ids` and `cu_seqlens` [B+1]. Response token j of row b is predicted by the hidden state one position
 earlier (`src`), which is the same whether the batch is packed or padded — only the flat index differs.
+Batches with images (vision-language models) stay padded: the HF forward derives the multimodal (3-D) rope
+positions from the mask, the image tokens and each image's grid.
 Legend: B rows, L padded length, P/R prompt/response width, T packed tokens, K valid response tokens.
 """
 
@@ -30,6 +32,7 @@ class ModelInputs:
     labels_K: torch.Tensor  # the response token ids at those positions
     last_K: torch.Tensor  # flat hidden index of each row's last valid token (reward scores) [B]
     seqlens_B: torch.Tensor  # valid tokens per row
+    vision: dict[str, torch.Tensor] | None = None  # image arguments of the HF forward (`data.vision`), padded only
 
     @property
     def num_tokens(self) -> int:
@@ -40,12 +43,16 @@ class ModelInputs:
         GPU no sync."""
         moved = {f.name: to_device(v, device) if isinstance(v, torch.Tensor) and f.name != "seqlens_B" else v
                  for f in fields(self) for v in [getattr(self, f.name)]}
+        if self.vision is not None:
+            moved["vision"] = {k: to_device(v, device) for k, v in self.vision.items()}
         return ModelInputs(**moved)
 
 
 def build_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 response_length: int, packed: bool) -> ModelInputs:
-    """Model inputs for one micro-batch in the packed or padded layout (see module docstring)."""
+                 response_length: int, packed: bool, vision: dict[str, torch.Tensor] | None = None) -> ModelInputs:
+    """Model inputs for one micro-batch in the packed or padded layout (see module docstring); `vision` (the
+    batch's image arguments, `data.vision.batch_vision_inputs`) forces the padded layout."""
+    packed = packed and not vision
     B, L = input_ids.shape
     R = response_length
     if R <= 0 or R >= L:
@@ -77,6 +84,7 @@ def build_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     return ModelInputs(
         input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cu_seqlens=None,
         max_seqlen=L, src_K=src_K, dst_K=dst_K, labels_K=labels_K, last_K=last_B, seqlens_B=seqlens_B,
+        vision=vision or None,
     )
 
 

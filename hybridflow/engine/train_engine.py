@@ -15,7 +15,7 @@ import contextlib
 import logging
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, loss_normalizer
+from hybridflow.data.vision import batch_vision_inputs, vision_column
 from hybridflow.engine import checkpoint as ckpt
 from hybridflow.engine import invariant
 from hybridflow.engine.attention import register as register_attention
@@ -189,12 +190,17 @@ class TrainEngine:
         self._place(params=not f.param_offload, optim=self._optim_on_device and not f.optimizer_offload)
 
     # ----------------------------------------------------------------------------------------- forward
-    def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest) -> tuple[dict[str, torch.Tensor], int]:
-        """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens."""
+    def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest,
+                       images: Sequence[dict[str, torch.Tensor]] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], int]:
+        """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens. `images`: each row's
+        `multi_modal_inputs` (vision-language models)."""
         ids = batch[keys.INPUT_IDS]
         b, r = ids.shape[0], batch[keys.RESPONSES].shape[1]
+        vision = batch_vision_inputs(images, ids, getattr(self.module.config, "image_token_id", None))
         # Indices are built where the batch lives (the host, normally) and copied without stalling the GPU.
-        inputs = build_inputs(ids, batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS], r, self.spec.packed)
+        inputs = build_inputs(ids, batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS], r, self.spec.packed,
+                              vision)
         inputs = inputs.to(self.device)
         with routing_replay(self.module, batch.get(ROUTED), batch[keys.ATTENTION_MASK], self.spec.packed,
                             self.spec.routing_replay, self.device) as agree:
@@ -241,12 +247,14 @@ class TrainEngine:
         self.module.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         order: list[int] = []
+        images = vision_column(data.non_tensor_batch)
         try:
             for i, idx in enumerate(self._micro_batches(data, self.spec.infer_batching)):
                 beat(i)
                 index = torch.tensor(idx)
                 out, _ = self._forward_micro({k: data.batch[k][index] for k in (*INPUT_KEYS, ROUTED)
-                                              if k in data.batch}, head)
+                                              if k in data.batch}, head,
+                                             None if images is None else [images[j] for j in idx])
                 for k, v in out.items():
                     parts[k].append(v.float())
                 order += idx
@@ -353,7 +361,7 @@ class TrainEngine:
             mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch[keys.ATTENTION_MASK][:, -mb.batch[keys.RESPONSES].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch[keys.ATTENTION_MASK].sum(-1).tolist(), head_tokens)
-            outputs, n_tok = self._forward_micro(mb.batch, head)
+            outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch))
             if late is not None:  # the forward is queued: wait for the late columns while the device runs it
                 batch = batch.select().union(new_columns(batch, late()))
                 mb, late = batch.select_idxs(idx), None

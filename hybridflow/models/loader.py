@@ -1,4 +1,4 @@
-"""Load HF causal LMs (or scalar-head critics / reward models) and tokenizers from local dirs or presets; save back.
+"""Load HF causal LMs (or vision-language models, scalar-head critics / reward models) and tokenizers from local dirs or presets; save back.
 
 Decision: only local directories (config.json + safetensors) or Hugging Face model ids already in the local HF
 cache (resolved with `local_files_only`), never a hub download; presets are random-init from `presets.py` with a
@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -31,6 +33,8 @@ from transformers.utils import logging as hf_logging
 
 from hybridflow.models.heads import SCALAR_HEAD_ROLES, scalar_head_from_config, scalar_head_from_pretrained
 from hybridflow.models.presets import preset_config
+from hybridflow.models.tiny_vl import PRESET as VL_PRESET
+from hybridflow.models.tiny_vl import tiny_vl_image_processor, tiny_vl_tokenizer
 from hybridflow.models.tokenizer import builtin_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ def load_tokenizer(cfg: ModelSource) -> PreTrainedTokenizerBase:
     """`model.tokenizer_path`, else `model.path`, else the built-in tokenizer (presets)."""
     path = cfg.tokenizer_path or cfg.path
     if path is None:
-        return builtin_tokenizer()
+        return tiny_vl_tokenizer() if cfg.preset == VL_PRESET else builtin_tokenizer()
     key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
     where = resolve_path(path, key)
     try:
@@ -176,7 +180,7 @@ def load_module(cfg: ModelSource, head: str = "lm", *, path: str | None = None,
             if scalar:
                 model = scalar_head_from_config(hf_cfg, dtype)
             else:
-                model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kwargs)
+                model = _auto_class(hf_cfg).from_config(hf_cfg, dtype=dtype, **kwargs)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
     elif scalar:
@@ -184,13 +188,33 @@ def load_module(cfg: ModelSource, head: str = "lm", *, path: str | None = None,
             model = scalar_head_from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
     else:
         with _no_progress_bar():
-            model = AutoModelForCausalLM.from_pretrained(
+            model = _auto_class(hf_cfg).from_pretrained(
                 str(Path(path).expanduser()), config=hf_cfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
                 **kwargs,
             )
     logger.info("loaded %s (%s head) from %s (%.1fM params)", type(model).__name__, head, path or cfg.preset,
                 sum(p.numel() for p in model.parameters()) / 1e6)
     return model
+
+
+def is_vision_language(hf_cfg: PretrainedConfig) -> bool:
+    """A vision-language model (Qwen2.5-VL style: a vision tower beside the language model)."""
+    return getattr(hf_cfg, "vision_config", None) is not None
+
+
+def _auto_class(hf_cfg: PretrainedConfig) -> type:
+    return AutoModelForImageTextToText if is_vision_language(hf_cfg) else AutoModelForCausalLM
+
+
+def load_image_processor(cfg: ModelSource) -> Any | None:
+    """The image processor of a vision-language model (None for a text model): `model.path`'s, or the `tiny-vl`
+    preset's built-in one."""
+    if not is_vision_language(model_config(cfg)):
+        return None
+    if cfg.path is None:
+        return tiny_vl_image_processor()
+    return AutoImageProcessor.from_pretrained(str(resolve_path(cfg.path)), local_files_only=True,
+                                              trust_remote_code=cfg.trust_remote_code)
 
 
 @contextlib.contextmanager

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2Config
+from transformers import PretrainedConfig, Qwen2Config
 
+from hybridflow.models.tiny_vl import PRESET as VL_PRESET
+from hybridflow.models.tiny_vl import tiny_vl_config
 from hybridflow.models.tokenizer import _vocab
 
 _QWEN_COMMON: dict[str, Any] = dict(
@@ -39,10 +41,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_config(name: str, **overrides: Any) -> Qwen2Config:
-    """HF config for a preset; `overrides` (e.g. num_hidden_layers=2) win. Unknown name → ValueError listing presets."""
+def preset_config(name: str, **overrides: Any) -> PretrainedConfig:
+    """HF config for a preset; `overrides` (e.g. num_hidden_layers=2) win. Unknown name → ValueError listing presets.
+    `tiny-vl` is the vision-language preset (`tiny_vl.py`; its overrides go to the text model)."""
+    if name == VL_PRESET:
+        return tiny_vl_config(**overrides)
     if name not in PRESETS:
-        raise ValueError(f"model.preset={name!r} is not a preset; choose one of {', '.join(PRESETS)}")
+        raise ValueError(f"model.preset={name!r} is not a preset; choose one of {', '.join([*PRESETS, VL_PRESET])}")
     kw = dict(PRESETS[name])
     if kw["vocab_size"] == -1:
         kw["vocab_size"] = len(_vocab())

@@ -95,12 +95,15 @@ UID = _k("uid", "B", "object", "data", "prompt group id (responses of one prompt
 DATA_SOURCE = _k("data_source", "B", "object", "data", "which scorer the row uses")
 REWARD_MODEL = _k("reward_model", "B", "object", "data", "{'ground_truth': ..., 'style': ...}")
 EXTRA_INFO = _k("extra_info", "B", "object", "data", "free-form row info passed to scorers")
+MULTI_MODAL_INPUTS = _k("multi_modal_inputs", "B", "object", "data",
+                        "vision-language prompts: the row's image tensors {'pixel_values': [patches, D], "
+                        "'image_grid_thw': [images, 3]} ({} for a row without images; data/vision.py)")
 
 KEYS: dict[str, Key] = {k.name: k for k in (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SEEDS, PROMPTS, RESPONSES, RESPONSE_MASK, ROLLOUT_LOG_PROBS,
     POLICY_VERSION, ROLLOUT_POLICY_VERSION, ROUTED_EXPERTS, TURN_REWARDS, BASELINE_REWARDS, RM_SCORES,
     TOKEN_LEVEL_SCORES, OLD_LOG_PROBS, ENTROPY, REF_LOG_PROB, TEACHER_LOG_PROBS, VALUES,
-    TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO)}
+    TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS, UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, MULTI_MODAL_INPUTS)}
 
 # meta_info: metadata only (sampling overrides for gen, the loader's position, per-rank worker timings).
 META_KEYS = frozenset({"n", "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "validate", "epoch",

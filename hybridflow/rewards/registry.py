@@ -34,6 +34,7 @@ DATA_SOURCES: dict[str, str] = {
     "hybridflow/sort": "sort",
     "hybridflow/countdown": "countdown",
     "hybridflow/tool_calculator": "tool_calculator",
+    "hybridflow/colour_count": "colour_count",
 }
 
 

@@ -1,6 +1,6 @@
 """Scorers of the built-in tasks (`hybridflow.data.tasks`).
 
-`sort`: 1.0 when the text after the last "####" is the ground truth, else 0.0. `arithmetic` returns
+`sort` and `colour_count`: 1.0 when the text after the last "####" is the ground truth, else 0.0. `arithmetic` returns
 `{"score", "acc"}`: `acc` is the exact match (what validation accuracy reports); `score` is 1.0 for an exact answer
 and otherwise partial credit, 0.5 × the fraction of digits right (aligned from the units digit). Decision: a small
 model that gets sums nearly right (150 for 152) would otherwise see almost only zero rewards, and GRPO groups of
@@ -46,3 +46,10 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 def sort(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     answer = final_answer(solution_str)
     return float(answer is not None and answer.rstrip(".") == " ".join(str(ground_truth).split()))
+
+
+@REWARD_FUNCTIONS.register("colour_count")
+def colour_count(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    answer = final_answer(solution_str)
+    exact = float(answer is not None and answer.rstrip(".") == str(ground_truth).strip())
+    return {"score": exact, "acc": exact}

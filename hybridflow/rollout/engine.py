@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.data.vision import vision_column
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout import exact_forward, fp8, moe
 from hybridflow.rollout.forward import DecodeOps, RopeTable, prefill
@@ -239,6 +240,10 @@ class RolloutEngine:
         if len(bad):
             raise ValueError(f"prompt row {int(bad[0])} is not left-padded (attention_mask has a 0 after a 1); "
                              "the rollout expects left padding — pad prompts on the left, as RLHFDataset does")
+        images = vision_column(prompts.non_tensor_batch)
+        if self._fallback is None and images is not None and any(images):
+            raise ValueError("prompts carry images (multi_modal_inputs) but the model is text-only; use a "
+                             "vision-language model (model.preset=tiny-vl or a Qwen2.5-VL directory)")
         max_new = min(params.max_new_tokens or self.R, self.R)
         seeds = self._row_seeds(meta, params, B)
         self._calls += 1
@@ -248,7 +253,7 @@ class RolloutEngine:
         self.timing = {}
         if self._fallback is not None:
             version = None if weight_check is None else int(weight_check())
-            res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new)
+            res = self._fallback.run(ids_d, mask_d, params.n, params, seeds, max_new, images)
             if version is not None:
                 res.versions = torch.full_like(res.tokens, version)
         elif self.agent is not None:

@@ -142,6 +142,8 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     """Why our runner cannot run `module` (None = it can); the HF fallback logs this reason."""
     cfg = getattr(module, "config", None)
     mtype = getattr(cfg, "model_type", None)
+    if getattr(cfg, "vision_config", None) is not None:
+        return f"model_type={mtype!r} is a vision-language model (our runner has no vision tower or 3-D rope)"
     not_ported = _not_ported(cfg)
     if not_ported is not None:
         return f"model_type={mtype!r}: {not_ported}"

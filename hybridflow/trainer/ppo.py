@@ -27,7 +27,7 @@ from hybridflow.config import Config, resolve, to_dict
 from hybridflow.config.lr_rule import lr_warning
 from hybridflow.config.plan import BATCH_UNITS, planned_steps
 from hybridflow.data import build_rl_datasets, make_dataloader
-from hybridflow.models.loader import load_tokenizer
+from hybridflow.models.loader import load_image_processor, load_tokenizer
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rewards import RewardManager
 from hybridflow.trainer.async_driver import build_driver
@@ -65,7 +65,8 @@ class PPOAlgorithm(Algorithm):
         self.cfg, self.res = cfg, resolve(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         tools = prompt_tools(cfg.rollout.multi_turn, self.tokenizer, cfg.data.chat_template)
-        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer, cfg.reward, tools=tools)
+        self.train_ds, self.val_ds = build_rl_datasets(cfg.data, self.tokenizer, cfg.reward, tools=tools,
+                                                       image_processor=load_image_processor(cfg.model))
         self.loader = make_dataloader(self.train_ds, cfg.data, cfg.data.train_batch_size,
                                       shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
         if len(self.loader) == 0:

@@ -1,6 +1,7 @@
 """End-to-end PPO/GRPO mechanics on CPU with the tiny model and the built-in arithmetic task: per estimator
-(finite metrics), the reference KL at step 1 (exactly 0) and the Ray backend (2 ranks generate and score exactly
-what 1 local rank does). Learning is tested by stage in test_learning_stages.py.
+(finite metrics), the reference KL at step 1 (exactly 0), the Ray backend (2 ranks generate and score exactly
+what 1 local rank does) and GRPO with images (tiny-vl on colour_count). Learning is tested by stage in
+test_learning_stages.py.
 """
 
 from __future__ import annotations
@@ -77,3 +78,19 @@ def test_ray_backend_two_ranks_matches_local_first_step(tmp_path: Path) -> None:
     for key in ("actor/loss", "actor/grad_norm"):
         assert r1[key] == pytest.approx(l1[key], rel=1e-4, abs=1e-6), key
     assert r1["actor/entropy"] == pytest.approx(l1["actor/entropy"], rel=0.05)  # mean of per-rank means
+
+
+def test_grpo_with_images_runs_two_steps(tmp_path: Path) -> None:
+    # tiny-vl on colour_count: the images reach the rollout and the trainer. The trainer's log-probs of the sampled
+    # tokens are the sampler's times (1 - the probability of the never-sampled vision tokens): every IS ratio is
+    # just under 1 (~1.9 at the worst when the trainer's forward drops the images).
+    history = _fit(_cfg(tmp_path, "model.preset=tiny-vl", "data.task=colour_count", "algorithm.adv_estimator=grpo",
+                        "trainer.total_training_steps=2", "trainer.val_before_train=false", "data.train_size=16",
+                        "data.val_size=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
+                        "data.max_prompt_length=64", "data.max_response_length=4", "algorithm.rollout_is.mode=tis"))
+    steps = [m for m in history if m["training/global_step"] >= 1]
+    assert len(steps) == 2
+    for m in steps:
+        bad = {k: v for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, f"non-finite metrics {bad}"
+        assert 0.9 < m["rollout_is/mean"] <= m["rollout_is/max"] <= 1.0 + 1e-4

@@ -1,0 +1,110 @@
+"""Image rows (verl's `images` column + `<image>` placeholders): the same ids and pixels as HF's Qwen2.5-VL
+processor, errors that name the row, and the built-in `colour_count` task and its scorer."""
+
+from __future__ import annotations
+
+import io
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2_5_VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+from hybridflow.data import collate_rl
+from hybridflow.data.colour_task import CELL, COLOURS, GRID
+from hybridflow.data.parquet_io import read_rows, write_rows
+from hybridflow.data.rl_dataset import RLHFDataset
+from hybridflow.data.tasks import task_splits
+from hybridflow.data.vision import IMAGE_GRID_THW, PIXEL_VALUES, VISION_END, VISION_START
+from hybridflow.models.tiny_vl import tiny_vl_image_processor, tiny_vl_tokenizer
+from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.protocol import keys
+from hybridflow.rewards.registry import get_reward_fn, reward_fn_name
+
+
+def _png(w: int, h: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _row(prompt, images, truth="1"):
+    return {"prompt": prompt, "images": images, "reward_model": {"ground_truth": truth}}
+
+
+def _dataset(rows, **kw):
+    return RLHFDataset(rows, tiny_vl_tokenizer(), max_prompt_length=96, image_processor=tiny_vl_image_processor(),
+                       **kw)
+
+
+def test_ids_and_pixels_equal_the_hf_processor():
+    images = [_png(32, 24, 0), _png(16, 32, 1)]
+    item = _dataset([_row([{"role": "user", "content": "A <image> and <image>?"}], [{"bytes": b} for b in images])])[0]
+    # the HF processor on the same rendered prompt (its class check wants a video processor: torchvision)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *a: None):
+        proc = Qwen2_5_VLProcessor(image_processor=tiny_vl_image_processor(), tokenizer=tiny_vl_tokenizer(),
+                                   video_processor=None)
+    text = "User: A " + VISION_START + "<|image_pad|>" + VISION_END + " and " + VISION_START + "<|image_pad|>" \
+        + VISION_END + "?\nAssistant:"
+    ref = proc(text=[text], images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+    assert item[keys.INPUT_IDS].tolist() == ref["input_ids"][0].tolist()
+    mm = item[keys.MULTI_MODAL_INPUTS]
+    torch.testing.assert_close(mm[PIXEL_VALUES], ref[PIXEL_VALUES])
+    assert mm[IMAGE_GRID_THW].tolist() == ref[IMAGE_GRID_THW].tolist()
+
+
+def test_collate_keeps_each_rows_images_with_it():
+    rows = [_row("<image>a", [{"bytes": _png(32, 32, 0)}]), _row("<image>bb", [{"bytes": _png(16, 16, 1)}])]
+    ds = _dataset(rows)
+    batch = collate_rl([ds[0], ds[1]], pad_token_id=0)
+    batch.reorder(torch.tensor([1, 0]))
+    assert batch.non_tensor_batch[keys.MULTI_MODAL_INPUTS][0][IMAGE_GRID_THW].tolist() == [[1, 4, 4]]
+    assert batch.non_tensor_batch[keys.MULTI_MODAL_INPUTS][1][IMAGE_GRID_THW].tolist() == [[1, 8, 8]]
+
+
+@pytest.mark.parametrize("prompt, images, why", [
+    ("<image> and <image>", [{"bytes": b"x"}], "2 <image> placeholder\\(s\\) but the row has 1 image"),
+    ("<image>?", None, "1 <image> placeholder\\(s\\) but the row has 0 image"),
+    ("no image", [{"bytes": b"png"}], "0 <image> placeholder\\(s\\) but the row has 1 image"),
+    ("<image>?", [{"bytes": b"not a png"}], "images\\[0\\] is not a readable image"),
+    ("<image>?", [{"path": "a.png"}], "images\\[0\\] must be image bytes"),
+])
+def test_bad_image_rows_name_the_row(prompt, images, why):
+    rows = [_row("<image>fine", [{"bytes": _png(8, 8, 0)}]), _row(prompt, images)]
+    with pytest.raises(ValueError, match=f"row 1 is malformed: .*{why}"):
+        _dataset(rows, strict=True)
+    assert _dataset(rows).skips.counts == {"malformed": 1}  # data.strict=false: skipped and counted
+
+
+def test_images_for_a_text_only_model_are_refused():
+    rows = [_row("<image>?", [{"bytes": _png(8, 8, 0)}])]
+    with pytest.raises(ValueError, match="row 0 is malformed: .*takes no images"):
+        RLHFDataset(rows, builtin_tokenizer(), max_prompt_length=64, strict=True)
+
+
+def test_colour_count_rows_draw_the_answer_and_survive_parquet(tmp_path):
+    train, _ = task_splits("colour_count", 8, 2, seed=1)
+    rows = read_rows(str(write_rows(train, tmp_path / "train.parquet")))
+    for row in rows:
+        question, truth = row["prompt"][0]["content"], row["reward_model"]["ground_truth"]
+        colour = next(c for c, (name, _) in COLOURS.items() if f"How many {name}?" in question)
+        img = np.asarray(Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB"))
+        centres = img[CELL // 2::CELL, CELL // 2::CELL].reshape(GRID * GRID, 3)
+        assert int(truth) == sum(tuple(c) == COLOURS[colour][1] for c in centres)
+    item = _dataset(rows)[0]
+    assert item[keys.MULTI_MODAL_INPUTS][IMAGE_GRID_THW].tolist() == [[1, 8, 8]]  # 16 image tokens
+    score = get_reward_fn(reward_fn_name(rows[0]["data_source"]))
+    truth = rows[0]["reward_model"]["ground_truth"]
+    assert score("hybridflow/colour_count", f"#### {truth}", truth)["score"] == 1.0
+    assert score("hybridflow/colour_count", f"#### {int(truth) + 1}", truth)["score"] == 0.0
+
+
+def test_sft_on_image_rows_is_refused():
+    from hybridflow.data.sft_dataset import SFTDataset
+
+    train, _ = task_splits("colour_count", 4, 2, seed=1)
+    with pytest.raises(ValueError, match="sft rows carry images"):
+        SFTDataset(train, tiny_vl_tokenizer(), max_length=96)
