@@ -11,10 +11,24 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridflow_inductor_")
 os.environ.setdefault("HYBRIDFLOW_CHECK_BATCH", "1")  # =0 to time a run without the checks
+
+
+@pytest.fixture(scope="module")
+def one_ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for a module's tests: the first trainer starts it (`init_ray` with the trainer's
+    settings), later ones join it, and it stops after the module's last test. A start and stop cost 5-30 s on
+    a 2-core box; tests that need other cluster settings start their own."""
+    yield
+    import ray
+
+    ray.shutdown()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

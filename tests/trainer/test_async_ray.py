@@ -21,7 +21,8 @@ from hybridflow.controller import WorkerError  # noqa: E402
 from hybridflow.trainer.async_driver import RolloutWorkerFailed  # noqa: E402
 from hybridflow.trainer.ppo import PPOTrainer  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.usefixtures("one_ray_cluster")]  # tests/conftest.py
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -58,7 +59,6 @@ def test_killed_rollout_worker_is_named_and_nothing_hangs(tmp_path: Path) -> Non
             trainer.fit()
     finally:
         trainer.close()
-        ray.shutdown()
     err = info.value
     assert isinstance(err, RolloutWorkerFailed), repr(err)
     assert err.group == "rollout" and err.rank == 0, str(err)
@@ -113,7 +113,6 @@ def test_partial_rollout_continue_takes_weights_mid_generation_on_ray(tmp_path: 
     finally:
         group.worker_group.shutdown()
         pool.release()
-        ray.shutdown()
     versions = out.batch["rollout_policy_version"]
     first_new = (versions == 1).long().argmax(1)
     assert bool((versions[:, 0] == 0).all()) and bool((versions[:, -1] == 1).all()), "every row must span the swap"
@@ -151,7 +150,6 @@ def test_async_continue_trains_on_ray_with_consistent_versions(tmp_path: Path) -
         history = [m for m in trainer.fit() if m.get("training/global_step", 0) >= 1]
     finally:
         trainer.close()
-        ray.shutdown()
     assert len(history) == 4 and len(rows) == 4
     for step, (r, m) in enumerate(zip(rows, history), start=1):
         per_token, version = r["rollout_policy_version"], r["policy_version"]
@@ -190,7 +188,6 @@ def test_async_resume_on_ray_keeps_the_rollouts_generated_before_a_stop(tmp_path
             assert stop_after is not None
         finally:
             trainer.close()
-            ray.shutdown()
         return [m["training/global_step"] for m in trainer.history if m.get("training/global_step", 0) >= 1]
 
     rows: list[dict[str, Any]] = []

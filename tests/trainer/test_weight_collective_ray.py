@@ -19,7 +19,7 @@ from hybridflow.controller import WorkerError  # noqa: E402
 from hybridflow.trainer.async_driver import RolloutWorkerFailed  # noqa: E402
 from hybridflow.trainer.ppo import PPOTrainer  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120), pytest.mark.usefixtures("one_ray_cluster")]  # tests/conftest.py
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -67,7 +67,6 @@ def test_one_step_off_broadcasts_bit_exact_weights(tmp_path: Path) -> None:
         version = trainer.groups.rollout.policy_version()[0]
     finally:
         trainer.close()
-        ray.shutdown()
     assert len(history) == 3 and version == 3
     names = [n for b in sent for n, _ in b.tensors()]
     assert sorted(names) == sorted(held)
@@ -104,7 +103,6 @@ def test_rollout_worker_dying_mid_broadcast_is_named_and_nothing_hangs(tmp_path:
             time.sleep(0.1)
     finally:
         trainer.close()
-        ray.shutdown()
     err = info.value
     assert isinstance(err, RolloutWorkerFailed), repr(err)
     assert err.group == "rollout" and err.rank == 0, str(err)
