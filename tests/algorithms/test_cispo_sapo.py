@@ -28,7 +28,8 @@ def _cells(mask):
 
 
 def test_cispo_matches_the_paper_per_token():
-    """L = -mean_t sg(clip(r_t, 1-εl, 1+εh)) · A_t · log π_t; ∂L/∂log π_t = -clip(r_t) · A_t / N."""
+    """L = -mean_t sg(min(r_t, 1+εh)) · A_t · log π_t; ∂L/∂log π_t = -min(r_t, 1+εh) · A_t / N (the paper's runs set
+    no lower bound: `clip_ratio_low` is ignored)."""
     old, new, adv, mask = _inputs()
     low, high = 0.2, 0.28
     loss, metrics = POLICY_LOSSES.get("cispo")(old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
@@ -39,13 +40,15 @@ def test_cispo_matches_the_paper_per_token():
     ref_loss, clipped = 0.0, 0
     for i, j in cells:
         r = math.exp(new[i, j].item() - old[i, j].item())
-        w = min(max(r, 1 - low), 1 + high)
+        w = min(r, 1 + high)
         clipped += w != r
         ref_loss += -w * adv[i, j].item() * new[i, j].item() / n
         assert new.grad[i, j].item() == pytest.approx(-w * adv[i, j].item() / n, rel=1e-12, abs=1e-15)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-12)
     assert metrics["pg_clipfrac"].item() == pytest.approx(clipped / n)
     assert 0 < clipped < n  # the inputs exercise both clipped and unclipped tokens
+    assert (torch.exp(new - old)[mask > 0] < 1 - low).any()  # ... and ratios under the (ignored) lower bound
+    assert metrics["pg_clipfrac_lower"].item() == 0.0
     for i, j in [(0, 6), (2, 4)]:  # masked tokens get no gradient
         assert new.grad[i, j].item() == 0.0
 
@@ -59,6 +62,16 @@ def test_cispo_keeps_a_gradient_where_ppo_clips_it_to_zero():
     new.grad = None
     POLICY_LOSSES.get("cispo")(old, new, adv, mask)[0].backward()
     assert new.grad.item() == pytest.approx(-1.2)
+
+
+def test_cispo_puts_no_floor_under_a_falling_ratio():
+    """A token the update already pushed down (A < 0, r = 0.5) keeps its weight r; a floor at 1 - clip_ratio_low
+    (0.8) pushed it down harder and slowed learning off-policy (docs/benchmarks.md, "CISPO and SAPO")."""
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    new = torch.full((1, 1), math.log(0.5), dtype=torch.float64, requires_grad=True)
+    adv, mask = -torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    POLICY_LOSSES.get("cispo")(old, new, adv, mask, clip_ratio_low=0.2)[0].backward()
+    assert new.grad.item() == pytest.approx(0.5)
 
 
 def test_sapo_matches_the_paper_per_token():
