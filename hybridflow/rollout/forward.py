@@ -315,10 +315,12 @@ def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tens
     # Pad query rows see only themselves (no NaN from all-masked rows); real rows see real keys up to themselves.
     attn_mask = (causal & mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids_BP.device)
     attn_mask = attn_mask[:, None]
-    # Unpadded prompts need no mask: a causal SDPA takes the flash kernels. On CUDA the K/V heads go to SDPA
-    # ungrouped (`enable_gqa`) instead of repeated `group` times (two copies of the prompt's K/V a layer).
+    # Unpadded prompts need no mask: a causal SDPA takes the flash kernel, which also reads the K/V heads ungrouped
+    # (`enable_gqa`) instead of repeated `group` times (two copies of the prompt's K/V a layer). With a padding mask
+    # the K/V stay repeated: the memory-efficient kernel that takes a mask has no GQA form (SDPA would fall back to
+    # its math path, [B, H, P, P] fp32 scores).
     causal_only = bool(mask_BP.all())
-    gqa = ids_BP.device.type == "cuda" and group > 1
+    gqa = causal_only and ids_BP.device.type == "cuda" and group > 1
     for layer, lw in enumerate(w.layers):
         q, k, v = ops.qkv(x, lw, *rope_L[layer], heads, spec.eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]

@@ -32,13 +32,16 @@ def test_compiled_gqa_prefill_equals_eager_repeated_kv(padded, monkeypatch):
         with torch.no_grad():
             return forward.prefill(r.weights, r.spec, r.rope, ids, mask, pos, r.cache, none, none, ops).float()
 
-    fast_eager, fast_compiled = prefill(forward.EAGER_OPS), prefill(forward.compiled_prefill_ops())
+    # a fall back to SDPA's math path (GQA with a mask) fails here instead of running slowly
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        fast_eager, fast_compiled = prefill(forward.EAGER_OPS), prefill(forward.compiled_prefill_ops())
     sdpa = F.scaled_dot_product_attention
 
-    def repeated_kv(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):  # the path off CUDA
+    def repeated_kv(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, scale=None):  # the path off CUDA
         g = q.shape[1] // k.shape[1]
         return sdpa(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), attn_mask=attn_mask,
-                    is_causal=is_causal)
+                    is_causal=is_causal, scale=scale)
 
     monkeypatch.setattr(forward.F, "scaled_dot_product_attention", repeated_kv)
     ref = prefill(forward.EAGER_OPS)
