@@ -4,9 +4,10 @@ The agents' own Python — the `openai` client building and parsing every reques
 runs on one event loop in the engine's process otherwise, sharing the interpreter lock with the model's thread and
 the endpoint; with hundreds of sessions that loop, not the model, sets the pace (on an H200 at 0.5B, 256 sessions
 of token-id requests reached 23% of the in-engine multi-turn throughput on one loop). A pool of spawned processes,
-kept for the run, each loads the agent once and runs an interleaved share of the tasks with `run_agents` against
-the same endpoint (sessions are named in the URL, so which process sends a request does not matter). Samples and
-results cross the process boundary pickled: an agent's `AgentResult` must be picklable.
+kept for the run, each loads the agent once and runs interleaved shares of the tasks with `run_agents` against the
+same endpoint (sessions are named in the URL, so which process sends a request does not matter). Samples and
+results cross the process boundary pickled: an agent's `AgentResult` must be picklable (a task whose result is not
+ends as an error). Off by default (`rollout.agent.workers=1`): module globals of the agent are then per process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import pickle
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from hybridflow.agentic.agents import AgentFn, Outcome, load_agent, run_agents
@@ -24,11 +27,11 @@ _agent: AgentFn | None = None  # the worker process's agent, loaded once by `_lo
 
 
 def auto_workers(requested: int) -> int:
-    """`rollout.agent.workers`: 0 = one process per 4 CPU cores (at most 8; 1 = the engine's process) — the
-    agents' loop gets cores of its own where the machine has them to spare."""
+    """`rollout.agent.workers`: 0 = one process per 4 CPU cores this process may use (at most 8; 1 = the engine's
+    process) — the agents' loop gets cores of its own where the machine has them to spare."""
     if requested > 0:
         return requested
-    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 1) // 4))
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) // 4))
 
 
 def _load(path: str, name: str) -> None:
@@ -39,28 +42,51 @@ def _load(path: str, name: str) -> None:
 def _run_share(samples: list[dict[str, Any]], urls: list[str], sessions: list[str], max_concurrency: int,
                timeout_s: float) -> list[Outcome]:
     url = dict(zip(sessions, urls))
-    return asyncio.run(run_agents(_agent, samples, url.__getitem__, sessions, max_concurrency=max_concurrency,
-                                  timeout_s=timeout_s))
+    outcomes = asyncio.run(run_agents(_agent, samples, url.__getitem__, sessions, max_concurrency=max_concurrency,
+                                      timeout_s=timeout_s))
+    for i, o in enumerate(outcomes):  # one unpicklable result fails its task, not the process's whole share
+        try:
+            pickle.dumps(o)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            outcomes[i] = Outcome(o.session, "error", error=f"the agent's result cannot be pickled to the engine's "
+                                                            f"process (rollout.agent.workers > 1): {err}")
+    return outcomes
 
 
 class AgentPool:
     def __init__(self, path: str, name: str, workers: int) -> None:
-        self.workers = workers
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_load, initargs=(path, name))
+        self.workers, self.path, self.name = workers, path, name
+        self._pool = self._start()
+
+    def _start(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_load, initargs=(self.path, self.name))
 
     async def run(self, samples: list[dict[str, Any]], urls: list[str], sessions: list[str], *,
                   max_concurrency: int, timeout_s: float) -> list[Outcome]:
-        """`run_agents` over the pool: task i goes to worker i mod workers; outcomes in the tasks' order."""
+        """`run_agents` over the pool in k interleaved shares (task i in share i mod k); outcomes in the tasks'
+        order. The concurrency limit is split between the shares (their sum is `max_concurrency`)."""
         loop = asyncio.get_running_loop()
-        k = min(self.workers, len(sessions))
-        per = max(1, -(-max_concurrency // k))  # the concurrency limit, split between the processes
-        parts = await asyncio.gather(*(loop.run_in_executor(self._pool, _run_share, samples[j::k], urls[j::k],
-                                                            sessions[j::k], per, timeout_s) for j in range(k)))
+        k = min(self.workers, len(sessions), max_concurrency)
+        limits = [max_concurrency // k + (j < max_concurrency % k) for j in range(k)]
+        try:
+            parts = await asyncio.gather(*(loop.run_in_executor(self._pool, _run_share, samples[j::k], urls[j::k],
+                                                                sessions[j::k], limits[j], timeout_s)
+                                           for j in range(k)))
+        except BrokenProcessPool as err:  # a worker died (killed, out of memory) or the agent failed to load there
+            self.close()
+            self._pool = self._start()  # the next generate gets fresh processes
+            raise RuntimeError(f"an agent worker process died or could not load rollout.agent.path={self.path!r} "
+                               f"({err}); rollout.agent.workers=1 runs the agents in this process, where the "
+                               "error shows directly") from err
         out: list[Outcome] = [None] * len(sessions)  # type: ignore[list-item]
         for j, part in enumerate(parts):
             out[j::k] = part
         return out
 
     def close(self) -> None:
+        """Stop the workers now, also mid-task (an engine failure leaves shares that would keep calling)."""
+        procs = list(getattr(self._pool, "_processes", {}).values())
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.terminate()

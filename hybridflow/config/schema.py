@@ -295,7 +295,7 @@ class AgentConfig:
     name: str  # its `async def run(client, sample)` function or Agent class
     max_concurrency: int  # agent tasks in flight at once
     timeout_s: float  # per agent task; a late one ends its trajectory (agent/timeouts)
-    workers: int  # processes running the agent tasks; 0 = auto (one per 4 CPU cores, <= 8), 1 = the engine's
+    workers: int  # processes running the agent tasks; 1 = the engine's, 0 = auto (one per 4 CPU cores, <= 8)
     host: str  # the endpoint's address (this host only by default)
     port: int  # 0 = any free port
 

@@ -119,6 +119,8 @@ def available(mode: Mode) -> bool:
     if os.getuid() != 0:
         return False
     first_error = _probe_errors[mode]
+    if not any(step in first_error for step in ("unshare(CLONE_NEWUSER)", "setgroups", "uid_map")):
+        return False  # not the user namespace (a timeout on a busy host, a missing tool): no downgrade
     _shared_budget.add(mode)  # maybe only uid 65534 may not create a user namespace here (a sysctl, AppArmor)
     if not _probe(mode):
         _shared_budget.discard(mode)

@@ -180,6 +180,8 @@ def test_root_falls_back_to_a_shared_budget_where_nobody_cannot_create_a_user_na
         mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(sandbox, "_shared_budget", set())
     monkeypatch.setattr(sandbox, "_probe", lambda m: m in sandbox._shared_budget)  # the user namespace fails
+    monkeypatch.setitem(sandbox._probe_errors, mode, "timed out after 5s")  # a busy host, not the namespace
+    assert not sandbox.available.__wrapped__(mode) and not sandbox._shared_budget
     monkeypatch.setitem(sandbox._probe_errors, mode, "unshare(CLONE_NEWUSER): Operation not permitted")
     assert sandbox.available.__wrapped__(mode) and sandbox._shared_budget == {mode}
     assert "max_processes counts every uid-65534 process" in caplog.text and "not permitted" in caplog.text
