@@ -244,8 +244,9 @@ def _compiled_ops() -> DecodeOps:
 
 @functools.lru_cache(maxsize=1)
 def compiled_prefill_ops() -> DecodeOps:
-    """Prefill's `qkv` and `mlp_block`, compiled apart from decode's pieces (other functions, so other compile
-    caches, and their own failure flags: a prefill shape that fails to compile leaves decode compiled). Specialised
+    """Prefill's `qkv` and `mlp_block`, compiled apart from decode's fused pieces (decode runs `qkv_normed` /
+    `mlp_block_norm`: other code objects, so other compile caches) with their own failure flags: a prefill shape
+    that fails to compile leaves decode compiled. Specialised
     to the first prompt batch's shape, then dynamic in the batch and prompt length."""
     return DecodeOps(qkv=GuardedCompile(qkv, "the rollout's prefill qkv", dynamic=None),
                      mlp_block=GuardedCompile(mlp_block, "the rollout's prefill mlp_block", dynamic=None),
