@@ -10,6 +10,7 @@ so xdist workers and the processes tests start inherit it.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -18,6 +19,19 @@ import pytest
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridflow_inductor_")
 os.environ.setdefault("HYBRIDFLOW_CHECK_BATCH", "1")  # =0 to time a run without the checks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_across_modules() -> Iterator[None]:
+    """A Ray instance a test module started stops with the module: otherwise the next module on the same xdist
+    worker silently joins it and gets its resources (a 2-CPU cluster where the module asked for 4), whatever the
+    order files are handed out in."""
+    yield
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ class _EngineSettings:
     free_cache_engine: bool = True
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
+    quantization: str = "none"  # the judge generates in its own dtype
 
 
 class Judge:
