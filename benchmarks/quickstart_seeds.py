@@ -84,12 +84,14 @@ def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None,
             "sft_seconds": result.sft_seconds, "total_seconds": result.total_seconds}
 
 
-# non-sync modes: how old the trained samples were and (partial_rollout=continue) how many rows spanned a weight swap
-_ASYNC_MEANS = ("async/mixed_version_rows", "staleness/mean", "staleness/token_mean", "staleness/max")
+# non-sync modes: how old the trained samples were and (partial_rollout=continue) how many rows spanned a weight swap;
+# MoE models: how often the trainer's routers chose the rollout's experts, and the log-prob gap between the two
+_ASYNC_MEANS = ("async/mixed_version_rows", "staleness/mean", "staleness/token_mean", "staleness/max",
+                "moe/routing_agreement", "moe/logprob_gap")
 
 
 def _async_summary(history: list[dict[str, float]]) -> dict[str, Any]:
-    """Means over the training steps of the staleness metrics (absent in sync mode), the largest staleness and
+    """Means over the training steps of the staleness and MoE metrics (absent where n/a), the largest staleness and
     the weight swaps inside generate calls (summed)."""
     out: dict[str, Any] = {}
     for key in _ASYNC_MEANS:
