@@ -56,11 +56,14 @@ ONE_STEP_OFF_MIN_GAIN = 0.70
 # (min / median / max; 17.6% -> 93.8-98.8%).
 LORA_GRPO = ("model.lora.rank=8", "model.lora.alpha=16", "actor.optim.lr=1e-3", "trainer.total_training_steps=10")
 LORA_GRPO_MIN_GAIN = 0.65
-# MoE (docs/benchmarks.md, "MoE learning tests"): the SFT stage at SFT_STEPS ended at val/loss TODO (min / median /
-# max, 5 seeds x 2 numerics); GRPO with routing replay from the committed checkpoint at MOE_RL_STEPS gained TODO.
+# MoE (docs/benchmarks.md, "MoE learning tests"): the `tiny-moe` SFT stage at SFT_STEPS ended at val/loss
+# 0.224 / 0.285 / 0.299 (min / median / max, 5 seeds, default numerics); the same bound as the dense model's.
+# GRPO with routing replay from the committed checkpoint (4.7% greedy: more off-by-one than the dense one) gained at
+# MOE_RL_STEPS +50.8 / +51.2 / +51.2 points (default numerics; AVX2: see docs), at 10 steps +88.7 / +89.8 / +90.6.
 MOE_SFT_MAX_VAL_LOSS = 0.45
-MOE_RL_STEPS = 10
-MOE_GRPO_MIN_GAIN = 0.70
+MOE_RL_STEPS = 5
+MOE_GRPO_MIN_GAIN = 0.40
+MOE_MIN_AGREEMENT = 0.99
 # TIS (weight min(old/rollout ratio, 2), ~1 here) forces the old-log-prob pass, which reports moe/routing_agreement and
 # moe/logprob_gap; the quickstart's single mini-batch would skip it
 MOE_REPLAY = ("actor.moe.routing_replay=true", "algorithm.rollout_is.mode=tis")
@@ -124,10 +127,13 @@ def test_stage1_moe_sft_reaches_its_target(tmp_path: Path) -> None:
 def test_stage2_moe_grpo_with_routing_replay_from_sft_checkpoint(tmp_path: Path) -> None:
     history = rl_history(tmp_path, *MOE_REPLAY, f"trainer.total_training_steps={MOE_RL_STEPS}",
                          checkpoint=MOE_CHECKPOINT)
-    agreement = [round(m["moe/routing_agreement"], 3) for m in history if "moe/routing_agreement" in m]
-    assert agreement, "no moe/routing_agreement: the rollout recorded no routing for the MoE checkpoint"
-    _assert_gain(f"MoE GRPO with routing replay (routing agreement {agreement})",
-                 [m["val/accuracy"] for m in history if "val/accuracy" in m], MOE_GRPO_MIN_GAIN)
+    agreement = [round(m["moe/routing_agreement"], 4) for m in history if "moe/routing_agreement" in m]
+    # fp32 on one CPU: the trainer's routers choose the recorded experts for every token (1.0 in every sweep run);
+    # a recording shifted by one column, or routes of other rows, would agree on few tokens
+    assert len(agreement) == MOE_RL_STEPS and min(agreement) >= MOE_MIN_AGREEMENT, (
+        f"MoE: moe/routing_agreement per step {agreement}, needs >= {MOE_MIN_AGREEMENT} at each of {MOE_RL_STEPS}")
+    _assert_gain("MoE GRPO with routing replay", [m["val/accuracy"] for m in history if "val/accuracy" in m],
+                 MOE_GRPO_MIN_GAIN)
 
 
 def test_stage2_grpo_from_sft_checkpoint(tmp_path: Path) -> None:
