@@ -57,7 +57,7 @@ ONE_STEP_OFF_MIN_GAIN = 0.70
 LORA_GRPO = ("model.lora.rank=8", "model.lora.alpha=16", "actor.optim.lr=1e-3", "trainer.total_training_steps=10")
 LORA_GRPO_MIN_GAIN = 0.65
 # MoE (docs/benchmarks.md, "MoE learning tests"): the `tiny-moe` SFT stage at SFT_STEPS ended at val/loss
-# 0.180 / 0.248 / 0.299 (min / median / max, 5 seeds, default numerics); the same bound as the dense model's.
+# 0.180 / 0.254 / 0.322 (min / median / max, 5 seeds x 2 numerics); the same bound as the dense model's.
 # GRPO with routing replay from the committed checkpoint (4.7% greedy: more off-by-one than the dense one) gained at
 # MOE_RL_STEPS +48.4 / +50.8 / +51.2 points over 5 seeds, default and AVX2 numerics alike (identical trajectories);
 # at 10 steps +87.9 / +89.5 / +90.6.
