@@ -85,14 +85,16 @@ def one_run(run_dir: Path, overrides: list[str], sft_from: Path | None = None,
 
 
 # non-sync modes: how old the trained samples were and (partial_rollout=continue) how many rows spanned a weight swap;
-# any mode: how far the updates moved off the sampling policy (0 on a strictly on-policy step, whatever the loss)
+# any mode: how far the updates moved off the sampling policy (0 on a strictly on-policy step, whatever the loss);
+# MoE models: how often the trainer's routers chose the rollout's experts, and the log-prob gap between the two
 _ASYNC_MEANS = ("async/mixed_version_rows", "staleness/mean", "staleness/token_mean", "staleness/max",
-                "actor/pg_clipfrac", "actor/ppo_kl")
+                "actor/pg_clipfrac", "actor/ppo_kl", "moe/routing_agreement", "moe/logprob_gap")
 
 
 def _async_summary(history: list[dict[str, float]]) -> dict[str, Any]:
-    """Means over the training steps of the staleness metrics (absent in sync mode) and of the clip fraction and
-    KL to the sampling policy, the largest staleness and the weight swaps inside generate calls (summed)."""
+    """Means over the training steps of the staleness metrics (absent in sync mode), of the clip fraction and KL to
+    the sampling policy and of the MoE metrics (absent where n/a), the largest staleness and the weight swaps inside
+    generate calls (summed)."""
     out: dict[str, Any] = {}
     for key in _ASYNC_MEANS:
         vals = [m[key] for m in history if key in m]

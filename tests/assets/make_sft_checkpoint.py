@@ -4,9 +4,11 @@
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py                  # sft_arithmetic/
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py tool_calculator  # sft_tool_calculator/
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py arithmetic_clean # sft_arithmetic_clean/
+    OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py arithmetic_moe   # sft_arithmetic_moe/
 
 `arithmetic`: the config of `hybridflow quickstart` (hybridflow/config/quickstart.yaml); `arithmetic_clean`: the same
-without label noise (the distillation test's teacher); `tool_calculator`: the tool-use recipe
+without label noise (the distillation test's teacher); `arithmetic_moe`: the quickstart on the `tiny-moe` preset (Qwen3-MoE,
+8 experts, top-2) at the quickstart's shape; `tool_calculator`: the tool-use recipe
 (examples/tool_calculator.yaml); default seeds. Writes the HF directory and `provenance.json`
 (steps, val loss, versions, CPU). Float rounding differs between machines, so a regenerated checkpoint is
 equivalent, not bit-identical.
@@ -31,6 +33,9 @@ RECIPES = {  # name -> (config, asset directory, config as named in provenance.j
     "arithmetic_clean": (QUICKSTART, ASSETS / "sft_arithmetic_clean",
                          "hybridflow/config/quickstart.yaml with sft.label_noise=0 (default seeds)",
                          ("sft.label_noise=0",)),
+    "arithmetic_moe": (QUICKSTART, ASSETS / "sft_arithmetic_moe",
+                       "hybridflow/config/quickstart.yaml with model.preset=tiny-moe (default seeds)",
+                       ("model.preset=tiny-moe",)),
     "tool_calculator": (ROOT / "examples" / "tool_calculator.yaml", ASSETS / "sft_tool_calculator",
                         "examples/tool_calculator.yaml (default seeds)", ()),
 }

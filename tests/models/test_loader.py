@@ -27,6 +27,16 @@ def test_presets_are_seeded_and_actor_ref_identical():
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
+def test_tiny_moe_preset_builds_a_qwen3_moe_the_engine_decodes():
+    from hybridflow.rollout.moe import unsupported_reason
+
+    model = load_model(_model_cfg("model.preset=tiny-moe", "model.override_config={hidden_size: 128}"), "actor")
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == ("qwen3_moe", 8, 2, True)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (128, 128)  # head_dim follows the hidden size
+    assert cfg.pad_token_id == 0 and unsupported_reason(model) is None
+
+
 def test_save_then_load_round_trip(actor_dir):
     original = load_model(_model_cfg(), "actor")
     loaded = load_model(_model_cfg(f"model.path={actor_dir}"), "actor")
