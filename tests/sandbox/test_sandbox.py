@@ -288,12 +288,14 @@ def test_unisolated_root_caller_runs_code_as_nobody_under_the_process_cap(caps: 
     if python is None:
         pytest.skip("no Python here that uid 65534 can run (the refusal is tested below)")
     monkeypatch.setattr(sandbox, "_default_python", lambda: python)
-    _set_caps(allow_unisolated=True, max_processes=16)
+    # the process cap is under test, not time: 15 s, not the 5 s default (two interpreters start and 15 forks run
+    # before the print; a loaded 2-core box took 5.4 s once)
+    _set_caps(allow_unisolated=True, max_processes=16, timeout_s=15.0)
     code = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n    if pid == 0:\n"
             + "".join("        " + line + "\n" for line in _NAME_ME.format(name="hfnone" + _RUN).splitlines())
             + "        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n, os.getuid(), flush=True)\n")
-    r = run_python(code, timeout_s=5.0, mode="none")
+    r = run_python(code, timeout_s=15.0, mode="none")
     assert r.ok and r.mode == "none", r
     forked, uid = map(int, r.stdout.split())
     assert uid == 65534 and forked < 16, r.stdout
