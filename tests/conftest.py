@@ -21,6 +21,24 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 os.environ.setdefault("HYBRIDFLOW_CHECK_BATCH", "1")  # =0 to time a run without the checks
 
 
+@pytest.fixture(scope="module")
+def dist_group() -> Iterator[None]:
+    """A 1-rank gloo process group for tests that build a TrainEngine (FSDP2), reused if one exists; one intra-op
+    thread meanwhile (tiny matmuls are much slower with 2 spinning threads on a busy 2-core machine)."""
+    import torch
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_ray_across_modules() -> Iterator[None]:
     """A Ray instance a test module started stops with the module: otherwise the next module on the same xdist

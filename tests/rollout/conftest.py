@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from rollout_helpers import make_model
 
 
@@ -24,11 +23,6 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def gloo():
-    """A 1-rank gloo process group for tests that build a TrainEngine (FSDP2); reused if one exists."""
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def gloo(dist_group):
+    """The 1-rank gloo process group (tests/conftest.py `dist_group`), under the name rollout tests use."""
     yield
-    if own:
-        dist.destroy_process_group()

@@ -73,3 +73,14 @@ def rerun_under_triton_interpreter(test_file: str) -> None:
                        timeout=600)
     tail = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0 and " passed" in tail and "failed" not in tail, tail
+
+
+def assert_greedy_equals_hf(model, prompts: DataProto, out: DataProto, R: int) -> None:
+    """The engine's greedy responses are HF generate's tokens, then padding."""
+    P = prompts.batch["input_ids"].shape[1]
+    with torch.no_grad():
+        ref = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                             max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)[:, P:]
+    got = out.batch["responses"]
+    assert torch.equal(got[:, : ref.shape[1]], ref), (got, ref)
+    assert (got[:, ref.shape[1]:] == PAD).all()

@@ -61,6 +61,15 @@ def _rollout_logprobs(out) -> torch.Tensor:
     return out.batch["rollout_log_probs"] * out.batch["response_mask"]
 
 
+def _equal_after_a_step_and_a_switch(train, rollout, out, P: int) -> None:
+    """One optimizer step on `out`, the weight switch, a new generation: still the trainer's bits."""
+    train_update(train, out, lambda o, mb, n: (-(o["log_probs"] * mb.batch["response_mask"]).sum() / 50, {}),
+                 HEAD, UpdatePlan(8))
+    rollout.sync_weights()
+    out2 = rollout.generate(make_prompts(4, P, 300, seed=5, meta={"n": 2}))
+    assert torch.equal(_trainer_logprobs(train, out2, 5), _rollout_logprobs(out2))
+
+
 def test_rollout_logprobs_equal_trainer_bitwise(gloo, tmp_path):
     train, rollout = _engines(tmp_path)
     out = rollout.generate(make_prompts(4, P, 300, seed=3, meta={"n": 2}))
@@ -70,12 +79,7 @@ def test_rollout_logprobs_equal_trainer_bitwise(gloo, tmp_path):
     assert int((ours != 0).sum()) == int(lengths.sum())
     for micro in (8, 3, 1):  # packed rows of 8, 3 and 1 sequences: other tiles, same bits
         assert torch.equal(_trainer_logprobs(train, out, micro), ours), micro
-    # after an optimizer step and the weight switch
-    train_update(train, out, lambda o, mb, n: (-(o["log_probs"] * mb.batch["response_mask"]).sum() / 50, {}),
-                 HEAD, UpdatePlan(8))
-    rollout.sync_weights()
-    out2 = rollout.generate(make_prompts(4, P, 300, seed=5, meta={"n": 2}))
-    assert torch.equal(_trainer_logprobs(train, out2, 5), _rollout_logprobs(out2))
+    _equal_after_a_step_and_a_switch(train, rollout, out, P)
 
 
 def test_multi_turn_kv_reuse_is_bitwise(gloo, tmp_path):
@@ -114,11 +118,7 @@ def check_cuda_bf16(tmp_path: Path, eager: bool) -> None:
     ours = _rollout_logprobs(out)
     for micro in (8, 3):
         assert torch.equal(_trainer_logprobs(train, out, micro), ours), micro
-    train_update(train, out, lambda o, mb, n: (-(o["log_probs"] * mb.batch["response_mask"]).sum() / 50, {}),
-                 HEAD, UpdatePlan(8))
-    rollout.sync_weights()
-    out2 = rollout.generate(make_prompts(4, P, 300, seed=5, meta={"n": 2}))
-    assert torch.equal(_trainer_logprobs(train, out2, 5), _rollout_logprobs(out2))
+    _equal_after_a_step_and_a_switch(train, rollout, out, P)
 
 
 CUDA_SCRIPT = r"""

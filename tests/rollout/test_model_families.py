@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from rollout_helpers import EOS, PAD, make_engine, make_prompts, rollout_cfg
+from rollout_helpers import EOS, PAD, assert_greedy_equals_hf, make_engine, make_prompts, rollout_cfg
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -155,12 +155,7 @@ def test_rollout_greedy_tokens_match_hf_generate(family):
     engine = make_engine(model, P, R)
     out = engine.generate(prompts)
     assert not engine.uses_hf_fallback, family
-    with torch.no_grad():
-        ref = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                             max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)[:, P:]
-    got = out.batch["responses"]
-    assert torch.equal(got[:, : ref.shape[1]], ref), (got, ref)
-    assert (got[:, ref.shape[1]:] == PAD).all()
+    assert_greedy_equals_hf(model, prompts, out, R)
 
 
 def test_llama3_rope_scaling_is_active():

@@ -6,7 +6,15 @@ import logging
 
 import numpy as np
 import torch
-from rollout_helpers import EOS, PAD, make_engine, make_model, make_prompts, rollout_cfg
+from rollout_helpers import (
+    EOS,
+    PAD,
+    assert_greedy_equals_hf,
+    make_engine,
+    make_model,
+    make_prompts,
+    rollout_cfg,
+)
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hybridflow.rollout import RolloutEngine, SamplingParams
@@ -26,12 +34,7 @@ def test_greedy_matches_hf_generate(model):
     P, R = 12, 10
     prompts = make_prompts(5, P, model.config.vocab_size, meta={"do_sample": False})
     out = make_engine(model, P, R).generate(prompts)
-    with torch.no_grad():
-        ref = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                             max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)[:, P:]
-    got = out.batch["responses"]
-    assert torch.equal(got[:, : ref.shape[1]], ref), (got, ref)
-    assert (got[:, ref.shape[1]:] == PAD).all()
+    assert_greedy_equals_hf(model, prompts, out, R)
 
 
 def test_sampled_logprobs_equal_recomputation(model):
