@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 import pickle
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from hybridflow.agentic.agents import AgentFn, Outcome, load_agent, run_agents
+from hybridflow.utils.threads import usable_cores
 
 MAX_AUTO_WORKERS = 8
 _agent: AgentFn | None = None  # the worker process's agent, loaded once by `_load`
@@ -31,7 +31,7 @@ def auto_workers(requested: int) -> int:
     process) — the agents' loop gets cores of its own where the machine has them to spare."""
     if requested > 0:
         return requested
-    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) // 4))
+    return max(1, min(MAX_AUTO_WORKERS, usable_cores() // 4))
 
 
 def _load(path: str, name: str) -> None:

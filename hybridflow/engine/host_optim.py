@@ -27,6 +27,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hybridflow.config.schema import OptimConfig
 from hybridflow.engine.optim import build_optimizer
+from hybridflow.utils.threads import usable_cores
 
 CHUNK_NUMEL = 1 << 26  # elements per pipelined chunk (256 MB of fp32); a larger tensor is a chunk of its own
 
@@ -299,8 +300,7 @@ def host_cores() -> int:
     one host step at the same time: `LOCAL_WORLD_SIZE`). A GPU run otherwise keeps few (utils/threads.py); the step
     is the only host work while the device waits for it, and it is bound by memory bandwidth, which one thread
     does not fill."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    return max(1, usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 @contextlib.contextmanager

@@ -23,10 +23,14 @@ logger = logging.getLogger(__name__)
 GPU_RUN_THREADS = 4
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; all of them where the OS has no affinity call)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def free_cores(cpu_count: int | None = None, load: float | None = None) -> int:
     """Cores not busy now: `cpu_count` minus the rounded 1-minute load average, at least 1."""
-    cores = cpu_count if cpu_count is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                     else os.cpu_count() or 1)
+    cores = cpu_count if cpu_count is not None else usable_cores()
     if load is None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     return max(1, cores - int(round(load)))
@@ -42,8 +46,7 @@ def choose_cpu_threads(setting: int, env: dict[str, str] | None = None, cpu_coun
         return setting, f"trainer.cpu_threads={setting}"
     if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         return int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
-    cores = cpu_count if cpu_count is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                     else os.cpu_count() or 1)
+    cores = cpu_count if cpu_count is not None else usable_cores()
     if load is None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     n = free_cores(cores, load)
