@@ -66,10 +66,12 @@ def run_mode(args: argparse.Namespace, exact: bool, device: str) -> dict[str, fl
         out = rollout.generate(prompts)
         _sync()
         t["gen_s"] = time.perf_counter() - t0
+        log.info("exact=%s generate: %.3f s", exact, t["gen_s"])
     t0 = time.perf_counter()
     logp = train.infer(out, head)["log_probs"]
     _sync()
     t["old_log_prob_s"] = time.perf_counter() - t0
+    log.info("exact=%s log-prob pass: %.3f s", exact, t["old_log_prob_s"])
     t0 = time.perf_counter()
     train_update(train, out, _loss, head, UpdatePlan(args.prompts * args.n // args.mini_batches))
     _sync()
