@@ -21,6 +21,7 @@ from typing import Any
 
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Config
+from hybridflow.utils.threads import usable_cores
 from hybridflow.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def device_info() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda,
-                            "cpu_count": _cpu_count()}
+                            "cpu_count": usable_cores()}
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         props = [torch.cuda.get_device_properties(i) for i in range(n)]
@@ -123,12 +124,6 @@ def _count(items: list[str]) -> dict[str, int]:
     for item in items:
         out[item] = out.get(item, 0) + 1
     return out
-
-
-def _cpu_count() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _nccl_version() -> str | None:
