@@ -147,6 +147,8 @@ def main() -> None:
                                    new_tokens=6, micro=2))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)

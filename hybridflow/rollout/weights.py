@@ -194,7 +194,9 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     if act != ("gelu_pytorch_tanh" if mtype in GEMMA_TYPES else "silu"):
         return f"hidden activation {act!r} (silu; gelu_pytorch_tanh for Gemma)"
-    return moe_ops.unsupported_reason(module) if inner is getattr(module, "model", None) else None
+    if inner is not getattr(module, "model", None):  # a vision-language model's Qwen2 decoder: dense MLPs
+        return None
+    return moe_ops.unsupported_reason(module)
 
 
 def check_parallel(module: nn.Module, rollout_cfg: object) -> None:
