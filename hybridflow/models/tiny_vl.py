@@ -38,7 +38,9 @@ def tiny_vl_image_processor() -> Qwen2VLImageProcessorPil:
 
 
 def tiny_vl_config(**overrides: Any) -> Qwen2_5_VLConfig:
-    """`overrides` go to the text model (e.g. num_hidden_layers=1)."""
+    """`overrides` go to the text model (e.g. num_hidden_layers=1), but `vision_config` (a dict) to the vision tower
+    (benchmarks/vlm_step.py builds Qwen2.5-VL-3B's shape this way)."""
+    vision_overrides = dict(overrides.pop("vision_config", None) or {})
     tok = tiny_vl_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     special = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
@@ -51,7 +53,7 @@ def tiny_vl_config(**overrides: Any) -> Qwen2_5_VLConfig:
     text["rope_scaling"] = {"type": "mrope", "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2]}
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
-                  window_size=4 * PATCH * MERGE, fullatt_block_indexes=[1], in_channels=3)
+                  window_size=4 * PATCH * MERGE, fullatt_block_indexes=[1], in_channels=3) | vision_overrides
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                             video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                             vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, **special)

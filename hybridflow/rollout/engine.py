@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridflow.data.vision import vision_column
 from hybridflow.protocol import DataProto, keys
-from hybridflow.rollout import exact_forward, fp8, moe
+from hybridflow.rollout import exact_forward, fp8, moe, vision
 from hybridflow.rollout.forward import DecodeOps, RopeTable, prefill
 from hybridflow.rollout.hf_fallback import HFGenerate
 from hybridflow.rollout.kv_cache import KVCache, plan_slots
@@ -90,6 +90,9 @@ class RolloutEngine:
         self.module = module
         self._view: WeightView | None = None
         reason = "rollout.name=hf" if self.cfg.name == "hf" else unsupported_reason(module, self.P + self.R)
+        self._vl = reason is None and vision.is_vision_language(module)  # images through our prefill (vision.py)
+        if self._vl:
+            vision.check_options(self.cfg, exact=self.exact, multi_turn=self.session is not None)
         self._fallback = HFGenerate(module, reason, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                     max_new_tokens=self.R) if reason else None
         if self._fallback is not None and self.agent is not None:
@@ -182,9 +185,11 @@ class RolloutEngine:
             sampler = build_sampler(self.device, self.compile_decode) if self.tp is None else ShardedSampler(self.tp)
             if self.exact and (why := exact_forward.unsupported(self._weights, self.spec)):
                 raise ValueError(f"actor_rollout.exact_logprobs=true does not support {why}; set it to false")
+            cfg = self.module.config
             self._runner = ModelRunner(self.spec, self._weights, rope, cache, pad_id=self.pad_id, max_new_tokens=self.R,
                                        use_graphs=self.use_graphs, ops=ops, sampler=sampler, tp=self.tp,
-                                       exact=self.exact)
+                                       exact=self.exact, image_token_id=getattr(cfg, "image_token_id", None),
+                                       suppress=vision.suppressed_ids(cfg) if self._vl else ())
             self.timing["timing/rollout_cache_alloc"] = time.perf_counter() - t0
         return self._runner
 
@@ -241,7 +246,7 @@ class RolloutEngine:
             raise ValueError(f"prompt row {int(bad[0])} is not left-padded (attention_mask has a 0 after a 1); "
                              "the rollout expects left padding — pad prompts on the left, as RLHFDataset does")
         images = vision_column(prompts.non_tensor_batch)
-        if self._fallback is None and images is not None and any(images):
+        if self._fallback is None and not self._vl and images is not None and any(images):
             raise ValueError("prompts carry images (multi_modal_inputs) but the model is text-only; use a "
                              "vision-language model (model.preset=tiny-vl or a Qwen2.5-VL directory)")
         max_new = min(params.max_new_tokens or self.R, self.R)
@@ -278,7 +283,12 @@ class RolloutEngine:
                 sched, (ids_d, mask_d, pos_d) = self._multi_turn_scheduler(runner, prompts, params.n,
                                                                             ids_d, mask_d, pos_d)
             runner.capture_s = 0.0
-            res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new, weight_check)
+            kw = {}
+            if self._vl:  # the vision tower, once per prompt, before any prefill
+                t_vis = time.perf_counter()
+                kw["images"] = vision.encode(self.module, ids_d, mask_d, images, self.dtype)
+                self.timing["timing/rollout_vision"] = time.perf_counter() - t_vis
+            res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new, weight_check, **kw)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0
         out = self._assemble(ids_d, mask_d, pos_d, params.n, res)

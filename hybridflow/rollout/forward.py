@@ -31,7 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hybridflow.rollout.fp8 import linear
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.moe import moe_mlp
-from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights
+from hybridflow.rollout.vision import mrope_components
+from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights, text_parts
 from hybridflow.utils.compile import GuardedCompile
 
 logger = logging.getLogger(__name__)
@@ -278,10 +279,12 @@ def _triton_kv_store(device: torch.device) -> KVStore | None:
 
 class RopeTable:
     """cos/sin for positions [0, max_len) from the module's own rotary embedding (handles every rope_type); one
-    table per layer type when the embedding takes the type (Gemma-3: local and global RoPE bases)."""
+    table per layer type when the embedding takes the type (Gemma-3: local and global RoPE bases). Qwen2.5-VL's
+    multimodal RoPE: positions [..., 3] (t, h, w) read each rotary dim at its component's position (`vision.py`)."""
 
     def __init__(self, module: nn.Module, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        rotary = module.model.rotary_emb
+        inner, cfg = text_parts(module)
+        rotary = inner.rotary_emb
         pos = torch.arange(max_len, device=device)[None]
         dummy = torch.zeros(1, dtype=dtype, device=device)
         types = list(getattr(rotary, "layer_types", None) or [None])
@@ -291,26 +294,36 @@ class RopeTable:
                 cos, sin = rotary(dummy, pos) if t is None else rotary(dummy, pos, t)
                 self.tables.append((cos[0].to(dtype), sin[0].to(dtype)))
         self.cos, self.sin = self.tables[0]
-        n = module.config.num_hidden_layers
-        self.layer_table = [0] * n if types == [None] else [types.index(t) for t in module.config.layer_types[:n]]
+        n = cfg.num_hidden_layers
+        self.layer_table = [0] * n if types == [None] else [types.index(t) for t in cfg.layer_types[:n]]
         self.max_len = max_len
+        comp = mrope_components(rotary, self.cos.shape[-1])
+        self.mrope_D = None if comp is None else comp.to(device)
 
     def at(self, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer: (cos, sin) [*pos.shape, D] at positions `pos` (one gather per table)."""
-        got = [(cos[pos], sin[pos]) for cos, sin in self.tables]
+        """Per layer: (cos, sin) [*pos.shape, D] at positions `pos` (one gather per table); multimodal positions
+        [B, P, 3] give [B, P, D]."""
+        if pos.dim() == 3:
+            assert self.mrope_D is not None, f"3-D positions {tuple(pos.shape)} for a model without mrope_section"
+            idx = self.mrope_D.expand(*pos.shape[:2], 1, -1)
+            got = [(cos[pos].gather(-2, idx).squeeze(-2), sin[pos].gather(-2, idx).squeeze(-2))
+                   for cos, sin in self.tables]
+        else:
+            got = [(cos[pos], sin[pos]) for cos, sin in self.tables]
         return [got[i] for i in self.layer_table]
 
 
 def prefill(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
             pos_BP: torch.Tensor, cache: KVCache, slots_M: torch.Tensor, src_M: torch.Tensor,
-            ops: DecodeOps = EAGER_OPS) -> torch.Tensor:
+            ops: DecodeOps = EAGER_OPS, embeds_BPH: torch.Tensor | None = None) -> torch.Tensor:
     """Run left-padded prompts, copy prompt b's K/V into cache slots where src == b; return last logits [B, V].
     Of `ops` only `embed`, `qkv`, `mlp_block` and `logits` are used: eager ones, the tensor-parallel pieces, or
-    `compiled_prefill_ops()` (norms, RoPE and SwiGLU fused; the GEMMs are the same)."""
+    `compiled_prefill_ops()` (norms, RoPE and SwiGLU fused; the GEMMs are the same). Vision-language prompts:
+    `embeds_BPH` replaces the token embeddings (image embeddings at the image pads) and `pos_BP` is [B, P, 3]."""
     B, P = ids_BP.shape
     heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
     group = spec.num_heads // spec.num_kv_heads
-    x = scaled(ops.embed(ids_BP, w.embed), spec.embed_scale)
+    x = scaled(ops.embed(ids_BP, w.embed), spec.embed_scale) if embeds_BPH is None else embeds_BPH
     rope_L = rope.at(pos_BP)
     causal = torch.ones(P, P, dtype=torch.bool, device=ids_BP.device).tril()
     # Pad query rows see only themselves (no NaN from all-masked rows); real rows see real keys up to themselves.

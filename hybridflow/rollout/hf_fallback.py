@@ -20,18 +20,15 @@ from transformers import GenerationConfig
 from hybridflow.data.vision import batch_vision_inputs
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.rollout.scheduler import GenerateResult
+from hybridflow.rollout.vision import suppressed_ids
 
 logger = logging.getLogger(__name__)
-
-VISION_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-
 
 class HFGenerate:
     def __init__(self, module: nn.Module, reason: str, *, eos_ids: list[int], pad_id: int, max_new_tokens: int) -> None:
         logger.warning("rollout: falling back to transformers generate (slow) because %s", reason)
         self.module, self.eos_ids, self.pad_id, self.R = module, eos_ids, pad_id, max_new_tokens
-        cfg = module.config
-        self.suppress = sorted({int(getattr(cfg, k)) for k in VISION_TOKEN_IDS if getattr(cfg, k, None) is not None})
+        self.suppress = suppressed_ids(module.config)
 
     def _config(self, p: SamplingParams, max_new: int) -> GenerationConfig:
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)

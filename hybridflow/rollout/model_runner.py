@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy
 import torch
 
 from hybridflow.engine import invariant
-from hybridflow.rollout import exact_forward, forward, moe
+from hybridflow.rollout import exact_forward, forward, moe, vision
 from hybridflow.rollout.forward import EAGER_OPS, DecodeOps, RopeTable
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.sampling import Sampler, SamplingParams, ShardedSampler, sample, sampler_values
@@ -68,8 +68,10 @@ class ModelRunner:
 
     def __init__(self, spec: ArchSpec, weights: ModelWeights, rope: RopeTable, cache: KVCache, *, pad_id: int,
                  max_new_tokens: int, use_graphs: bool, ops: DecodeOps, sampler: Sampler,
-                 tp: TPContext | None = None, exact: bool = False) -> None:
+                 tp: TPContext | None = None, exact: bool = False, image_token_id: int | None = None,
+                 suppress: Sequence[int] = ()) -> None:
         self.spec, self.weights, self.rope, self.cache = spec, weights, rope, cache
+        self.image_token_id = image_token_id  # vision-language prompts: image embeddings replace these tokens'
         # exact log-probs (actor_rollout.exact_logprobs): every forward is `exact_forward.forward_tokens` and each
         # sampled token's log-prob is `invariant.token_logprobs` of the full softmax — the trainer's bits
         self.exact = exact
@@ -102,6 +104,11 @@ class ModelRunner:
         self.top_k = torch.tensor(self.vocab, device=dev)
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
         self.is_stop = torch.zeros(self.vocab, dtype=torch.bool, device=dev)  # vocab lookup: any number of stop ids
+        # token ids never sampled (a vision-language model's vision tokens), None when there are none
+        self.suppress = None
+        if suppress:
+            self.suppress = torch.zeros(self.vocab, dtype=torch.bool, device=dev)
+            self.suppress[torch.tensor(list(suppress), device=dev)] = True
         self.mode = "sample"
         self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}  # (b, L, mode) -> graph
         self._pool = None
@@ -144,18 +151,23 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------------------------- prefill
     def admit(self, slots: list[int], ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int,
-              seeds: list[int], max_new: int) -> None:
-        """Prefill B prompts once, give prompt i the n slots slots[i*n:(i+1)*n], sample each slot's first token."""
+              seeds: list[int], max_new: int, image_NH: torch.Tensor | None = None) -> None:
+        """Prefill B prompts once, give prompt i the n slots slots[i*n:(i+1)*n], sample each slot's first token.
+        Vision-language prompts: `pos_BP` is [B, P, 3] (mrope) and `image_NH` the embeddings of their image pads."""
         B, P = ids_BP.shape
         assert len(slots) == B * n == len(seeds), (len(slots), B, n, len(seeds))
         assert P + max_new <= self.cache.max_len, (P, max_new, self.cache.max_len)
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         src = torch.arange(B, device=dev).repeat_interleave(n)
+        embeds = None
+        if image_NH is not None:
+            x = forward.scaled(self.prefill_ops.embed(ids_BP, self.weights.embed), self.spec.embed_scale)
+            embeds = vision.input_embeds(x, ids_BP, image_NH, self.image_token_id)
         with moe.recording(self.weights.layers) as sinks:
             logits = (self._prefill_exact(ids_BP, mask_BP, pos_BP, slot_t, src, n) if self.exact else
                       forward.prefill(self.weights, self.spec, self.rope, ids_BP, mask_BP, pos_BP, self.cache, slot_t,
-                                      src, self.prefill_ops))
+                                      src, self.prefill_ops, embeds))
         if self.routes is not None:
             self.routes[slot_t, :P] = moe.stacked(sinks, B, P)[src]
         seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
@@ -169,7 +181,8 @@ class ModelRunner:
         self.out_logp[slot_t, 0] = logp
         self.seed[slot_t] = seeds_t
         self.tok[slot_t] = tok
-        self.pos[slot_t] = pos_BP[src, -1] + 1
+        # mrope: decoding continues at the prompt's largest position + 1 (HF's rope_deltas), the same for t, h, w
+        self.pos[slot_t] = (pos_BP.amax((1, 2)) if pos_BP.dim() == 3 else pos_BP[:, -1])[src] + 1
         self.cidx[slot_t] = P
         self.resp_len[slot_t] = 1
         self.max_new[slot_t] = max_new
@@ -355,6 +368,8 @@ class ModelRunner:
                 mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler's (tokens, log-probs); in exact mode the log-prob of the full softmax at the temperature,
         as the trainer computes it (under top-k / top-p too, where the sampler reports the filtered one)."""
+        if self.suppress is not None:
+            logits = logits.masked_fill(self.suppress, float("-inf"))
         tok, logp = self.sampler(logits, mode or self.mode, self.temperature, self.top_k, self.top_p, seeds, steps)
         if self.exact:
             logp = invariant.token_logprobs(logits, tok, self.temperature)

@@ -21,6 +21,7 @@ import torch
 from hybridflow.rollout import moe
 from hybridflow.rollout.model_runner import ModelRunner
 from hybridflow.rollout.versions import TokenVersions
+from hybridflow.rollout.vision import PromptImages
 from hybridflow.utils.progress import beat
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class RunState:
         self.decode_steps = self.prefills = 0
         self.versions = TokenVersions(weight_check, B * n, r.R) if weight_check is not None else None
         self.routes: torch.Tensor | None = None  # MoE: each row's experts per column (set by `Scheduler.run`)
+        self.images: PromptImages | None = None  # vision-language prompts (set by `Scheduler.run`)
 
     def busy(self) -> bool:
         return bool(self.waiting or self.live)
@@ -86,11 +88,16 @@ class Scheduler:
         self.runner, self.max_tokens, self.check_every = runner, max_num_batched_tokens, check_every
 
     def run(self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, n: int, seeds: list[int],
-            max_new: int, weight_check: Callable[[], int] | None = None) -> GenerateResult:
+            max_new: int, weight_check: Callable[[], int] | None = None,
+            images: PromptImages | None = None) -> GenerateResult:
         """Generate n samples for each of B prompts; row i*n+j of the result is sample j of prompt i.
         `weight_check` (partial rollouts): called before each decode chunk, it may install new weights and returns
-        the policy version in effect; the result's `versions` says which version sampled each token."""
+        the policy version in effect; the result's `versions` says which version sampled each token. `images`
+        (vision-language prompts): their embeddings and 3-D positions, which replace `pos_BP` in prefill."""
         st = RunState(self.runner, ids_BP.shape[0], n, weight_check)
+        st.images = images
+        if images is not None:
+            pos_BP = images.pos_BP3
         r = self.runner
         st.routes = None if r.routes is None else moe.route_buffer(r.weights.layers, st.tokens.shape[0],
                                                                    ids_BP.shape[1] + r.R, r.device)
@@ -111,7 +118,7 @@ class Scheduler:
                 st.versions.poll(r, st.in_flight())
             while st.waiting and len(st.free) >= n:
                 slots, rows = admit_next(r, st.waiting, st.free, n, prompts_per_prefill, ids_BP, mask_BP, pos_BP,
-                                         seeds, max_new)
+                                         seeds, max_new, st.images)
                 st.prefills += 1
                 if st.versions is not None:
                     st.versions.admit(slots)
@@ -169,7 +176,7 @@ class Scheduler:
 
 def admit_next(r: ModelRunner, waiting: deque[int], free: list[int], n: int, prompts_per_prefill: int,
                ids_BP: torch.Tensor, mask_BP: torch.Tensor, pos_BP: torch.Tensor, seeds: list[int],
-               max_new: int) -> tuple[list[int], list[int]]:
+               max_new: int, images: PromptImages | None = None) -> tuple[list[int], list[int]]:
     """Prefill the next waiting prompts (n samples each) into free KV slots, in one forward; returns the slots
     taken and the output row of each (prompt p's j-th sample is row p * n + j)."""
     k = min(len(waiting), len(free) // n, prompts_per_prefill)
@@ -177,5 +184,6 @@ def admit_next(r: ModelRunner, waiting: deque[int], free: list[int], n: int, pro
     slots = [heapq.heappop(free) for _ in range(k * n)]
     rows = [p * n + j for p in prompts for j in range(n)]
     idx = torch.tensor(prompts, device=ids_BP.device)
-    r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new)
+    r.admit(slots, ids_BP[idx], mask_BP[idx], pos_BP[idx], n, [seeds[x] for x in rows], max_new,
+            None if images is None else images.take(prompts))
     return slots, rows

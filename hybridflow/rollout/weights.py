@@ -29,6 +29,7 @@ from torch import nn
 
 from hybridflow.rollout import moe as moe_ops
 from hybridflow.rollout.build_plan import ADD_ONE, ADDMM, COPY, STACKED, BuildPlan, Recorder
+from hybridflow.rollout.vision import VL_MODEL_TYPES
 
 if TYPE_CHECKING:  # tp_layout reads ArchSpec from here
     from hybridflow.rollout.tp_layout import TPLayout
@@ -138,18 +139,30 @@ class ArchSpec:
     embed_scale: float | None = None  # Gemma: the embedding times sqrt(hidden), rounded to the generation dtype
 
 
+def text_parts(module: nn.Module) -> tuple[nn.Module | None, object]:
+    """(the decoder backbone holding layers / embed_tokens / norm / rotary_emb, its config): `module.model` and
+    `module.config` for a causal LM; the language model and text config of a vision-language model."""
+    cfg = getattr(module, "config", None)
+    inner = getattr(module, "model", None)
+    if getattr(cfg, "vision_config", None) is not None and hasattr(inner, "language_model"):
+        return inner.language_model, cfg.get_text_config()
+    return inner, cfg
+
+
 def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     """Why our runner cannot run `module` (None = it can); the HF fallback logs this reason."""
     cfg = getattr(module, "config", None)
     mtype = getattr(cfg, "model_type", None)
     if getattr(cfg, "vision_config", None) is not None:
-        return f"model_type={mtype!r} is a vision-language model (our runner has no vision tower or 3-D rope)"
+        if mtype not in VL_MODEL_TYPES:
+            return f"model_type={mtype!r} is a vision-language model other than {VL_MODEL_TYPES}"
+        mtype = "qwen2"  # its language model is a Qwen2 decoder (with the multimodal RoPE of rollout/vision.py)
+    inner, cfg = text_parts(module)
     not_ported = _not_ported(cfg)
     if not_ported is not None:
         return f"model_type={mtype!r}: {not_ported}"
     if mtype not in SUPPORTED_MODEL_TYPES:
         return f"model_type={mtype!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    inner = getattr(module, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(module, "lm_head"):
         return "module has no .model.layers / .lm_head (not a *ForCausalLM of the Llama family)"
     if getattr(inner, "rotary_emb", None) is None:
@@ -181,6 +194,8 @@ def unsupported_reason(module: nn.Module, max_total_len: int) -> str | None:
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     if act != ("gelu_pytorch_tanh" if mtype in GEMMA_TYPES else "silu"):
         return f"hidden activation {act!r} (silu; gelu_pytorch_tanh for Gemma)"
+    if inner is not getattr(module, "model", None):  # a vision-language model's Qwen2 decoder: dense MLPs
+        return None
     return moe_ops.unsupported_reason(module)
 
 
@@ -195,7 +210,7 @@ def check_parallel(module: nn.Module, rollout_cfg: object) -> None:
 
 
 def arch_spec(module: nn.Module, dtype: torch.dtype = torch.float32) -> ArchSpec:
-    cfg = module.config
+    cfg = text_parts(module)[1]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     gemma = cfg.model_type in GEMMA_TYPES
     # as HF: an fp32 buffer of sqrt(hidden), cast to the weights' dtype before the multiply
@@ -584,7 +599,7 @@ class WeightView:
         """Walk the model, copy / merge into the buffers, and record the plan (one rank only: on N ranks the
         sources are gathered temporaries, so every build takes this path)."""
         m = self.module
-        inner = m.model
+        inner = text_parts(m)[0]
         tied = m.lm_head.weight is inner.embed_tokens.weight
         layers = []
         self._stacked.clear()

@@ -135,3 +135,14 @@ def test_decode_gemm_benchmark_smoke():
     proc = run_module("benchmarks.decode_gemm", "--smoke", env={"TRITON_INTERPRET": "1"}, timeout=300)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["smoke"] and row["max_abs_err"] < 1e-4, row
+
+
+def test_vlm_step_benchmark_smoke(tmp_path):
+    """The vision-language GRPO step at tiny shapes: a warm-up and a timed step on our engine (the vision tower in
+    prefill), each stage timed, then the HF fallback's generation of the same prompts."""
+    out = tmp_path / "vlm_step.json"
+    run_module("benchmarks.vlm_step", "--smoke", "--out", str(out), timeout=600)
+    res = json.loads(out.read_text())
+    ours = res["ours"]
+    assert res["image_tokens"] > 0 and ours["timing/rollout_vision"] > 0 and ours["timing/update_actor"] > 0
+    assert ours["response_tokens"] == res["hf_response_tokens"] == 3 * 2 * 6 and res["hf_gen_s"] > 0
