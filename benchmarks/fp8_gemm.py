@@ -14,6 +14,8 @@ median of --reps replays timed with CUDA events after warm-up. Variants (the tab
   ts.c      per-tensor activation and weight scales, both inside cuBLAS (compiled amax over the whole activation)
   w8.at     (--weight-only) fp8 weights upcast inside an Inductor max-autotune Triton GEMM (prologue fusion);
             autotunes per shape: minutes
+  g:w8tr    (--weight-only, M <= 1024) `decode_gemm.py`'s Triton GEMM loading the fp8 weight and upcasting it in
+            registers, the best of `W8_CONFIGS`; the per-channel scale is left to the next op (not timed)
 Also per variant: TFLOP/s, TB/s (weights at their width, activations and output in bf16) and the relative error
 against the fp32 product of the bf16 weights.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import statistics
 import time
@@ -35,16 +38,21 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.decode_gemm import shapes
+from benchmarks.decode_gemm import shapes, triton_linear
 from benchmarks.harness import environment, write_json
 from hybridflow.rollout import fp8
 
+logger = logging.getLogger(__name__)
 FLUSH_BYTES = 128e6  # fp8 weight bytes a graph walks through per call: more than the H200's 50 MB L2
 ABBR = {"rowwise": "rw", "rowwise_fast": "rwf", "tensorwise": "tw", "tensorwise_fast": "twf"}  # fp8.GEMMS
 SHORT = {"bf16": "bf16", "rowwise.eager": "rw.e", "tensorwise_fast.eager": "twf.e", "tensor_scales.compiled": "ts.c",
-         "weight_only.autotune": "w8.at", **{f"gemm.{g}": f"g:{a}" for g, a in ABBR.items()},
+         "weight_only.autotune": "w8.at", "gemm.w8_triton": "g:w8tr",
+         **{f"gemm.{g}": f"g:{a}" for g, a in ABBR.items()},
          **{f"{g}.compiled": f"{a}.c" for g, a in ABBR.items()}, **{f"{g}.emulated": f"{a}.em" for g, a in ABBR.items()}}
 Variant = Callable[[int], torch.Tensor]  # layer copy index -> output
+# decode_gemm.CONFIGS entries (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) tried for the Triton weight-only GEMM
+W8_CONFIGS = [(64, 64, 128, 4, 3, 1), (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1), (128, 128, 64, 8, 3, 1),
+              (64, 64, 128, 4, 3, 2), (64, 32, 128, 4, 4, 4)]
 
 
 def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +110,29 @@ def variants(M: int, N: int, K: int, copies: int, dev: torch.device, smoke: bool
     out["tensor_scales.compiled"] = lambda i: compiled("tensor_scales")(x, *per_tensor[i])
     if weight_only:
         out["weight_only.autotune"] = lambda i: compiled("weight_only")(x, w8[i], wsc[i][None])
+        if M <= 1024:
+            out["gemm.w8_triton"] = triton_weight_only(x, w8)
     return out, x, ws
+
+
+def triton_weight_only(x: torch.Tensor, w8: list[torch.Tensor]) -> Variant:
+    """The fastest `W8_CONFIGS` entry for x @ upcast(w8)^T (a short timing of each), as a variant; `.config` names it."""
+    M, N = x.shape[0], w8[0].shape[0]
+    parts = {c[5]: torch.empty(c[5], M, N, device=x.device) for c in W8_CONFIGS if c[5] > 1}
+    best = None
+    for cfg in W8_CONFIGS:
+        fn = functools.partial(lambda i, cfg: triton_linear(x, w8[i], cfg, part=parts.get(cfg[5])), cfg=cfg)
+        try:
+            us = time_graph(fn, len(w8), reps=5)
+        except Exception as e:  # noqa: BLE001 — a config may not compile (shared memory); the others still count
+            logger.warning("weight-only Triton config %s: %s", cfg, e)
+            continue
+        if best is None or us < best[0]:
+            best = (us, cfg, fn)
+    if best is None:
+        raise RuntimeError("no W8_CONFIGS entry ran")
+    best[2].config = list(best[1])
+    return best[2]
 
 
 def time_graph(fn: Variant, copies: int, reps: int) -> float:
@@ -155,7 +185,8 @@ def bench_case(preset: str, proj: str, N: int, K: int, M: int, args: argparse.Na
             continue
         w_bytes = N * K * (2 if name == "bf16" else 1)
         rows[name] = dict(us=round(us, 2), tflops=round(2 * M * N * K / us / 1e6, 1),
-                          tbps=round((w_bytes + 2 * M * K + 2 * M * N) / us / 1e6, 3), rel_err=err)
+                          tbps=round((w_bytes + 2 * M * K + 2 * M * N) / us / 1e6, 3), rel_err=err,
+                          config=getattr(fn, "config", None))
     return dict(preset=preset, projection=proj, M=M, N=N, K=K, copies=copies, variants=rows)
 
 
