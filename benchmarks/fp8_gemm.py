@@ -95,7 +95,7 @@ def variants(M: int, N: int, K: int, copies: int, dev: torch.device, smoke: bool
             out[f"{gemm}.emulated"] = lambda i, gemm=gemm: fp8.fp8_linear(x, w8[i], wsc[i], emulate=True, gemm=gemm)
         return out, x, ws
     xq, xs = fp8.quantize_rows(x)
-    one = fp8.unit_scale(dev)
+    one = fp8.unit_scale(x.device)  # cuda:0, the key fp8_linear looks up
     out["rowwise.eager"] = lambda i: fp8.fp8_linear(x, w8[i], wsc[i], gemm="rowwise")
     out["tensorwise_fast.eager"] = lambda i: fp8.fp8_linear(x, w8[i], wsc[i], gemm="tensorwise_fast")
     for fast in (False, True):
