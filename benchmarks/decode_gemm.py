@@ -49,7 +49,7 @@ def _linear_kernel(X, W, Y, M, N, K, sxm, sxk, swn, swk, sys, sym, syn,
         rk = k0 + kk + tl.arange(0, BLOCK_K)
         x = tl.load(X + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         w = tl.load(W + rn[None, :] * swn + rk[:, None] * swk, mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w.to(x.dtype))  # an fp8 W is upcast in registers (fp8_gemm.py's weight-only variant)
     out = Y + pid_k * sys + rm[:, None] * sym + rn[None, :] * syn
     tl.store(out, acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 

@@ -120,7 +120,8 @@ class RolloutEngine:
             fp8.check_supported(module, fallback_reason=reason, tp_size=self.cfg.tensor_model_parallel_size,
                                 device=self.device, dtype=None if self._fallback else self.dtype)
             self._fp8 = fp8.Fp8Weights()
-            logger.info("rollout: fp8 decoder projections (per-channel weight, per-token activation scales)")
+            logger.info("rollout: fp8 decoder projections (per-channel weight, per-token activation scales; "
+                        "GEMM %s, %s)", fp8.GEMM, fp8.GEMM_ENV)
         self._weights: ModelWeights | None = None
         self._runner: ModelRunner | None = None
 

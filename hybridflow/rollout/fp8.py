@@ -4,14 +4,16 @@ Decision: weights are quantized at each switch, after the LoRA merge, from the g
 persistent [layers, ...] buffers refilled in place, so captured CUDA graphs stay valid; scales are fp32 amax/448 per
 output row (weights) and per token (activations, dynamic). Only q/k/v, o, gate/up and down: embeddings, norms and the
 LM head stay in the generation dtype (the sampled distribution is read off the head). The GEMM is `torch._scaled_mm`
-on CUDA (row-wise scales, bf16 out); elsewhere an emulation with the same quantization (the fp8 values multiplied in
-fp32, then scaled) so that CPU tests check the numerics. No FP8 KV cache: the cache stays in the generation dtype.
+on CUDA, one of `GEMMS` (`HYBRIDFLOW_FP8_GEMM`, `tensorwise_fast` by default: torch's row-wise-scaled kernel was
+slower than bf16 at decode's row counts); elsewhere an emulation with the same quantization and roundings (the fp8
+values multiplied in fp32, then scaled) so that CPU tests check the numerics. No FP8 KV cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,34 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first chips with fp8 tensor cores
 QUANTIZATIONS = ("none", "fp8")
 _TINY = 1e-12  # amax floor: an all-zero row gets a tiny scale and zero codes, not 0/0
+# How the GEMM applies the two scales. rowwise: `_scaled_mm` with row-wise scales (torch's CUTLASS kernel; one
+# rounding of the scaled sum). tensorwise: `_scaled_mm` with unit tensor-wise scales (cuBLASLt) writes the unscaled
+# sum in the output dtype, then one fp32 multiply by both scales (fused with the next op in the compiled decode
+# pieces) rounds it again. _fast: `use_fast_accum` (Hopper keeps the fp8 MMA's ~fp22 accumulator instead of adding
+# it into fp32 every 128 products; an error no emulation reproduces, below the e4m3 rounding's).
+GEMMS = ("tensorwise_fast", "tensorwise", "rowwise_fast", "rowwise")
+GEMM_ENV = "HYBRIDFLOW_FP8_GEMM"
+
+
+def default_gemm() -> str:
+    """`HYBRIDFLOW_FP8_GEMM` when set (one of `GEMMS`), else `tensorwise_fast`."""
+    gemm = os.environ.get(GEMM_ENV, GEMMS[0])
+    if gemm not in GEMMS:
+        raise ValueError(f"{GEMM_ENV}={gemm!r}: use one of {', '.join(GEMMS)} (or unset it)")
+    return gemm
+
+
+GEMM = default_gemm()
+_ONES: dict[torch.device, torch.Tensor] = {}  # the unit fp32 scale of the tensorwise GEMMs, one per device
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """The fp32 scalar 1 on `device` (the tensorwise GEMMs' scales), made once: `Fp8Weights.quantize` makes it before
+    any forward, so compiled code and captured graphs only read it."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,18 +72,27 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               emulate: bool | None = None) -> torch.Tensor:
+               emulate: bool | None = None, gemm: str | None = None) -> torch.Tensor:
     """≈ F.linear(x, dequantize(w8, w_scale), bias) in x's dtype, with x quantized per token. x [..., K], w8 [N, K]
-    (row-major, so `w8.t()` is the column-major second operand `_scaled_mm` needs), w_scale [N] fp32.
-    `emulate` None: `_scaled_mm` on CUDA, the emulation elsewhere; True/False force one (the GPU test compares)."""
+    (row-major, so `w8.t()` is the column-major second operand `_scaled_mm` needs), w_scale [N] fp32. `gemm`: one of
+    `GEMMS` (default `GEMM`). `emulate` None: `_scaled_mm` on CUDA, the emulation elsewhere; True/False force one."""
+    gemm = GEMM if gemm is None else gemm
     lead, k = x.shape[:-1], x.shape[-1]
     xq, x_scale = quantize_rows(x.reshape(-1, k))  # [M, K], [M, 1]
     if emulate is None:
         emulate = not x.is_cuda
+    rowwise, fast = gemm.startswith("rowwise"), gemm.endswith("_fast")
     if emulate:
-        out = ((xq.float() @ w8.float().t()) * x_scale * w_scale[None]).to(x.dtype)
-    else:  # row-wise scaling: scale_a [M, 1], scale_b [1, N], both fp32; bf16 output; K and N multiples of 16
-        out = torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w_scale[None], out_dtype=x.dtype)
+        acc = xq.float() @ w8.float().t()
+        out = acc if rowwise else acc.to(x.dtype)  # tensorwise: the GEMM writes the unscaled sum in x's dtype
+    elif rowwise:  # scale_a [M, 1], scale_b [1, N], both fp32; bf16 output; K and N multiples of 16
+        out = torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=w_scale[None], out_dtype=x.dtype,
+                               use_fast_accum=fast)
+    else:
+        one = unit_scale(x.device)
+        out = torch._scaled_mm(xq, w8.t(), scale_a=one, scale_b=one, out_dtype=x.dtype, use_fast_accum=fast)
+    if emulate or not rowwise:  # |sum| <= 448² K: no overflow in bf16 before the scales
+        out = (out.float() * x_scale * w_scale[None]).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, w8.shape[0])
@@ -82,8 +121,9 @@ def check_supported(module: nn.Module, *, fallback_reason: str | None, tp_size: 
         if cc < MIN_CAPABILITY:
             why = (f"{torch.cuda.get_device_name(device)} has compute capability {cc[0]}.{cc[1]}; FP8 GEMMs need "
                    f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper or newer)")
-        elif dtype != torch.bfloat16:
-            why = f"the generation dtype is {dtype}; torch._scaled_mm with row-wise scales writes bfloat16 only"
+        elif dtype != torch.bfloat16 and GEMM.startswith("rowwise"):
+            why = (f"the generation dtype is {dtype}; torch._scaled_mm with row-wise scales ({GEMM_ENV}={GEMM}) "
+                   "writes bfloat16 only")
         else:
             cfg = module.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -138,6 +178,7 @@ class Fp8Weights:
     def quantize(self, weights: ModelWeights) -> ModelWeights:
         """The fp8 `ModelWeights`: the same embeddings, norms and LM head; each layer's projections quantized."""
         n = len(weights.layers)
+        unit_scale(weights.embed.device)
         layers = []
         for i, lw in enumerate(weights.layers):
             assert lw.moe is None, "fp8: MoE layers are refused by check_supported"

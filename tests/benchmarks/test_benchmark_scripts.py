@@ -128,6 +128,20 @@ def test_decode_fusion_benchmark_smoke():
     assert row["max_abs_logit_diff"] == 0.0 and row["argmax_agree"] == 1.0, row
 
 
+def test_fp8_gemm_benchmark_smoke(tmp_path, capsys):
+    """The FP8 GEMM benchmark in its CPU smoke mode (in process: no second torch import): bf16 and each fp8 recipe's
+    emulation run, report µs and an error against fp32 larger for fp8 than for bf16 but within e4m3's rounding."""
+    from benchmarks import fp8_gemm
+
+    fp8_gemm.main(["--smoke", "--out", str(tmp_path / "fp8.json")])
+    out = capsys.readouterr().out
+    assert "µs per call" in out and "relative error" in out and json.loads(out.strip().splitlines()[-1])["smoke"]
+    variants = json.loads((tmp_path / "fp8.json").read_text())["results"][0]["variants"]
+    assert len(variants) == 5 and all(v["us"] > 0 for v in variants.values()), variants
+    bf16 = variants.pop("bf16")["rel_err"]
+    assert all(bf16 < v["rel_err"] < 0.1 for v in variants.values()), (bf16, variants)
+
+
 def test_decode_gemm_benchmark_smoke():
     """Issue 25's skinny-GEMM benchmark in its CPU smoke mode: the Triton GEMM (with and without split-K) runs under
     the interpreter and matches x @ w^T."""

@@ -59,6 +59,35 @@ def test_emulated_fp8_linear_within_the_fp8_bound_of_the_fp32_linear():
     assert ((got - F.linear(xd, wd, bias)).abs() <= 1e-5 * (xd.abs() @ wd.abs().t()) + 1e-6).all()  # fp32 rounding
 
 
+@pytest.mark.parametrize("gemm", fp8.GEMMS)
+def test_each_gemm_through_scaled_mm_matches_its_emulation(gemm):
+    """The `_scaled_mm` branch (the CPU runs it too) against the emulation of the same GEMM in bf16: the tensorwise
+    GEMMs round the unscaled sum to bf16 before the scales (two roundings), the rowwise ones round once."""
+    g = torch.Generator().manual_seed(4)
+    w, bias = _weight(), torch.randn(48, generator=g).bfloat16()
+    x = (torch.randn(7, 96, generator=g) * torch.logspace(-2, 2, 7)[:, None]).bfloat16()
+    codes, scale = _codes(w)
+    emu = fp8.fp8_linear(x, codes, scale, bias, emulate=True, gemm=gemm)
+    got = fp8.fp8_linear(x, codes, scale, bias, emulate=False, gemm=gemm)
+    assert got.dtype == emu.dtype == torch.bfloat16
+    # a CPU kernel may sum in another order (a bf16 ulp or two); wrong scales would miss by far more, row by row
+    tol = 2 ** -6 * emu.float().abs().amax(-1, keepdim=True)
+    assert ((got.float() - emu.float()).abs() <= tol).all()
+    xq, xs = fp8.quantize_rows(x)
+    acc = xq.float() @ codes.float().t()
+    if gemm.startswith("tensorwise"):
+        acc = acc.bfloat16().float()
+    assert torch.equal(emu, (acc * xs * scale[None]).bfloat16() + bias)
+
+
+def test_fp8_gemm_env_names_the_choices(monkeypatch):
+    monkeypatch.setenv(fp8.GEMM_ENV, "rowwise_fast")
+    assert fp8.default_gemm() == "rowwise_fast"
+    monkeypatch.setenv(fp8.GEMM_ENV, "blockwise")
+    with pytest.raises(ValueError, match="HYBRIDFLOW_FP8_GEMM='blockwise': use one of tensorwise_fast, tensorwise"):
+        fp8.default_gemm()
+
+
 def _codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scale = fp8.quantize_rows(w)
     return codes, scale.squeeze(-1)
@@ -166,16 +195,17 @@ def test_fp8_turns_truncated_importance_sampling_on_unless_set(caplog):
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with compute capability >= 8.9 (torch._scaled_mm in fp8)")
-def test_scaled_mm_matches_the_emulation_on_cuda():
+@pytest.mark.parametrize("gemm", fp8.GEMMS)
+def test_scaled_mm_matches_the_emulation_on_cuda(gemm):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(384, 512, device="cuda", generator=g) * 0.05
     x = (torch.randn(37, 512, device="cuda", generator=g) * 3).bfloat16()  # M not a multiple of 16
     codes, scale = _codes(w)
     bias = torch.randn(384, device="cuda", generator=g).bfloat16()
-    got = fp8.fp8_linear(x, codes, scale, bias, emulate=False)
-    want = fp8.fp8_linear(x, codes, scale, bias, emulate=True)
+    got = fp8.fp8_linear(x, codes, scale, bias, emulate=False, gemm=gemm)
+    want = fp8.fp8_linear(x, codes, scale, bias, emulate=True, gemm=gemm)
     assert got.dtype == torch.bfloat16
-    # same codes and scales, fp32 accumulation both ways: only the summation order and the bf16 rounding differ
+    # same codes, scales and roundings: only the summation order (and _fast's accumulator) differ
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
     ref = F.linear(x.float(), w, bias.float())
     assert (got.float() - ref).abs().max() < 0.1 * ref.abs().max()
