@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,26 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, batch-invariant (fixed row tiles; the weight must be the same contiguous [out, in] on both sides)."""
-    return rowwise(lambda t: F.linear(t, weight, bias), x)
+    """F.linear, batch-invariant (fixed row tiles; the weight must be the same contiguous [out, in] on both sides).
+    Backward is F.linear's (two GEMMs over all rows)."""
+    return _Linear.apply(x, weight, bias)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return rowwise(lambda t: F.linear(t, weight, bias), x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        dx = (dy_MN @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = dy_MN.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = dy_MN.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,8 +79,22 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype), batch-invariant."""
-    return rowwise(lambda t: _rms_norm(t, w, eps), x)
+    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype), batch-invariant. Backward
+    recomputes the plain norm over all rows and differentiates it."""
+    return _RMSNorm.apply(x, w, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return rowwise(lambda t: _rms_norm(t, w, eps), x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (*_recompute_grads(lambda x, w: _rms_norm(x, w, ctx.eps), ctx, dy), None)
 
 
 def token_logprobs(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -122,10 +155,43 @@ def _attention_tile(q_THD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Ten
     return (acc / l_[..., None]).reshape(T, H, D)
 
 
+def _recompute_grads(fn: Callable[..., torch.Tensor], ctx, dy: torch.Tensor) -> list[torch.Tensor | None]:
+    """Gradients of `fn` (an op's plain, not batch-invariant, form) at the saved inputs: one autograd pass over
+    all rows. The saved tensors are the Function's first inputs, in order."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+    wanted = [t for t in inputs if t.requires_grad]
+    if not wanted:
+        return [None] * len(inputs)
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(fn(*inputs), wanted, dy))
+    return [next(grads) if t.requires_grad else None for t in inputs]
+
+
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int,
-                     scale: float | None) -> torch.Tensor:
+                     scale: float | None, plain: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
     """The trainer's packed causal attention through `attention`: query [1, H, T, D], key/value [1, Hkv, T, D]
-    (HF's layout), sequences at cu_seqlens `cu`; → [1, T, H, D]."""
+    (HF's layout), sequences at cu_seqlens `cu`; → [1, T, H, D]. Backward recomputes and differentiates
+    `plain(query, key, value)`, the default packed attention of the same sequences (flash varlen on CUDA)."""
+    return _PackedAttention.apply(query, key, value, cu, max_len, scale, plain)
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int,
+                scale: float | None, plain: Callable) -> torch.Tensor:
+        ctx.save_for_backward(query, key, value)
+        ctx.plain = plain
+        return _packed_attention(query, key, value, cu, max_len, scale)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (*_recompute_grads(ctx.plain, ctx, do), None, None, None, None)
+
+
+def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int,
+                      scale: float | None) -> torch.Tensor:
     T, dev = query.shape[2], query.device
     cu = cu.to(dev, torch.long)
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
