@@ -145,7 +145,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError("packed attention does not support attention dropout; set attention_dropout=0")
     plain = functools.partial(_packed, cu=cu, max_len=int(max_len), scaling=scaling, softcap=softcap, window=window)
     if exact:  # batch-invariant forward values; backward differentiates the plain packed attention
-        return invariant.packed_attention(query, key, value, cu, int(max_len), scaling, plain), None
+        return invariant.packed_attention(query, key, value, cu, scaling, plain), None
     return plain(query, key, value), None
 
 

@@ -93,9 +93,9 @@ def test_packed_attention_backward_differentiates_the_plain_attention_once() -> 
         calls.append(1)
         return attention._padded_sdpa(q_, k_, v_, cu, D ** -0.5, None, None)
 
-    o = invariant.packed_attention(q, k, v, cu, 30, D ** -0.5, plain)
+    o = invariant.packed_attention(q, k, v, cu, D ** -0.5, plain)
     assert not calls
-    assert torch.equal(o.detach(), invariant._packed_attention(q, k, v, cu, 30, D ** -0.5))
+    assert torch.equal(o.detach(), invariant._packed_attention(q, k, v, cu, D ** -0.5))
     torch.testing.assert_close(o, plain(q, k, v))
     do = torch.randn(o.shape, generator=g)
     calls.clear()
