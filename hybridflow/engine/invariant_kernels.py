@@ -27,7 +27,7 @@ def _block_n(n: int) -> int:
 
 @jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -36,7 +36,7 @@ def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn, HAS_BIAS: 
         kk = k0 + rk
         a = tl.load(X + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(W + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rm[:, None] * sym + rn[None, :] * syn, acc.to(Y.dtype.element_ty),
@@ -55,8 +55,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if M:
         _linear_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, bn))](
             x_MK, weight, weight if bias is None else bias, y_MN, M, N, K, *x_MK.stride(), *weight.stride(),
-            *y_MN.stride(), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4,
-            num_stages=3)
+            *y_MN.stride(), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)  # precision: fp32 operands only
     return y_MN.view(*x.shape[:-1], N)
 
 
@@ -86,7 +86,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @jit
 def _attention_kernel(Q, Kc, Vc, Out, Rows, First, Last, scale, sqn, sqh, sqd, sks, skh, skc, skd,
                       svs, svh, svc, svd, son, soh, sod, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
-                      DP: tl.constexpr, KEY_BLOCK: tl.constexpr):
+                      DP: tl.constexpr, KEY_BLOCK: tl.constexpr, BP: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     g = tl.arange(0, GP)
@@ -98,14 +98,14 @@ def _attention_kernel(Q, Kc, Vc, Out, Rows, First, Last, scale, sqn, sqh, sqd, s
     last = tl.load(Last + i).to(tl.int64)
     kbase = Kc + row * sks + hk * skh
     vbase = Vc + row * svs + hk * svh
-    offs = tl.arange(0, KEY_BLOCK)
+    offs = tl.arange(0, BP)  # BP >= KEY_BLOCK columns (tl.dot needs 16): the extra ones are masked out
     m = tl.full((GP,), float("-inf"), dtype=tl.float32)
     l_ = tl.zeros((GP,), dtype=tl.float32)
     acc = tl.zeros((GP, DP), dtype=tl.float32)
     # blocks past `last` would be masked whole and change no bit: each query stops at its own last block
     for j in range(0, (last - first) // KEY_BLOCK + 1):
         cols = first + j * KEY_BLOCK + offs
-        ok = cols <= last
+        ok = (offs < KEY_BLOCK) & (cols <= last)
         kvmask = ok[:, None] & (d[None, :] < D)
         k = tl.load(kbase + cols[:, None] * skc + d[None, :] * skd, mask=kvmask, other=0.0).to(tl.float32)
         v = tl.load(vbase + cols[:, None] * svc + d[None, :] * svd, mask=kvmask, other=0.0).to(tl.float32)
@@ -126,10 +126,12 @@ def attention(q_NHD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Tensor, r
     """o [N, H, D] (q's dtype): query i attends to k[rows[i], :, first[i] .. last[i]] (see invariant.attention)."""
     N, H, D = q_NHD.shape
     hkv = k_SHCD.shape[1]
+    if key_block & (key_block - 1):
+        raise ValueError(f"KEY_BLOCK={key_block} must be a power of two for the Triton attention")
     o = torch.empty(N, H, D, dtype=q_NHD.dtype, device=q_NHD.device)
     if N:
         _attention_kernel[(N, hkv)](
             q_NHD, k_SHCD, v_SHCD, o, rows_N, first_N, last_N, scale, *q_NHD.stride(), *k_SHCD.stride(),
             *v_SHCD.stride(), *o.stride(), G=H // hkv, D=D, GP=max(16, triton.next_power_of_2(H // hkv)),
-            DP=max(16, triton.next_power_of_2(D)), KEY_BLOCK=key_block, num_warps=4)
+            DP=max(16, triton.next_power_of_2(D)), KEY_BLOCK=key_block, BP=max(16, key_block), num_warps=4)
     return o
