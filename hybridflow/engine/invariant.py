@@ -120,6 +120,8 @@ def token_logprobs(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature:
         return m + torch.log(torch.exp(z - m).sum(-1, keepdim=True))
 
     picked_N = logits_NV.gather(-1, labels_N[:, None].long())[:, 0].float() / temperature
+    if _on_kernels(logits_NV):
+        return picked_N - invariant_kernels.logsumexp(logits_NV, temperature)
     return picked_N - rowwise(logz, logits_NV)[:, 0]
 
 

@@ -135,3 +135,28 @@ def attention(q_NHD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Tensor, r
             *v_SHCD.stride(), *o.stride(), G=H // hkv, D=D, GP=max(16, triton.next_power_of_2(H // hkv)),
             DP=max(16, triton.next_power_of_2(D)), KEY_BLOCK=key_block, BP=max(16, key_block), num_warps=4)
     return o
+
+
+@jit(do_not_specialize=["M"])
+def _logz_kernel(Z, Temp, Out, M, V, sz, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(Temp)
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK):  # online log-sum-exp over the row in fixed chunks
+        z = tl.load(Z + row * sz + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32) / t
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+    tl.store(Out + row, m + tl.log(s))
+
+
+def logsumexp(logits_NV: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log Σ exp(logits / temperature) per row [N] fp32; `temperature` a 0-d fp32 device tensor."""
+    logits_NV = logits_NV if logits_NV.stride(-1) == 1 else logits_NV.contiguous()
+    N, V = logits_NV.shape
+    out = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+    if N:
+        _logz_kernel[(N,)](logits_NV, temperature, out, N, V, logits_NV.stride(0), BLOCK=4096, num_warps=8)
+    return out

@@ -1,5 +1,5 @@
 """The Triton forms of the batch-invariant ops (engine/invariant_kernels.py): a row's bits do not depend on how many
-rows share the call (batch sizes 1, 3, 64, 200, at the front and at the back), a decode query over the KV cache
+rows share the call (batch sizes 1, 3, 64, 200, at the front and at the back; linear, RMSNorm, log-sum-exp, attention), a decode query over the KV cache
 gets the bits of the same query in a packed causal call, and the values are those of the torch forms up to
 rounding. In-process on a GPU (bf16 and fp32); without one, `test_kernels_under_interpreter` reruns this file with
 TRITON_INTERPRET=1 (fp32: the interpreter's bf16 dot is not the GPU's).
@@ -54,6 +54,21 @@ def test_rms_norm_rows_do_not_depend_on_the_batch(dtype):
                                rtol=1e-5 if dtype == torch.float32 else 1e-2)
     w32 = w.float()  # an fp32 weight on a low-precision input: torch's promotion, an fp32 result
     assert invariant_kernels.rms_norm(x, w32, 1e-6).dtype == torch.promote_types(dtype, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logsumexp_rows_do_not_depend_on_the_batch(dtype):
+    V = 5000 if CUDA else 300  # CUDA: more than one 4096-wide chunk
+    z, temp = _rand(ROWS, V, dtype=dtype, seed=9) * 4, torch.tensor(0.7, device=DEV)
+    full = invariant_kernels.logsumexp(z, temp)
+    for m in BATCHES:
+        assert torch.equal(invariant_kernels.logsumexp(z[:m], temp), full[:m]), m
+        assert torch.equal(invariant_kernels.logsumexp(z[-m:], temp), full[-m:]), m
+    torch.testing.assert_close(full, torch.logsumexp(z.float() / 0.7, -1))
+    labels = torch.randint(0, V, (ROWS,), device=DEV)
+    torch.testing.assert_close(invariant.token_logprobs(z, labels, temp),
+                               torch.log_softmax(z.float() / 0.7, -1).gather(-1, labels[:, None])[:, 0])
 
 
 def _cache(S, hkv, C, D, dtype, seed):
