@@ -8,7 +8,8 @@ from the sequence's first key (online softmax, fp32), for tiles of `ROW_TILE` qu
 blocks in the trainer's packed forward as in the rollout's prefill, decode and multi-turn extension; blocks past a
 query's last key are masked whole and change no bit. Both engines call these ops under `actor_rollout.
 exact_logprobs`; `install` puts them into an HF model (Linear and RMSNorm forwards), `EXACT_KWARG` selects
-`attention` in the packed attention function. Plain torch (one reference for CPU and CUDA); slow: a loop of tiles.
+`attention` in the packed attention function. Here plain torch (CPU; a loop of tiles); on CUDA the Triton forms of
+invariant_kernels.py. Only forward values must match: each op is an autograd Function with the plain op's backward.
 
 Legend: M rows, N queries, H heads, Hkv kv heads, G = H / Hkv, D head dim, C cache columns, B key block.
 """
