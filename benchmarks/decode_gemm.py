@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import emit_json_line
 from hybridflow.models.presets import preset_config
-from hybridflow.rollout.triton_util import jit, tl, triton
+from hybridflow.utils.triton_util import jit, tl, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
 CONFIGS = [

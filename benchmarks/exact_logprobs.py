@@ -6,6 +6,8 @@ GPU (one H200):  PYTHONPATH=. python3 benchmarks/exact_logprobs.py --out $OUT/ex
                  --mini-batches 4 --out $OUT/exact_ppo4.json; --preset qwen2.5-1.5b for the larger shape)
 CPU smoke test:  PYTHONPATH=. python3 benchmarks/exact_logprobs.py --preset tiny --prompts 2 --n 2 --prompt-len 16 \
                      --response-len 8 --out /tmp/exact.json
+CPU update cost: the same with --prompts 8 --n 4 --prompt-len 128 --response-len 128 (exact mode's backward is the
+                 plain ops': its update is the default's plus the torch-loop forward)
 """
 
 from __future__ import annotations

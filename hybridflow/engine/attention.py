@@ -8,6 +8,7 @@ one model serves both layouts. No [T, T] mask is ever built for packed batches.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -128,8 +129,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """HF attention-interface function: varlen when `hf_cu_seqlens` is given, else HF SDPA."""
     cu = kwargs.pop(CU_SEQLENS, None)
     max_len = kwargs.pop(MAX_SEQLEN, None)
-    if kwargs.pop(invariant.EXACT_KWARG, False):
-        return invariant.packed_attention(query, key, value, cu, int(max_len), scaling), None
+    exact = kwargs.pop(invariant.EXACT_KWARG, False)
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     if cu is None and softcap:  # SDPA refuses soft-capping; HF's mask already holds causality/window/padding
         if dropout:
@@ -143,17 +143,26 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
     if dropout:
         raise ValueError("packed attention does not support attention dropout; set attention_dropout=0")
-    if varlen_supported(query) and not softcap and not (window and window < int(max_len)):
+    plain = functools.partial(_packed, cu=cu, max_len=int(max_len), scaling=scaling, softcap=softcap, window=window)
+    if exact:  # batch-invariant forward values; backward differentiates the plain packed attention
+        return invariant.packed_attention(query, key, value, cu, scaling, plain), None
+    return plain(query, key, value), None
+
+
+def _packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int,
+            scaling: float | None, softcap: float | None, window: int | None) -> torch.Tensor:
+    """Packed causal attention [1, T, H, D]: varlen flash attention where it runs, else padded SDPA."""
+    if varlen_supported(query) and not softcap and not (window and window < max_len):
         try:
             out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
-                          int(max_len), scaling)
-            return out.unsqueeze(0), None
+                          max_len, scaling)
+            return out.unsqueeze(0)
         except (RuntimeError, TypeError, NotImplementedError) as e:
             global _varlen_error
             _varlen_error = f"{type(e).__name__}: {e}"
             logger.warning("varlen flash attention failed (%s); packed attention falls back to padded SDPA",
                            _varlen_error)
-    return _padded_sdpa(query, key, value, cu, scaling, softcap, window), None
+    return _padded_sdpa(query, key, value, cu, scaling, softcap, window)
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -8,7 +8,8 @@ from the sequence's first key (online softmax, fp32), for tiles of `ROW_TILE` qu
 blocks in the trainer's packed forward as in the rollout's prefill, decode and multi-turn extension; blocks past a
 query's last key are masked whole and change no bit. Both engines call these ops under `actor_rollout.
 exact_logprobs`; `install` puts them into an HF model (Linear and RMSNorm forwards), `EXACT_KWARG` selects
-`attention` in the packed attention function. Plain torch (one reference for CPU and CUDA); slow: a loop of tiles.
+`attention` in the packed attention function. Here plain torch (CPU; a loop of tiles); on CUDA the Triton forms of
+invariant_kernels.py. Only forward values must match: each op is an autograd Function with the plain op's backward.
 
 Legend: M rows, N queries, H heads, Hkv kv heads, G = H / Hkv, D head dim, C cache columns, B key block.
 """
@@ -22,12 +23,22 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
+
+from hybridflow.engine import invariant_kernels
+from hybridflow.utils.triton_util import triton_available
 
 logger = logging.getLogger(__name__)
 
 ROW_TILE = 64  # rows per GEMM / reduction call: shared by both engines, so any value works; 64 >= CPU gemv cutoff
 KEY_BLOCK = 64  # keys per online-softmax step, counted from each sequence's first key
 EXACT_KWARG = "hf_exact_attention"  # forward kwarg: the packed attention function uses `attention`
+
+
+def _on_kernels(x: torch.Tensor) -> bool:
+    """The Triton forms (invariant_kernels.py) on CUDA with Triton, and under the Triton interpreter (tests); the
+    torch loops elsewhere. Both engines decide the same way for the same device."""
+    return triton_available(x.device)
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +59,28 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, batch-invariant (fixed row tiles; the weight must be the same contiguous [out, in] on both sides)."""
-    return rowwise(lambda t: F.linear(t, weight, bias), x)
+    """F.linear, batch-invariant (fixed row tiles; the weight must be the same contiguous [out, in] on both sides).
+    Backward is F.linear's (two GEMMs over all rows)."""
+    return _Linear.apply(x, weight, bias)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        if _on_kernels(x):
+            return invariant_kernels.linear(x, weight, bias)
+        return rowwise(lambda t: F.linear(t, weight, bias), x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        dx = (dy_MN @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = dy_MN.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = dy_MN.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,8 +91,24 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype), batch-invariant."""
-    return rowwise(lambda t: _rms_norm(t, w, eps), x)
+    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype), batch-invariant. Backward
+    recomputes the plain norm over all rows and differentiates it."""
+    return _RMSNorm.apply(x, w, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        if _on_kernels(x):
+            return invariant_kernels.rms_norm(x, w, eps)
+        return rowwise(lambda t: _rms_norm(t, w, eps), x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (*_recompute_grads(lambda x, w: _rms_norm(x, w, ctx.eps), ctx, dy), None)
 
 
 def token_logprobs(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -74,18 +121,25 @@ def token_logprobs(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature:
         return m + torch.log(torch.exp(z - m).sum(-1, keepdim=True))
 
     picked_N = logits_NV.gather(-1, labels_N[:, None].long())[:, 0].float() / temperature
+    if _on_kernels(logits_NV):
+        return picked_N - invariant_kernels.logsumexp(logits_NV, temperature)
     return picked_N - rowwise(logz, logits_NV)[:, 0]
 
 
 def attention(q_NHD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Tensor, rows_N: torch.Tensor,
-              first_N: torch.Tensor, last_N: torch.Tensor, num_blocks: int | list[int],
-              scale: float) -> torch.Tensor:
+              first_N: torch.Tensor, last_N: torch.Tensor, num_blocks: int | None, scale: float) -> torch.Tensor:
     """o [N, H, D] (q's dtype): query i attends to keys k[rows[i], :, first[i] .. last[i]] (inclusive, contiguous)
-    in blocks of KEY_BLOCK columns from first[i]; `num_blocks` (one count, or one per query tile) covers the longest
-    range (extra blocks change no bit). Queries in tiles of ROW_TILE (the last one repeats its last query), scores
-    and softmax in fp32."""
+    in blocks of KEY_BLOCK columns from first[i]; `num_blocks` bounds every query's block count (extra blocks are
+    masked whole and change no bit; static for a CUDA graph), None = each query tile's own need (one host read).
+    Torch: queries in tiles of ROW_TILE (the last one repeats its last query), scores and softmax in fp32; the
+    Triton form (CUDA) is one program per query and kv head, each stopping at its own last block."""
+    if _on_kernels(q_NHD):
+        return invariant_kernels.attention(q_NHD, k_SHCD, v_SHCD, rows_N, first_N, last_N, scale, KEY_BLOCK)
     N, H, D = q_NHD.shape
     hkv = k_SHCD.shape[1]
+    if num_blocks is None:  # the causal triangle: a tile of early queries runs few blocks
+        need = (last_N - first_N) // KEY_BLOCK + 1
+        num_blocks = torch.cat([need, need.new_zeros(-N % ROW_TILE)]).view(-1, ROW_TILE).amax(1).tolist()
     out = []
     for i, s in enumerate(range(0, N, ROW_TILE)):
         idx = torch.arange(s, s + ROW_TILE, device=q_NHD.device).clamp_(max=N - 1)
@@ -122,22 +176,50 @@ def _attention_tile(q_THD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Ten
     return (acc / l_[..., None]).reshape(T, H, D)
 
 
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int,
-                     scale: float | None) -> torch.Tensor:
+def _recompute_grads(fn: Callable[..., torch.Tensor], ctx, dy: torch.Tensor) -> list[torch.Tensor | None]:
+    """Gradients of `fn` (an op's plain, not batch-invariant, form) at the saved inputs: one autograd pass over
+    all rows. The saved tensors are the Function's first inputs, in order."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+    wanted = [t for t in inputs if t.requires_grad]
+    if not wanted:
+        return [None] * len(inputs)
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(fn(*inputs), wanted, dy))
+    return [next(grads) if t.requires_grad else None for t in inputs]
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                     scale: float | None, plain: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
     """The trainer's packed causal attention through `attention`: query [1, H, T, D], key/value [1, Hkv, T, D]
-    (HF's layout), sequences at cu_seqlens `cu`; → [1, T, H, D]."""
+    (HF's layout), sequences at cu_seqlens `cu`; → [1, T, H, D]. Backward recomputes and differentiates
+    `plain(query, key, value)`, the default packed attention of the same sequences (flash varlen on CUDA)."""
+    return _PackedAttention.apply(query, key, value, cu, scale, plain)
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                scale: float | None, plain: Callable) -> torch.Tensor:
+        ctx.save_for_backward(query, key, value)
+        ctx.plain = plain
+        return _packed_attention(query, key, value, cu, scale)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (*_recompute_grads(ctx.plain, ctx, do), None, None, None)
+
+
+def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
     T, dev = query.shape[2], query.device
     cu = cu.to(dev, torch.long)
-    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1], output_size=T)
     pos = torch.arange(T, device=dev)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     first = cu[:-1][seq]
-    # each query tile runs only the key blocks its longest prefix needs (one host sync; the causal triangle halves
-    # the work) — `max_len` would give the same bits
-    need = (pos - first) // KEY_BLOCK + 1
-    blocks = torch.cat([need, need.new_zeros(-T % ROW_TILE)]).view(-1, ROW_TILE).amax(1).tolist() if T else []
-    assert max(blocks, default=0) <= -(-int(max_len) // KEY_BLOCK), (blocks, max_len)
-    o = attention(query[0].transpose(0, 1), key, value, torch.zeros_like(pos), first, pos, blocks, scale)
+    o = attention(query[0].transpose(0, 1), key, value, torch.zeros_like(pos), first, pos, None, scale)
     return o.unsqueeze(0)
 
 

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 __all__ = ["decode_attention", "decode_attention_ref", "triton_available"]
 
-from hybridflow.rollout.triton_util import INTERPRETED as _INTERPRETED
-from hybridflow.rollout.triton_util import jit as _jit
-from hybridflow.rollout.triton_util import tl, triton, triton_available
+from hybridflow.utils.triton_util import INTERPRETED as _INTERPRETED
+from hybridflow.utils.triton_util import jit as _jit
+from hybridflow.utils.triton_util import tl, triton, triton_available
 
 if triton is not None:
     from hybridflow.rollout.kv_store_kernel import check_rope_rows, rope_offsets, rope_rows

@@ -40,12 +40,7 @@ def forward_tokens(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_N: torc
     a CUDA graph); None = each query tile's own need, read from the device once."""
     N = ids_N.shape[0]
     h, hkv, d, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.eps
-    if max_keys is None:
-        need = (col_N - start_N) // invariant.KEY_BLOCK + 1
-        blocks = torch.cat([need, need.new_zeros(-N % invariant.ROW_TILE)]).view(-1, invariant.ROW_TILE)
-        blocks = blocks.amax(1).tolist()
-    else:
-        blocks = -(-max_keys // invariant.KEY_BLOCK)
+    blocks = None if max_keys is None else -(-max_keys // invariant.KEY_BLOCK)
     x = F.embedding(ids_N, w.embed)
     cos, sin = rope.cos[pos_N].unsqueeze(-2), rope.sin[pos_N].unsqueeze(-2)
     for layer, lw in enumerate(w.layers):

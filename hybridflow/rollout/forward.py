@@ -33,6 +33,7 @@ from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.moe import moe_mlp
 from hybridflow.rollout.vision import mrope_components
 from hybridflow.rollout.weights import ArchSpec, LayerWeights, ModelWeights, text_parts
+from hybridflow.utils import triton_util
 from hybridflow.utils.compile import GuardedCompile
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ def _triton_kv_store(device: torch.device) -> KVStore | None:
     """The one-launch K/V cache write for `device` (CUDA with Triton), or None for torch `index_put`."""
     if device.type != "cuda":
         return None
-    from hybridflow.rollout import kv_store_kernel, triton_util
+    from hybridflow.rollout import kv_store_kernel
 
     return kv_store_kernel.store_kv if triton_util.triton_available(device) else None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.rollout.triton_util import jit, tl, triton
+from hybridflow.utils.triton_util import jit, tl, triton
 
 
 @jit

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.rollout.triton_util import INTERPRETED, jit, tl, triton
+from hybridflow.utils.triton_util import INTERPRETED, jit, tl, triton
 
 BLOCK_V = 1024  # vocab entries per loop iteration of a program (H200 sweep: 1024 × 4 warps fastest)
 SPLIT_V = 8192  # vocab entries per program: ~19 programs per row at V = 151,936

@@ -27,8 +27,8 @@ import torch
 
 from hybridflow.rollout import sample_kernel
 from hybridflow.rollout.tensor_parallel import TPContext
-from hybridflow.rollout.triton_util import triton_available
 from hybridflow.utils.compile import GuardedCompile
+from hybridflow.utils.triton_util import triton_available
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import RolloutConfig

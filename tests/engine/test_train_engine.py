@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.aggregation import agg_loss
-from hybridflow.engine import TrainEngine
+from hybridflow.engine import TrainEngine, invariant
 from hybridflow.models import load_model
 from hybridflow.workers.engine_specs import SCORES, VALUES, ref_spec, reward_model_spec
 
@@ -321,3 +321,16 @@ def test_reference_and_reward_roles_are_inference_only():
         torch.testing.assert_close(scores[i], last, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="scalar head"):
         actor.infer(data, VALUES)
+
+
+def test_exact_logprobs_update_has_the_default_gradients():
+    """`actor_rollout.exact_logprobs` changes only forward values (last bits); backward is the plain ops', so one
+    update's gradients are the default engine's (engine/invariant.py)."""
+    data = make_batch(seed=1)
+    exact, plain = _engine("actor_rollout.exact_logprobs=true"), _engine()
+    assert invariant.installed(exact.module) and not invariant.installed(plain.module)
+    train_step(exact, data, nll_loss)
+    train_step(plain, data, nll_loss)
+    ge, gp = _grads(exact), _grads(plain)
+    for name, g in gp.items():
+        torch.testing.assert_close(ge[name], g, atol=1e-6, rtol=1e-4, msg=name)

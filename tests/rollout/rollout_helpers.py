@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from hybridflow.config import load_config
 from hybridflow.models.presets import preset_config
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import RolloutEngine, triton_util
+from hybridflow.rollout import RolloutEngine
+from hybridflow.utils import triton_util
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

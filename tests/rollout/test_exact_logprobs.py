@@ -1,7 +1,8 @@
 """`actor_rollout.exact_logprobs`: the rollout engine's sampled-token log-probs equal the trainer's packed forward
 bit for bit (torch.equal, CPU fp32, tiny Qwen2) — ragged prompts, rows stopping at different steps, any
 micro-batching, multi-turn KV reuse, after an optimizer step — and a perturbed key-block order breaks it; on a
-GPU the same in bf16, with and without CUDA graphs (run by benchmarks/gpu_tests.sh).
+GPU the same in bf16 through the Triton forms (engine/invariant_kernels.py), with and without CUDA graphs (run by
+benchmarks/gpu_tests.sh).
 Small tiles (ROW_TILE 16, KEY_BLOCK 8) so that these short sequences cross several tiles and key blocks."""
 
 from __future__ import annotations
@@ -126,12 +127,19 @@ import sys, torch, torch.distributed as dist
 from pathlib import Path
 sys.path[:0] = ["tests/rollout"]
 import test_exact_logprobs as t
-from hybridflow.engine import invariant
+from hybridflow.engine import invariant, invariant_kernels
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
 eager = sys.argv[2] == "1"
 if not eager:  # small tiles: several tiles and key blocks; eager runs the shipped sizes
     invariant.ROW_TILE, invariant.KEY_BLOCK = 16, 8
+used = set()  # both engines' forwards go through the Triton forms on CUDA
+for name in ("linear", "rms_norm", "attention"):
+    def counted(*a, _f=getattr(invariant_kernels, name), _n=name):
+        used.add(_n)
+        return _f(*a)
+    setattr(invariant_kernels, name, counted)
 t.check_cuda_bf16(Path(sys.argv[1]), eager)
+assert used == {"linear", "rms_norm", "attention"}, used
 dist.destroy_process_group()
 print("exact cuda ok")
 """

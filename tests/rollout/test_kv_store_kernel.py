@@ -20,9 +20,10 @@ from rollout_helpers import (
 )
 
 pytest.importorskip("triton")
-from hybridflow.rollout import forward, triton_util  # noqa: E402
+from hybridflow.rollout import forward  # noqa: E402
 from hybridflow.rollout.decode_attention import decode_attention_ref  # noqa: E402
 from hybridflow.rollout.kv_store_kernel import store_kv, store_kv_ref  # noqa: E402
+from hybridflow.utils import triton_util  # noqa: E402
 
 
 def make(S, b, hkv, T, d, dtype, seed=0):

@@ -19,7 +19,7 @@ from hybridflow.rollout.sampling import (
     sampler_values,
 )
 from hybridflow.rollout.sampling import uniform_from_counter as uniform
-from hybridflow.rollout.triton_util import triton_available
+from hybridflow.utils.triton_util import triton_available
 
 
 def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = 40000) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,10 @@ pytest.importorskip("triton")
 from rollout_helpers import make_engine  # noqa: E402
 from test_decode_fusion import P, model_of, run_decode  # noqa: E402
 
-from hybridflow.rollout import forward, triton_util  # noqa: E402
+from hybridflow.rollout import forward  # noqa: E402
 from hybridflow.rollout.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from hybridflow.rollout.kv_store_kernel import store_kv, store_kv_ref  # noqa: E402
+from hybridflow.utils import triton_util  # noqa: E402
 
 
 def assert_rope_close(got, x, cos, sin):

@@ -14,8 +14,8 @@ from rollout_helpers import CUDA, DEV, needs_kernel, rerun_under_triton_interpre
 
 pytest.importorskip("triton")
 from hybridflow.rollout import sample_kernel as sk  # noqa: E402
-from hybridflow.rollout import triton_util  # noqa: E402
 from hybridflow.rollout.sampling import kernel_sample, row_seed, sample  # noqa: E402
+from hybridflow.utils import triton_util  # noqa: E402
 
 
 def _args(N, V, temp=0.7, seed=0):

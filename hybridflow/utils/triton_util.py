@@ -6,6 +6,7 @@ kernels follow that import-time mode (`INTERPRETED`) rather than reading TRITON_
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,15 +23,19 @@ except ImportError:  # pragma: no cover - triton is optional (CPU-only installs)
 INTERPRETED = triton is not None and not isinstance(tl.zeros, JITFunction)
 
 
-def jit(fn):
-    """`triton.jit` in the mode triton was imported in (identity without triton)."""
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] | list[str] = ()):
+    """`triton.jit` in the mode triton was imported in (identity without triton); `@jit(do_not_specialize=[...])`
+    compiles one kernel for every value of those integer arguments (no special case for 1 or multiples of 16)."""
+    if fn is None:
+        return functools.partial(jit, do_not_specialize=do_not_specialize)
     if triton is None:
         return fn
+    kw = {"do_not_specialize": list(do_not_specialize)} if do_not_specialize else {}
     if INTERPRETED:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(fn)
-    return JITFunction(fn)
+        return InterpretedFunction(fn, **kw)
+    return JITFunction(fn, **kw)
 
 
 def triton_available(device: torch.device | str) -> bool:
