@@ -1,7 +1,8 @@
 """Gloo ranks for multi-process tests, forked from one forkserver per test process that imported torch and the
 hybridflow stack once: a spawned rank re-imported them (torch, transformers, ~4 s of CPU each on the 2-core CI
 box), which most of these tests spent more time on than on their checks. The server is a fresh process, so ranks
-never inherit the test process's threads or process group."""
+never inherit the test process's threads or process group; they do inherit its environment as it was when the server
+started (the first rank of the test process), so a rank sets what it needs itself (MASTER_PORT, ...)."""
 
 from __future__ import annotations
 
