@@ -64,16 +64,20 @@ def one_ray_cluster() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Test files in order of expected cost: files with more `slow` tests first, then files with more tests; tests
-    keep their order inside a file. `make test` hands files out in this order (`--dist loadfile
-    --no-loadscope-reorder`), so the two workers start on the long end-to-end files and end on short ones. Ordered
-    by test count alone (xdist's default) the one- and two-test end-to-end files came last, where a long one leaves
-    the other worker idle."""
+    """Test files in order of expected cost: files with more `slow` tests first, then files with more `ray` tests
+    (each starts a cluster and worker processes: 40-160 s per file under the suite's load), then files with more
+    tests; tests keep their order inside a file. `make test` hands files out in this order (`--dist loadfile
+    --no-loadscope-reorder`), so the two workers start on the long files and end on short ones. Ordered by test
+    count alone (xdist's default) the one- and two-test end-to-end files came last, and ordered by `slow` then count
+    the two-test Ray files did (test_run_status_ray, test_multinode_ray): a long file last leaves the other worker
+    idle."""
     slow: dict[str, int] = {}
+    ray: dict[str, int] = {}
     count: dict[str, int] = {}
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         count[path] = count.get(path, 0) + 1
         slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+        ray[path] = ray.get(path, 0) + (item.get_closest_marker("ray") is not None)
     first = {path: i for i, path in enumerate(count)}
-    items.sort(key=lambda item: (-slow[p := item.nodeid.split("::", 1)[0]], -count[p], first[p]))
+    items.sort(key=lambda item: (-slow[p := item.nodeid.split("::", 1)[0]], -ray[p], -count[p], first[p]))

@@ -1,4 +1,5 @@
-"""tests/conftest.py hands test files out longest first: files with more `slow` tests, then files with more tests."""
+"""tests/conftest.py hands test files out longest first: files with more `slow` tests, then more `ray` tests, then
+more tests."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ _SPEC.loader.exec_module(conftest)
 
 
 class _Item:
-    def __init__(self, nodeid: str, slow: bool = False) -> None:
-        self.nodeid, self.slow = nodeid, slow
+    def __init__(self, nodeid: str, slow: bool = False, ray: bool = False) -> None:
+        self.nodeid, self.markers = nodeid, {name for name, on in (("slow", slow), ("ray", ray)) if on}
 
     def get_closest_marker(self, name: str) -> object | None:
-        return object() if name == "slow" and self.slow else None
+        return object() if name in self.markers else None
 
 
 def test_files_with_slow_tests_come_first_and_tests_keep_their_order_in_a_file() -> None:
@@ -25,3 +26,11 @@ def test_files_with_slow_tests_come_first_and_tests_keep_their_order_in_a_file()
     conftest.pytest_collection_modifyitems(None, items)
     assert [i.nodeid for i in items] == ["c.py::t1", "c.py::t2", "a.py::t1", "a.py::t2", "b.py::t1", "b.py::t2",
                                          "b.py::t3", "d.py::t1"]
+
+
+def test_files_with_ray_tests_come_after_slow_ones_and_before_larger_files_without() -> None:
+    items = [_Item("many.py::t1"), _Item("many.py::t2"), _Item("many.py::t3"), _Item("ray.py::t1", ray=True),
+             _Item("ray.py::t2"), _Item("slow.py::t1", slow=True, ray=True), _Item("one.py::t1")]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == ["slow.py::t1", "ray.py::t1", "ray.py::t2", "many.py::t1", "many.py::t2",
+                                         "many.py::t3", "one.py::t1"]

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks_testlib import rank_context
 
 from hybridflow.algorithms import (
     LOSS_AGG_MODES,
@@ -146,7 +146,7 @@ def test_split_invariance_across_two_dp_ranks():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     mode = "seq-mean-token-mean"
     procs = [ctx.Process(target=_dp_worker, args=(r, 2, port, mode, q)) for r in range(2)]

@@ -6,7 +6,6 @@ leftovers are ignored, and the next "run" resumes from the latest one and keeps 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks_testlib import rank_context
 
 from hybridflow.checkpoint import CheckpointManager, atomic
 
@@ -62,10 +62,9 @@ def _check_all_complete(root: Path) -> int | None:
 @pytest.mark.parametrize("atomic_save,async_save,trials", [(True, True, 20), (True, False, 6), (False, False, 6)])
 def test_sigkill_during_save_never_leaves_a_broken_latest(tmp_path: Path, atomic_save: bool, async_save: bool,
                                                           trials: int) -> None:
-    # forkserver: children fork from a small fresh server (torch preloaded), not from the big pytest process,
-    # so each starts fast and never inherits an OpenMP pool.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hybridflow.checkpoint"])
+    # forkserver: children fork from a fresh server (torch and hybridflow preloaded), not from the big pytest
+    # process, so each starts fast and never inherits an OpenMP pool.
+    ctx = rank_context()
     rng = random.Random(1234)
     latest_step: int | None = None
     interrupted = done = 0

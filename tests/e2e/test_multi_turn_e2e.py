@@ -36,7 +36,7 @@ def test_multi_turn_trains_through_the_stages(estimator: str, tmp_path: Path, al
     cfg = load_config([QUICKSTART_YAML], [f"algorithm.adv_estimator={estimator}", "critic.ppo_mini_batch_size=4",
         f"trainer.run_dir={tmp_path}/run", f"trainer.default_local_dir={tmp_path}/ckpt", "trainer.logger=[jsonl]",
         "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "data.val_size=8", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
+        "data.val_size=8", "data.train_size=64", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
         "actor.ppo_epochs=2",  # not strictly on-policy: old_log_prob is recomputed, which this test compares
         "data.max_response_length=96", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
         f"rollout.multi_turn.format={always_format}", "rollout.multi_turn.max_assistant_turns=3",

@@ -33,8 +33,8 @@ def test_interaction_turn_rewards_reach_the_scores(tmp_path: Path) -> None:
     cfg = load_config([QUICKSTART_YAML], [
         f"trainer.run_dir={tmp_path}/run", f"trainer.default_local_dir={tmp_path}/ckpt", "trainer.logger=[jsonl]",
         "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "data.val_size=8", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
-        "data.chat_template=null", "data.max_prompt_length=48", "data.max_response_length=64",
+        "data.val_size=8", "data.train_size=64", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "rollout.n=4", "data.chat_template=null", "data.max_prompt_length=48", "data.max_response_length=64",
         "rollout.multi_turn.enable=true", "rollout.multi_turn.format=hermes_plain",
         f"rollout.multi_turn.interaction_config_path={icfg}", "rollout.multi_turn.max_user_turns=2",
         f"rollout.stop_token_ids={list(range(3, 99, 3))}",  # short turns from a random model

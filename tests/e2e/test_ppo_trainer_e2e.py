@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(tmp: Path, *overrides: str):
+    # 64 training prompts: these runs take 1-2 steps of at most 32; the quickstart's 64,000 cost seconds to build
     return load_config([QUICKSTART_YAML], [f"trainer.run_dir={tmp}/run", f"trainer.default_local_dir={tmp}/ckpt",
-                                           "trainer.logger=[jsonl]", *overrides])
+                                           "trainer.logger=[jsonl]", "data.train_size=64", *overrides])
 
 
 def _fit(cfg) -> list[dict[str, float]]:

@@ -38,7 +38,7 @@ def _two_steps(tmp_path: Path, *overrides: str) -> list[dict]:
         f"trainer.run_dir={tmp_path}/run", f"trainer.default_local_dir={tmp_path}/ckpt", "trainer.logger=[jsonl]",
         "algorithm.adv_estimator=grpo", "algorithm.rollout_is.cap=2.0",
         "trainer.total_training_steps=2", "trainer.val_before_train=false", "data.val_size=8",
-        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", *overrides])
+        "data.train_size=64", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", *overrides])
     trainer = PPOTrainer(cfg)
     try:
         history = trainer.fit()

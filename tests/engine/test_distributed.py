@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks_testlib import start_ranks
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, out: str, overrides: list[str]) -> None:
     ["actor.ppo_micro_batch_size_per_gpu=1", "actor.fsdp.defer_grad_sync=true"],
 ], ids=["token-budget", "deferred-sync"])
 def test_world_size_1_and_2_agree(tmp_path, overrides, dist_group):
-    mp.start_processes(_worker, args=(2, str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (2, str(tmp_path), overrides), 2)
     _train_and_dump(0, 1, str(tmp_path), overrides)  # world size 1: this process's 1-rank group
     one, two = load_file(tmp_path / "w1.safetensors"), load_file(tmp_path / "w2.safetensors")
     torch.testing.assert_close(one["_loss"], two["_loss"], atol=1e-5, rtol=1e-5)
@@ -92,7 +92,7 @@ def _count_reduce_scatters(rank: int, out: str) -> None:
 
 def test_deferred_sync_reduce_scatters_once_per_mini_batch(tmp_path):
     """Two ranks, 4 micro-batches each: deferral reduce-scatters each FSDP group once, not once per micro-batch."""
-    mp.start_processes(_count_reduce_scatters, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    start_ranks(_count_reduce_scatters, (str(tmp_path),), 2)
     for rank in range(2):
         deferred, synced = load_file(tmp_path / f"rs{rank}.safetensors")["counts"].tolist()
         assert deferred > 0 and synced == 4 * deferred, (rank, deferred, synced)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from engine_testlib import load_engine, make_batch, make_engine, nan_loss, nll_loss, save_engine, train_step
+from ranks_testlib import start_ranks
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
@@ -291,7 +291,7 @@ def _two_rank_worker(rank: int, out: str) -> None:
 
 
 def test_host_step_on_two_ranks_is_bitwise_the_device_step(tmp_path):
-    mp.start_processes(_two_rank_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    start_ranks(_two_rank_worker, (str(tmp_path),), 2)
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["entries"] > 0 and result["same_metrics"], result

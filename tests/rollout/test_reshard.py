@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks_testlib import start_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -171,7 +171,7 @@ def _worker(rank: int, store: str) -> None:
 
 
 def test_fsdp2_shards_reshard_to_tp_slices(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"),), nprocs=4, start_method="spawn")
+    start_ranks(_worker, (str(tmp_path / "store"),), 4)
 
 
 def test_generation_groups_are_consecutive_ranks():

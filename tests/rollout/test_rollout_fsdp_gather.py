@@ -8,7 +8,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks_testlib import start_ranks
 from rollout_helpers import EOS, PAD, make_engine, make_model, make_prompts
 
 from hybridflow.engine.fsdp import apply_fsdp2, build_mesh
@@ -40,7 +40,7 @@ def _worker(rank: int, out_dir: str) -> None:
 
 
 def test_two_rank_fsdp_gather_matches_unsharded(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (str(tmp_path),), 2)
     model = make_model("qwen")
     prompts = make_prompts(3, 10, model.config.vocab_size)
     with torch.no_grad():

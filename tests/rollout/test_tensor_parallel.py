@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks_testlib import start_ranks
 from rollout_helpers import EOS, PAD, make_engine, make_model, make_prompts, rollout_cfg
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
 
 
 def test_tensor_parallel_generation_equals_one_device(tmp_path):
-    mp.spawn(_worker, args=(4, str(tmp_path)), nprocs=4, join=True)
+    start_ranks(_worker, (4, str(tmp_path)), 4)
 
 
 def test_group_size_must_match_the_config_key():
