@@ -287,6 +287,8 @@ class RopeTable:
         inner, cfg = text_parts(module)
         rotary = inner.rotary_emb
         pos = torch.arange(max_len, device=device)[None]
+        if getattr(rotary, "mrope_section", None):  # transformers 5.17's multimodal rope takes [3, B, L] positions only
+            pos = pos.expand(3, 1, max_len)
         dummy = torch.zeros(1, dtype=dtype, device=device)
         types = list(getattr(rotary, "layer_types", None) or [None])
         self.tables = []  # [(cos, sin)] each [max_len, D]
