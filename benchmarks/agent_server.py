@@ -38,6 +38,11 @@ from hybridflow.rollout.sampling import SamplingParams
 SMOKE = {"device": "cpu", "preset": "tiny", "prompts": 2, "n": 2, "prompt_len": 8, "response_len": 48,
          "turn_len": 8, "tool_tokens": 4, "tool_latency": 0.005}
 
+# where the server run's time goes (docs/metrics.md, agent/*)
+SERVER_KEYS = ("agent/engine_idle_s", "agent/live_rows_per_step", "rollout/prefills", "agent/prefill_rows_per_call",
+               "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/answer_ms",
+               "agent/turn_gap_ms", "rollout/decode_steps")
+
 
 async def agent(client: Any, sample: dict[str, Any]) -> None:
     """The benchmark's agent (`rollout.agent.path` = this file, `name=agent`): `turns` completions with the tool's
@@ -127,8 +132,11 @@ def main() -> None:
         m = out.meta_info["metrics"]
         res[name] = {"seconds": seconds, "model_tokens": tokens, "tok_s": tokens / seconds,
                      "turns_mean": m.get("num_turns/mean", m.get("agent/requests_per_task")),
-                     "extend_tokens": m.get("rollout/extend_tokens", m.get("agent/extend_tokens"))}
+                     "extend_tokens": m.get("rollout/extend_tokens", m.get("agent/extend_tokens")),
+                     "decode_steps": m.get("rollout/decode_steps")}
     res["server_vs_in_engine"] = res["server"]["tok_s"] / res["in_engine"]["tok_s"]
+    m = out_srv.meta_info["metrics"]
+    res["server"]["engine"] = {k.split("/")[1]: m[k] for k in SERVER_KEYS if k in m}
     write_json(args.out, res)
     rows = ["| rollout | trajectories | turns / trajectory | model tokens | seconds | tokens/s |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -139,6 +147,7 @@ def main() -> None:
     rows.append(f"\nserver ({res['agent_workers']} agent processes) / in-engine tokens/s: "
                 f"**{res['server_vs_in_engine']:.2f}** "
                 f"({res['date']}, {res['commit']}, {res['gpu']}, torch {res['torch']})")
+    rows.append("\nserver: " + ", ".join(f"{k} {v:.3g}" for k, v in res["server"]["engine"].items()))
     write_table(Path(args.out).with_suffix(".md"), "\n".join(rows), append=False)
 
 

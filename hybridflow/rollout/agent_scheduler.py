@@ -20,6 +20,7 @@ import heapq
 import itertools
 import logging
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,8 @@ class AgentScheduler:
         self._clock = itertools.count()
         self._seeds = itertools.count()
         self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefilled", "prefill_tokens",
-                                    "evictions", "decode_steps", "bad_requests", "tool_choice_unmet"), 0)
+                                    "evictions", "decode_steps", "bad_requests", "tool_choice_unmet",
+                                    "extends", "live_row_steps", "idle_s"), 0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
@@ -121,10 +123,14 @@ class AgentScheduler:
                 calls.get_nowait().reply(ApiError("the rollout ended", 503))
 
     def _take(self, calls: queue.Queue[Call], block: bool) -> None:
+        t0 = time.monotonic()
         try:
             first = calls.get(timeout=IDLE_WAIT_S) if block else calls.get_nowait()
         except queue.Empty:
             return
+        finally:
+            if block:
+                self.stats["idle_s"] += time.monotonic() - t0
         batch = [first]
         while not calls.empty():
             batch.append(calls.get_nowait())
@@ -275,6 +281,9 @@ class AgentScheduler:
                      [x for job, _ in group for x in job.seeds], room)
         self.stats["prefills"] += 1
         self.stats["prefilled"] += len(group)
+        now = time.monotonic()
+        for job, _ in group:
+            job.call.admitted = now
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in group)
 
     def _extend(self, items: list[tuple[Job, int, list[int], int]]) -> None:
@@ -289,11 +298,14 @@ class AgentScheduler:
                 caps.append(cap)
             lengths = self.r.extend_many([(s, new, self.info[s].pos0) for _, s, new, _ in group], width,
                                          steps=[st for *_, st in group], max_new=caps)
+            self.stats["extends"] += 1
+            now = time.monotonic()
             for (job, s, new_ids, step), cap, length in zip(group, caps, lengths):
                 self.info[s].used = next(self._clock)
                 self.live[s], self.host_steps[s], self.cap[s] = job, length, cap
                 job.start[s] = step + len(new_ids)
                 job.session.extended += 1
+                job.call.admitted = now
                 self.stats["extended"] += 1
                 self.stats["extend_tokens"] += len(new_ids) + 1
 
@@ -308,6 +320,7 @@ class AgentScheduler:
             for _ in range(todo):
                 r.step_(b, L)
             self.stats["decode_steps"] += todo
+            self.stats["live_row_steps"] += todo * len(self.live)
             for s in self.live:
                 self.host_steps[s] += todo
         done, steps_now = r.done_and_steps()
@@ -392,4 +405,8 @@ class AgentScheduler:
                 "agent/prefill_tokens": st["prefill_tokens"],
                 "agent/kv_evictions": st["evictions"], "agent/bad_requests": st["bad_requests"],
                 "agent/tool_choice_unmet": st["tool_choice_unmet"],
-                "rollout/decode_steps": st["decode_steps"], "rollout/prefills": st["prefills"]}
+                "rollout/decode_steps": st["decode_steps"], "rollout/prefills": st["prefills"],
+                "agent/engine_idle_s": st["idle_s"], "agent/extends": st["extends"],
+                "agent/extend_rows_per_call": st["extended"] / max(st["extends"], 1),
+                "agent/prefill_rows_per_call": st["prefilled"] / max(st["prefills"], 1),
+                "agent/live_rows_per_step": st["live_row_steps"] / max(st["decode_steps"], 1)}
