@@ -53,16 +53,29 @@ class Call:
     answered: float = 0.0  # when the engine replied
 
     def reply(self, result: dict[str, Any] | Exception) -> None:
-        self.answered = time.monotonic()
+        reply_all([(self, result)])
 
-        def _set() -> None:
-            if self.future.done():  # the client went away (its agent timed out)
-                return
-            if isinstance(result, Exception):
-                self.future.set_exception(result)
-            else:
-                self.future.set_result(result)
-        self.loop.call_soon_threadsafe(_set)
+
+def reply_all(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
+    """Answer calls from any thread with one wake-up of each calls' loop: every wake-up hands the interpreter lock
+    to the loop's thread, which the engine's thread then waits to get back."""
+    now = time.monotonic()
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Call, dict[str, Any] | Exception]]] = {}
+    for call, result in replies:
+        call.answered = now
+        by_loop.setdefault(call.loop, []).append((call, result))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_set_results, items)
+
+
+def _set_results(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
+    for call, result in replies:
+        if call.future.done():  # the client went away (its agent timed out)
+            continue
+        if isinstance(result, Exception):
+            call.future.set_exception(result)
+        else:
+            call.future.set_result(result)
 
 
 # ---------------------------------------------------------------------------------------------------- responses

@@ -37,6 +37,7 @@ from hybridflow.agentic.openai_api import (
     Choice,
     chat_response,
     completion_response,
+    reply_all,
     split_tool_calls,
     tool_choice,
 )
@@ -92,6 +93,7 @@ class AgentScheduler:
         self.chat = ChatDelta(tokenizer, chat_template)
         self.sessions: dict[str, Session] = {}
         self.waiting: list[Job] = []
+        self.outbox: list[tuple[Call, dict[str, Any] | Exception]] = []  # answers sent once per loop (`_send`)
         self.live: dict[int, Job] = {}  # slot -> job sampling into it
         self.host_steps: dict[int, int] = {}
         self.cap: dict[int, int] = {}  # slot -> its max_new for this completion
@@ -117,8 +119,10 @@ class AgentScheduler:
                 self._admit()
                 if self.live:
                     self._decode()
+                self._send()
         finally:  # every request still open gets an answer, also when the engine failed
             self._abort("the rollout ended")
+            self._send()
             while not calls.empty():
                 calls.get_nowait().reply(ApiError("the rollout ended", 503))
 
@@ -139,7 +143,8 @@ class AgentScheduler:
                 self.waiting.append(self._job(call))
             except (ApiError, ValueError, TypeError, TemplateError) as err:  # the request's fault: answer 400
                 self.stats["bad_requests"] += 1
-                call.reply(err if isinstance(err, ApiError) else ApiError(f"{type(err).__name__}: {err}"))
+                bad = err if isinstance(err, ApiError) else ApiError(f"{type(err).__name__}: {err}")
+                self.outbox.append((call, bad))
 
     def _job(self, call: Call) -> Job:
         body = call.body
@@ -251,9 +256,10 @@ class AgentScheduler:
         if room < 1:
             self.waiting.remove(job)
             job.session.overflowed = True
-            job.call.reply(ApiError(f"the session is {len(ids)} tokens long; with the {self.R}-token response "
-                                    f"budget the engine holds {self.r.cache.max_len - 1}: context length exceeded "
-                                    "(raise data.max_prompt_length / data.max_response_length)"))
+            self.outbox.append((job.call, ApiError(
+                f"the session is {len(ids)} tokens long; with the {self.R}-token response budget the engine holds "
+                f"{self.r.cache.max_len - 1}: context length exceeded "
+                "(raise data.max_prompt_length / data.max_response_length)")))
             return False
         slots = self._take_slots(job.params.n)
         if slots is None:
@@ -366,7 +372,8 @@ class AgentScheduler:
                 temperature = job.params.temperature if job.params.do_sample else 1.0  # as the sampler's log-probs
                 top = [[(self.tok.decode([t]), lp) for t, lp in alts] for alts in top_logprobs(
                     self.r, branch.prompt + branch.resp, len(ids), job.top, temperature)]
-            choices.append(Choice(text, ids, lps, [self.tok.decode([t]) for t in ids], reason, message, top))
+            tokens = [self.tok.decode([t]) for t in ids] if job.logprobs else []  # only the log-probs show them
+            choices.append(Choice(text, ids, lps, tokens, reason, message, top))
         stale = [s for s, info in self.info.items() if s not in self.live and info.owner is not None
                  and any(info.owner is b for b in job.session.branches)]
         for s in stale:
@@ -374,7 +381,13 @@ class AgentScheduler:
         job.session.branches = new_branches
         prompt_tokens = len(job.branches[0].prompt) + job.branches[0].gen_start
         build = chat_response if job.call.kind == "chat" else completion_response
-        job.call.reply(build(str(job.call.body.get("model", "policy")), choices, prompt_tokens, job.logprobs))
+        self.outbox.append((job.call, build(str(job.call.body.get("model", "policy")), choices, prompt_tokens,
+                                            job.logprobs)))
+
+    def _send(self) -> None:
+        if self.outbox:
+            reply_all(self.outbox)
+            self.outbox = []
 
     def _cut(self, ids: list[int], lps: list[float], stops: list[str], stop_ids: set[int]
              ) -> tuple[list[int], list[float], str, str]:
@@ -391,7 +404,7 @@ class AgentScheduler:
 
     def _abort(self, why: str) -> None:
         for job in {id(j): j for j in [*self.live.values(), *self.waiting]}.values():
-            job.call.reply(ApiError(why, 503))
+            self.outbox.append((job.call, ApiError(why, 503)))
         for s in list(self.live):
             self.info.pop(s, None)
             heapq.heappush(self.free, s)
