@@ -50,6 +50,9 @@ from hybridflow.utils.tokenizer_protocol import Tokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02  # longest wait for a request when no slot is decoding
+# with no slot decoding, the first request waits this long for more: agents answered together come back spread out
+# (each agent process sends its share one after another), and one forward + decode chunk for the wave beats one each
+GATHER_S = 0.003
 
 
 @dataclass
@@ -128,16 +131,18 @@ class AgentScheduler:
 
     def _take(self, calls: queue.Queue[Call], block: bool) -> None:
         t0 = time.monotonic()
-        try:
-            first = calls.get(timeout=IDLE_WAIT_S) if block else calls.get_nowait()
-        except queue.Empty:
-            return
-        finally:
-            if block:
-                self.stats["idle_s"] += time.monotonic() - t0
-        batch = [first]
-        while not calls.empty():
-            batch.append(calls.get_nowait())
+        batch: list[Call] = []
+        deadline = t0 + (IDLE_WAIT_S if block else 0.0)
+        while True:
+            try:
+                left = deadline - time.monotonic()
+                batch.append(calls.get(timeout=left) if left > 0 else calls.get_nowait())
+            except queue.Empty:
+                break
+            if len(batch) == 1 and block:
+                deadline = time.monotonic() + GATHER_S
+        if block:
+            self.stats["idle_s"] += time.monotonic() - t0
         for call in batch:
             try:
                 self.waiting.append(self._job(call))
