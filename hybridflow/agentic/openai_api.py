@@ -195,8 +195,8 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
 @dataclass
 class Latency:
     """Where a request's time goes outside the model, summed on the server's loop: queued (arrival in the handler ->
-    admitted into KV slots), answering (the engine's reply -> response written) and each session's gap between a
-    response written and its next request's arrival (the agent: its client, its tools, the connection)."""
+    admitted into KV slots), answering (the engine's reply -> response serialised) and each session's gap between a
+    response and its next request's arrival (the agent: its client, its tools, the connection)."""
 
     queued_s: float = 0.0
     admitted: int = 0
@@ -204,14 +204,14 @@ class Latency:
     answered: int = 0
     gap_s: float = 0.0
     gaps: int = 0
-    last: dict[str, float] = field(default_factory=dict)  # session -> when its last response was written
+    last: dict[str, float] = field(default_factory=dict)  # session -> when its last response was serialised
 
     def arrive(self, session: str, now: float) -> None:
         if session in self.last:
             self.gap_s += now - self.last.pop(session)
             self.gaps += 1
 
-    def written(self, call: Call, now: float) -> None:
+    def replied(self, call: Call, now: float) -> None:
         if call.admitted:
             self.queued_s += call.admitted - call.arrived
             self.admitted += 1
@@ -308,10 +308,8 @@ class OpenAIServer:
             if body.get("stream"):
                 resp = await _stream(request, sse_chunks(result, body.get("stream_options") or {}))
             else:
-                resp = web.json_response(result)
-                await resp.prepare(request)
-                await resp.write_eof()
-            self.latency.written(call, time.monotonic())
+                resp = web.json_response(result)  # serialised here; aiohttp writes it on return
+            self.latency.replied(call, time.monotonic())
             return resp
         except ApiError as err:
             return _error(str(err), err.status)
