@@ -7,8 +7,8 @@ CPU smoke test:  PYTHONPATH=. python3 benchmarks/agent_server.py --smoke --out /
 
 Workload (multi_turn.py's): random-init Qwen2.5 shape, one random prompt for all rows, sampling at temperature 1, a
 turn ends on any of V / `--turn-len` stop ids, the tool sleeps `--tool-latency` and answers `--tool-tokens` ids. The
-agent speaks `/v1/completions` with token ids (a random model has no chat to render): it sends the prompt, then the
-ids so far + the tool's ids, which the endpoint serves by extending the session's KV cache (the in-engine rollout's
+agent speaks `/v1/completions` with token ids (a random model has no chat to render; sent in `extra_body`, see
+`agent`): it sends the prompt, then the ids so far + the tool's ids, which the endpoint serves by extending the session's KV cache (the in-engine rollout's
 reuse), and stops after `--turns` completions or when the response budget would overflow. Tokens/s counts
 model-sampled tokens after one warm-up run of each; the samples differ between the two (other seeds), so both token
 counts are reported. Output: the JSON at `--out` and a markdown table beside it (`.md`).
@@ -38,6 +38,11 @@ from hybridflow.rollout.sampling import SamplingParams
 SMOKE = {"device": "cpu", "preset": "tiny", "prompts": 2, "n": 2, "prompt_len": 8, "response_len": 48,
          "turn_len": 8, "tool_tokens": 4, "tool_latency": 0.005}
 
+# where the server run's time goes (docs/metrics.md, agent/*)
+SERVER_KEYS = ("agent/engine_idle_s", "agent/live_rows_per_step", "rollout/prefills", "agent/prefill_rows_per_call",
+               "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/answer_ms",
+               "agent/turn_gap_ms", "rollout/decode_steps")
+
 
 async def agent(client: Any, sample: dict[str, Any]) -> None:
     """The benchmark's agent (`rollout.agent.path` = this file, `name=agent`): `turns` completions with the tool's
@@ -45,7 +50,10 @@ async def agent(client: Any, sample: dict[str, Any]) -> None:
     w = sample["workload"]
     ids, used = list(sample["prompt_ids"]), 0
     for turn in range(w["turns"]):
-        r = await client.completions.create(model="policy", prompt=ids, max_tokens=w["budget"] - used)
+        # the ids go in `extra_body`: as `prompt=ids` the openai client walks every id against the parameter's
+        # type union (~15 us an id: 13 of the 16 ms a 768-id request costs the agent's process)
+        r = await client.completions.create(model="policy", prompt="", max_tokens=w["budget"] - used,
+                                            extra_body={"prompt": ids})
         sampled = r.choices[0].model_extra["token_ids"]
         ids, used = ids + sampled, used + len(sampled)
         if turn + 1 == w["turns"] or used + w["tool_tokens"] + 1 >= w["budget"]:
@@ -127,8 +135,11 @@ def main() -> None:
         m = out.meta_info["metrics"]
         res[name] = {"seconds": seconds, "model_tokens": tokens, "tok_s": tokens / seconds,
                      "turns_mean": m.get("num_turns/mean", m.get("agent/requests_per_task")),
-                     "extend_tokens": m.get("rollout/extend_tokens", m.get("agent/extend_tokens"))}
+                     "extend_tokens": m.get("rollout/extend_tokens", m.get("agent/extend_tokens")),
+                     "decode_steps": m.get("rollout/decode_steps")}
     res["server_vs_in_engine"] = res["server"]["tok_s"] / res["in_engine"]["tok_s"]
+    m = out_srv.meta_info["metrics"]
+    res["server"]["engine"] = {k.split("/")[1]: m[k] for k in SERVER_KEYS if k in m}
     write_json(args.out, res)
     rows = ["| rollout | trajectories | turns / trajectory | model tokens | seconds | tokens/s |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -139,6 +150,7 @@ def main() -> None:
     rows.append(f"\nserver ({res['agent_workers']} agent processes) / in-engine tokens/s: "
                 f"**{res['server_vs_in_engine']:.2f}** "
                 f"({res['date']}, {res['commit']}, {res['gpu']}, torch {res['torch']})")
+    rows.append("\nserver: " + ", ".join(f"{k} {v:.3g}" for k, v in res["server"]["engine"].items()))
     write_table(Path(args.out).with_suffix(".md"), "\n".join(rows), append=False)
 
 

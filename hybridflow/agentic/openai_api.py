@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -48,16 +48,34 @@ class Call:
     body: dict[str, Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    arrived: float = 0.0  # time.monotonic() when the handler got the request
+    admitted: float = 0.0  # when the engine put it into KV slots (0: never)
+    answered: float = 0.0  # when the engine replied
 
     def reply(self, result: dict[str, Any] | Exception) -> None:
-        def _set() -> None:
-            if self.future.done():  # the client went away (its agent timed out)
-                return
-            if isinstance(result, Exception):
-                self.future.set_exception(result)
-            else:
-                self.future.set_result(result)
-        self.loop.call_soon_threadsafe(_set)
+        reply_all([(self, result)])
+
+
+def reply_all(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
+    """Answer calls from any thread with one wake-up of each calls' loop: every wake-up hands the interpreter lock
+    to the loop's thread, which the engine's thread then waits to get back."""
+    now = time.monotonic()
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Call, dict[str, Any] | Exception]]] = {}
+    for call, result in replies:
+        call.answered = now
+        by_loop.setdefault(call.loop, []).append((call, result))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_set_results, items)
+
+
+def _set_results(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
+    for call, result in replies:
+        if call.future.done():  # the client went away (its agent timed out)
+            continue
+        if isinstance(result, Exception):
+            call.future.set_exception(result)
+        else:
+            call.future.set_result(result)
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -174,6 +192,39 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------------- server
+@dataclass
+class Latency:
+    """Where a request's time goes outside the model, summed on the server's loop: queued (arrival in the handler ->
+    admitted into KV slots), answering (the engine's reply -> response serialised) and each session's gap between a
+    response and its next request's arrival (the agent: its client, its tools, the connection)."""
+
+    queued_s: float = 0.0
+    admitted: int = 0
+    answer_s: float = 0.0
+    answered: int = 0
+    gap_s: float = 0.0
+    gaps: int = 0
+    last: dict[str, float] = field(default_factory=dict)  # session -> when its last response was serialised
+
+    def arrive(self, session: str, now: float) -> None:
+        if session in self.last:
+            self.gap_s += now - self.last.pop(session)
+            self.gaps += 1
+
+    def replied(self, call: Call, now: float) -> None:
+        if call.admitted:
+            self.queued_s += call.admitted - call.arrived
+            self.admitted += 1
+        self.answer_s += now - call.answered
+        self.answered += 1
+        self.last[call.session] = now
+
+    def metrics(self) -> dict[str, float]:
+        return {"agent/queued_ms": 1e3 * self.queued_s / max(self.admitted, 1),
+                "agent/answer_ms": 1e3 * self.answer_s / max(self.answered, 1),
+                "agent/turn_gap_ms": 1e3 * self.gap_s / max(self.gaps, 1)}
+
+
 class OpenAIServer:
     """The endpoint on `host:port` (0 = a free port), served from a background thread's asyncio loop; `calls` is
     the queue the engine reads while `serving` is set. `run(coro)` runs a coroutine (an agent task) on that loop."""
@@ -182,6 +233,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.calls: queue.Queue[Call] = queue.Queue()
         self.serving = threading.Event()
+        self.latency = Latency()  # replaced per rollout (`take_latency`)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-openai", daemon=True)
         self._thread.start()
@@ -197,6 +249,13 @@ class OpenAIServer:
     def session_url(self, session: str) -> str:
         """The base URL an `openai` client uses for one session."""
         return f"{self.base_url}/s/{session}/v1"
+
+    def take_latency(self) -> dict[str, float]:
+        """The request latencies since the last call, as `agent/` metrics; starts counting anew."""
+        async def swap() -> Latency:
+            old, self.latency = self.latency, Latency()
+            return old
+        return self.run(swap()).result(timeout=30).metrics()
 
     def run(self, coro: Coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -231,7 +290,8 @@ class OpenAIServer:
     async def _completion(self, request: web.Request) -> web.Response:
         return await self._serve("completion", request)
 
-    async def _serve(self, kind: str, request: web.Request) -> web.Response:
+    async def _serve(self, kind: str, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -240,12 +300,17 @@ class OpenAIServer:
                 or str(body.get("user") or "") or f"anon-{uuid.uuid4().hex}"
             if not self.serving.is_set():
                 raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
-            call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+            self.latency.arrive(session, arrived)
+            call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future(),
+                        arrived)
             self.calls.put(call)
             result = await call.future
             if body.get("stream"):
-                return await _stream(request, sse_chunks(result, body.get("stream_options") or {}))
-            return web.json_response(result)
+                resp = await _stream(request, sse_chunks(result, body.get("stream_options") or {}))
+            else:
+                resp = web.json_response(result)  # serialised here; aiohttp writes it on return
+            self.latency.replied(call, time.monotonic())
+            return resp
         except ApiError as err:
             return _error(str(err), err.status)
         except json.JSONDecodeError as err:

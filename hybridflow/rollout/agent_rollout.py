@@ -102,7 +102,7 @@ class AgentRollout:
                 for k, o in enumerate(outcomes)]
         out = self._batch(rows)
         out.non_tensor_batch = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        return out, self._metrics(outcomes, sched, rows)
+        return out, self._metrics(outcomes, sched, rows) | server.take_latency()
 
     def _row(self, session: Session, o: Outcome, default_prompt: list[int]) -> dict[str, Any]:
         branch = session.final(o.result.messages) or Branch(default_prompt)

@@ -20,6 +20,7 @@ import heapq
 import itertools
 import logging
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from hybridflow.agentic.openai_api import (
     Choice,
     chat_response,
     completion_response,
+    reply_all,
     split_tool_calls,
     tool_choice,
 )
@@ -48,6 +50,9 @@ from hybridflow.utils.tokenizer_protocol import Tokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02  # longest wait for a request when no slot is decoding
+# with no slot decoding, the first request waits this long for more: agents answered together come back spread out
+# (each agent process sends its share one after another), and one forward + decode chunk for the wave beats one each
+GATHER_S = 0.003
 
 
 @dataclass
@@ -91,6 +96,7 @@ class AgentScheduler:
         self.chat = ChatDelta(tokenizer, chat_template)
         self.sessions: dict[str, Session] = {}
         self.waiting: list[Job] = []
+        self.outbox: list[tuple[Call, dict[str, Any] | Exception]] = []  # answers sent once per loop (`_send`)
         self.live: dict[int, Job] = {}  # slot -> job sampling into it
         self.host_steps: dict[int, int] = {}
         self.cap: dict[int, int] = {}  # slot -> its max_new for this completion
@@ -101,7 +107,8 @@ class AgentScheduler:
         self._clock = itertools.count()
         self._seeds = itertools.count()
         self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefilled", "prefill_tokens",
-                                    "evictions", "decode_steps", "bad_requests", "tool_choice_unmet"), 0)
+                                    "evictions", "decode_steps", "bad_requests", "tool_choice_unmet",
+                                    "extends", "live_row_steps", "idle_s"), 0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
@@ -115,25 +122,34 @@ class AgentScheduler:
                 self._admit()
                 if self.live:
                     self._decode()
+                self._send()
         finally:  # every request still open gets an answer, also when the engine failed
             self._abort("the rollout ended")
+            self._send()
             while not calls.empty():
                 calls.get_nowait().reply(ApiError("the rollout ended", 503))
 
     def _take(self, calls: queue.Queue[Call], block: bool) -> None:
-        try:
-            first = calls.get(timeout=IDLE_WAIT_S) if block else calls.get_nowait()
-        except queue.Empty:
-            return
-        batch = [first]
-        while not calls.empty():
-            batch.append(calls.get_nowait())
+        t0 = time.monotonic()
+        batch: list[Call] = []
+        deadline = t0 + (IDLE_WAIT_S if block else 0.0)
+        while True:
+            try:
+                left = deadline - time.monotonic()
+                batch.append(calls.get(timeout=left) if left > 0 else calls.get_nowait())
+            except queue.Empty:
+                break
+            if len(batch) == 1 and block:
+                deadline = time.monotonic() + GATHER_S
+        if block:
+            self.stats["idle_s"] += time.monotonic() - t0
         for call in batch:
             try:
                 self.waiting.append(self._job(call))
             except (ApiError, ValueError, TypeError, TemplateError) as err:  # the request's fault: answer 400
                 self.stats["bad_requests"] += 1
-                call.reply(err if isinstance(err, ApiError) else ApiError(f"{type(err).__name__}: {err}"))
+                bad = err if isinstance(err, ApiError) else ApiError(f"{type(err).__name__}: {err}")
+                self.outbox.append((call, bad))
 
     def _job(self, call: Call) -> Job:
         body = call.body
@@ -245,9 +261,10 @@ class AgentScheduler:
         if room < 1:
             self.waiting.remove(job)
             job.session.overflowed = True
-            job.call.reply(ApiError(f"the session is {len(ids)} tokens long; with the {self.R}-token response "
-                                    f"budget the engine holds {self.r.cache.max_len - 1}: context length exceeded "
-                                    "(raise data.max_prompt_length / data.max_response_length)"))
+            self.outbox.append((job.call, ApiError(
+                f"the session is {len(ids)} tokens long; with the {self.R}-token response budget the engine holds "
+                f"{self.r.cache.max_len - 1}: context length exceeded "
+                "(raise data.max_prompt_length / data.max_response_length)")))
             return False
         slots = self._take_slots(job.params.n)
         if slots is None:
@@ -275,6 +292,9 @@ class AgentScheduler:
                      [x for job, _ in group for x in job.seeds], room)
         self.stats["prefills"] += 1
         self.stats["prefilled"] += len(group)
+        now = time.monotonic()
+        for job, _ in group:
+            job.call.admitted = now
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in group)
 
     def _extend(self, items: list[tuple[Job, int, list[int], int]]) -> None:
@@ -289,11 +309,14 @@ class AgentScheduler:
                 caps.append(cap)
             lengths = self.r.extend_many([(s, new, self.info[s].pos0) for _, s, new, _ in group], width,
                                          steps=[st for *_, st in group], max_new=caps)
+            self.stats["extends"] += 1
+            now = time.monotonic()
             for (job, s, new_ids, step), cap, length in zip(group, caps, lengths):
                 self.info[s].used = next(self._clock)
                 self.live[s], self.host_steps[s], self.cap[s] = job, length, cap
                 job.start[s] = step + len(new_ids)
                 job.session.extended += 1
+                job.call.admitted = now
                 self.stats["extended"] += 1
                 self.stats["extend_tokens"] += len(new_ids) + 1
 
@@ -308,6 +331,7 @@ class AgentScheduler:
             for _ in range(todo):
                 r.step_(b, L)
             self.stats["decode_steps"] += todo
+            self.stats["live_row_steps"] += todo * len(self.live)
             for s in self.live:
                 self.host_steps[s] += todo
         done, steps_now = r.done_and_steps()
@@ -353,7 +377,8 @@ class AgentScheduler:
                 temperature = job.params.temperature if job.params.do_sample else 1.0  # as the sampler's log-probs
                 top = [[(self.tok.decode([t]), lp) for t, lp in alts] for alts in top_logprobs(
                     self.r, branch.prompt + branch.resp, len(ids), job.top, temperature)]
-            choices.append(Choice(text, ids, lps, [self.tok.decode([t]) for t in ids], reason, message, top))
+            tokens = [self.tok.decode([t]) for t in ids] if job.logprobs else []  # only the log-probs show them
+            choices.append(Choice(text, ids, lps, tokens, reason, message, top))
         stale = [s for s, info in self.info.items() if s not in self.live and info.owner is not None
                  and any(info.owner is b for b in job.session.branches)]
         for s in stale:
@@ -361,7 +386,13 @@ class AgentScheduler:
         job.session.branches = new_branches
         prompt_tokens = len(job.branches[0].prompt) + job.branches[0].gen_start
         build = chat_response if job.call.kind == "chat" else completion_response
-        job.call.reply(build(str(job.call.body.get("model", "policy")), choices, prompt_tokens, job.logprobs))
+        self.outbox.append((job.call, build(str(job.call.body.get("model", "policy")), choices, prompt_tokens,
+                                            job.logprobs)))
+
+    def _send(self) -> None:
+        if self.outbox:
+            reply_all(self.outbox)
+            self.outbox = []
 
     def _cut(self, ids: list[int], lps: list[float], stops: list[str], stop_ids: set[int]
              ) -> tuple[list[int], list[float], str, str]:
@@ -378,7 +409,7 @@ class AgentScheduler:
 
     def _abort(self, why: str) -> None:
         for job in {id(j): j for j in [*self.live.values(), *self.waiting]}.values():
-            job.call.reply(ApiError(why, 503))
+            self.outbox.append((job.call, ApiError(why, 503)))
         for s in list(self.live):
             self.info.pop(s, None)
             heapq.heappush(self.free, s)
@@ -392,4 +423,8 @@ class AgentScheduler:
                 "agent/prefill_tokens": st["prefill_tokens"],
                 "agent/kv_evictions": st["evictions"], "agent/bad_requests": st["bad_requests"],
                 "agent/tool_choice_unmet": st["tool_choice_unmet"],
-                "rollout/decode_steps": st["decode_steps"], "rollout/prefills": st["prefills"]}
+                "rollout/decode_steps": st["decode_steps"], "rollout/prefills": st["prefills"],
+                "agent/engine_idle_s": st["idle_s"], "agent/extends": st["extends"],
+                "agent/extend_rows_per_call": st["extended"] / max(st["extends"], 1),
+                "agent/prefill_rows_per_call": st["prefilled"] / max(st["prefills"], 1),
+                "agent/live_rows_per_step": st["live_row_steps"] / max(st["decode_steps"], 1)}

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import queue
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,11 +24,13 @@ from test_rollout_engine import hf_logprobs
 
 from hybridflow.agentic.agent_session import Session, as_dict, normalize
 from hybridflow.agentic.agents import AgentResult, Environment, EnvStep
-from hybridflow.agentic.openai_api import split_tool_calls, tool_choice
+from hybridflow.agentic.openai_api import ApiError, Call, reply_all, split_tool_calls, tool_choice
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout.agent_scheduler import AgentScheduler
+from hybridflow.rollout.sampling import SamplingParams
 
 P, R = 24, 160
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -104,6 +108,12 @@ def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model)
     assert m["agent/prefilled_requests"] == 6 and m["agent/extended_requests"] == 12, m
     assert m["rollout/prefills"] <= 6, m  # first requests arriving together share one forward
     assert m["rollout/decode_steps"] < 18 * 5 / 2, m  # the sessions decoded together, not one after another
+    # where the time went: forward calls and their rows, rows per decode step, the requests' latencies
+    assert 1 <= m["agent/extends"] <= 12 and m["agent/extend_rows_per_call"] == 12 / m["agent/extends"], m
+    assert m["agent/prefill_rows_per_call"] == 6 / m["rollout/prefills"], m
+    assert 1 <= m["agent/live_rows_per_step"] <= 6, m
+    assert m["agent/turn_gap_ms"] > 0 and m["agent/answer_ms"] > 0 and m["agent/queued_ms"] >= 0, m
+    assert 0 <= m["agent/engine_idle_s"] < 30, m
     b = out.batch
     for row in range(6):
         sid = f"r{engine.agent.calls}-{row // 2}-{row % 2}"
@@ -117,6 +127,56 @@ def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model)
         assert torch.allclose(b["turn_rewards"][row][ends], torch.tensor([0.1, 0.2, 1.3]))
     # the KV reused across turns gives the log-probs of one plain forward over the whole trajectory
     assert torch.allclose(hf_logprobs(model, out, 1.0), b["rollout_log_probs"], atol=2e-4)
+
+
+def test_replies_wake_the_loop_once():
+    """The answers of one decode chunk reach the endpoint's loop in one wake-up (each hands it the interpreter
+    lock); a call whose client went away is skipped."""
+    loop = asyncio.new_event_loop()
+    try:
+        calls = [Call("completion", f"s{i}", {}, loop, loop.create_future()) for i in range(3)]
+        calls[2].future.cancel()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
+        reply_all([(calls[0], {"ok": 0}), (calls[1], ApiError("bad")), (calls[2], {"ok": 2})])
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(wakeups) == 1
+        assert calls[0].future.result() == {"ok": 0} and isinstance(calls[1].future.exception(), ApiError)
+        assert all(c.answered > 0 for c in calls)
+    finally:
+        loop.close()
+
+
+class _Wave:
+    """Requests of one wave: each next one arrives while the engine is taking the earlier ones."""
+
+    def __init__(self, calls: list[Call]) -> None:
+        self.calls = calls
+
+    def empty(self) -> bool:
+        return True  # nothing there yet when looked at
+
+    def get(self, timeout: float | None = None) -> Call:
+        if not self.calls:
+            raise queue.Empty
+        return self.calls.pop(0)
+
+    def get_nowait(self) -> Call:
+        raise queue.Empty
+
+
+def test_idle_engine_gathers_a_wave_before_admitting():
+    runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
+    sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
+                           check_every=1, seed=0)
+    loop = asyncio.new_event_loop()
+    try:
+        wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}, loop, loop.create_future()) for i in range(3)]
+        sched._take(_Wave(list(wave)), block=True)
+    finally:
+        loop.close()
+    assert [job.call for job in sched.waiting] == wave  # admitted in one forward, not one per arrival
 
 
 async def edit_agent(client, sample):
