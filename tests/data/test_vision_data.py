@@ -4,6 +4,7 @@ processor, errors that name the row, and the built-in `colour_count` task and it
 from __future__ import annotations
 
 import io
+import random
 from unittest import mock
 
 import numpy as np
@@ -17,7 +18,7 @@ from hybridflow.data import collate_rl
 from hybridflow.data.colour_task import CELL, COLOURS, GRID
 from hybridflow.data.parquet_io import read_rows, write_rows
 from hybridflow.data.rl_dataset import RLHFDataset
-from hybridflow.data.tasks import task_splits
+from hybridflow.data.tasks import get_task, task_splits
 from hybridflow.data.vision import IMAGE_GRID_THW, PIXEL_VALUES, VISION_END, VISION_START
 from hybridflow.models.tiny_vl import tiny_vl_image_processor, tiny_vl_tokenizer
 from hybridflow.models.tokenizer import builtin_tokenizer
@@ -127,3 +128,12 @@ def test_sft_image_rows_carry_the_rl_prompt_ids_and_pixels():
         SFTDataset(train, tok, max_length=96)
     with pytest.raises(ValueError, match="the cut would drop image tokens"):
         SFTDataset(train, tok, max_length=12, image_processor=tiny_vl_image_processor())[0]
+
+
+def test_colour_count_flawed_demonstrations_drop_the_answer_marker():
+    train, _ = task_splits("colour_count", 4, 2, seed=1)
+    truth = train[0]["reward_model"]["ground_truth"]
+    bad = get_task("colour_count").corrupt(train[0], random.Random(0))
+    assert bad["response"] == truth and bad["images"] == train[0]["images"]
+    scorer = get_reward_fn(reward_fn_name(train[0]["data_source"]))
+    assert scorer("hybridflow/colour_count", bad["response"], truth)["score"] == 0.0
