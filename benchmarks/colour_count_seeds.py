@@ -28,7 +28,7 @@ from benchmarks import harness
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "colour_count.yaml"
 CHECKPOINT = ROOT / "tests" / "assets" / "sft_colour_count"
-SFT_OVERRIDES = ("sft.extra_schedules=0",)
+SFT_OVERRIDES = ("sft.extra_schedules=0", "trainer.test_freq=50")  # as make_sft_checkpoint.py validates
 RL_OVERRIDES = ("trainer.test_freq=20",)  # validated before and after only (the example validates every 5 steps)
 
 
