@@ -24,13 +24,14 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts, not an inst
 from benchmarks.colour_count_seeds import CHECKPOINT, rl_config, rl_run  # noqa: E402
 
 # Stage 1: the checkpoint's validation success rate (128 held-out problems x 2 samples at temperature 1) over the 10
-# step-0 validations of the stage-2 sweep: 10.9 / 12.5 / 16.4% (min / median / max). The counting itself is weak: the
-# same SFT without flawed demonstrations reached 50% greedy after 400 steps (one run).
+# step-0 validations of the stage-2 sweep: 10.9 / 12.5 / 16.4% (min / median / max) with the HF generate rollout,
+# 11.7 / 14.1 / 14.8% with the engine's native one. The counting itself is weak: the same SFT without flawed
+# demonstrations reached 50% greedy after 400 steps (one run).
 CHECKPOINT_SUCCESS_RANGE = (0.05, 0.30)
 # Stage 2: GRPO, 20 steps (16 prompts x 8 samples, lr 2e-4). Over 5 RL seeds x 2 numerics the success rate rose
-# +14.1 / +20.7 / +26.2 points (min / median / max; 10.9-16.4% -> 27.7-38.7%; AVX2 trajectories identical to the
-# default's; docs/benchmarks.md, "Vision-language learning"). The bound keeps 4 points (~1.5 sd of 256 samples) below
-# the minimum.
+# +14.1 / +20.7 / +26.2 points (min / median / max) with the HF generate rollout and +16.4 / +19.9 / +23.4 with the
+# engine's native vision-language rollout (AVX2 trajectories identical to the default's; docs/benchmarks.md,
+# "Vision-language learning"). The bound keeps 4 points (~1.5 sd of 256 samples) below the lower minimum.
 GRPO_MIN_GAIN = 0.10
 
 
