@@ -69,11 +69,14 @@ def build_rl_datasets(data_cfg: DataConfig, tokenizer: Tokenizer, reward_cfg: Re
 
 
 def build_sft_datasets(data_cfg: DataConfig, tokenizer: Tokenizer, max_length: int | None = None,
-                       label_noise: float = 0.0) -> tuple[SFTDataset, SFTDataset | None]:
+                       label_noise: float = 0.0, image_processor: Any | None = None
+                       ) -> tuple[SFTDataset, SFTDataset | None]:
     """(train, val) SFT datasets from the same files/task; max_length defaults to prompt + response length.
-    `label_noise` (built-in tasks only) corrupts that share of the training answers, see `noisy_sft_rows`."""
+    `label_noise` (built-in tasks only) corrupts that share of the training answers, see `noisy_sft_rows`.
+    `image_processor`: a vision-language model's; rows may then carry images."""
     kwargs = dict(max_length=max_length or data_cfg.max_prompt_length + data_cfg.max_response_length,
-                  prompt_key=data_cfg.prompt_key, strict=data_cfg.strict, chat_template=data_cfg.chat_template)
+                  prompt_key=data_cfg.prompt_key, strict=data_cfg.strict, chat_template=data_cfg.chat_template,
+                  image_processor=image_processor)
     train_rows, val_rows = _rows(data_cfg)
     if label_noise and train_rows is None:
         raise ValueError(f"sft.label_noise={label_noise} applies to built-in tasks only (data.task); "

@@ -2,7 +2,9 @@
 
 The smallest vision-language problem whose answer needs the image (the question alone gives one of 3 colours). A
 layout is 16 characters, one per cell (`.` empty, `r`/`g`/`b`); images are drawn as PNG bytes when rows are made,
-in verl's `images` column ({"bytes": ...}). Scored by exact answer (`rewards.synthetic.colour_count`).
+in verl's `images` column ({"bytes": ...}). Scored by exact answer (`rewards.synthetic.colour_count`). A flawed
+demonstration (`sft.label_noise`) gives the count without the "####" the scorer reads: RL can fix the format before the
+model counts well (a random-init tiny-vl learns to see only slowly).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import io
 import random
 from collections.abc import Iterator
 from functools import lru_cache
+from typing import Any
 
 from PIL import Image
 
@@ -33,6 +36,11 @@ def space() -> Iterator[tuple[str, str, str]]:
     """(question, answer, layout) of every problem; the question holds the image placeholder."""
     for layout, colour in layouts():
         yield f"<image>How many {COLOURS[colour][0]}?", str(layout.count(colour)), layout
+
+
+def flawed(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """`row` with the demonstration "<count>" (no "####", so it scores 0) instead of "#### <count>"."""
+    return {**row, "response": str(row["reward_model"]["ground_truth"])}
 
 
 @lru_cache(maxsize=NUM_PROBLEMS)

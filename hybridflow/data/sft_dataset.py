@@ -4,7 +4,9 @@ Layouts (`layouts.sft_layout`, decided once from the columns): `messages` (a con
 are trained on), prompt (messages or string) + `response` (verl) or `completion` (TRL: a string, or messages whose
 assistant turns are trained on), or `text` (every token trained). The response gets the tokenizer's EOS appended so the model learns to stop. `loss_mask[t]
 = 1` when token t is a response token (a token the model must predict); the trainer shifts it with the labels.
-Sequences longer than `max_length` are cut on the right.
+Sequences longer than `max_length` are cut on the right. With an image processor (a vision-language model) rows may
+carry `images`, one per `<image>` placeholder of the untrained turns (`data.vision`); items then carry the row's image
+tensors in `multi_modal_inputs`, as RL prompts do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hybridflow.data.collate import collate_sft
 from hybridflow.data.layouts import sft_layout
 from hybridflow.data.parquet_io import read_rows
 from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
+from hybridflow.data.vision import IMAGE_KEY, IMAGE_PAD, IMAGE_PLACEHOLDER, VisionPrompts, check_images
 from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -72,27 +75,35 @@ def _segments(row: dict[str, Any], layout: str, prompt_key: str, tokenizer: Toke
 
 
 class SFTDataset(Dataset):
-    """`__getitem__` → {input_ids, loss_mask} (unpadded; see `collate_sft`)."""
+    """`__getitem__` → {input_ids, loss_mask[, multi_modal_inputs]} (unpadded; see `collate_sft`)."""
 
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_length: int,
                  prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
-                 name: str = "sft") -> None:
+                 name: str = "sft", image_processor: Any | None = None) -> None:
         self.tokenizer, self.max_length, self.name = tokenizer, max_length, name
         if not rows:
             raise ValueError(f"{name} dataset has no rows")
-        if any(row.get("images") for row in rows):
-            raise ValueError(f"{name} rows carry images: supervised fine-tuning on images is not supported yet "
-                             "(GRPO/PPO is); drop the images column or train with RL")
+        self.vision = None if image_processor is None else VisionPrompts(tokenizer, image_processor)
+        if self.vision is None and any(_has_images(row) for row in rows):
+            raise ValueError(f"{name} rows carry images but the model takes none (no image processor): use a "
+                             "vision-language model (model.preset=tiny-vl or a Qwen2.5-VL directory) or drop the "
+                             "images column")
         self.layout = sft_layout(list(rows[0]), prompt_key, name)
         by_text: dict[str, list[tuple[str, bool]]] = {}  # built-in tasks repeat problems: render each text once
 
-        def segments(row: dict[str, Any]) -> list[tuple[str, bool]]:
+        def segments(row: dict[str, Any]) -> tuple[list[tuple[str, bool]], list[Any]]:
             key = repr([row.get(k) for k in ("messages", "text", "response", "completion", prompt_key)])
             if key not in by_text:  # the fields `_segments` reads
                 by_text[key] = _segments(row, self.layout, prompt_key, tokenizer, chat_template)
-            return by_text[key]
+            segs = by_text[key]
+            if self.vision is None:
+                return segs, []
+            if any(trained and IMAGE_PLACEHOLDER in text for text, trained in segs):
+                raise MalformedRow(f"a trained turn holds {IMAGE_PLACEHOLDER}: images belong to untrained turns")
+            return segs, check_images(row, [{"content": text} for text, _ in segs])
 
-        self.samples: list[list[tuple[str, bool]]] = parse_rows(rows, segments, name, strict)
+        self.samples: list[tuple[list[tuple[str, bool]], list[Any]]] = parse_rows(rows, segments, name, strict)
+        self.image_token_id = None if self.vision is None else tokenizer.convert_tokens_to_ids(IMAGE_PAD)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> SFTDataset:
@@ -105,11 +116,30 @@ class SFTDataset(Dataset):
         return collate_sft(items, pad_token_id=self.tokenizer.pad_token_id or 0)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        segs, images = self.samples[i]
+        mm: dict[str, torch.Tensor] = {}
+        if images:  # each placeholder → its image's tokens, images in order across the segments
+            mm, counts = self.vision.tensors(images)
+            expanded = []
+            for text, is_response in segs:
+                n = text.count(IMAGE_PLACEHOLDER)
+                expanded.append((VisionPrompts.expand(text, counts[:n]), is_response))
+                counts = counts[n:]
+            segs = expanded
         ids: list[int] = []
         mask: list[int] = []
-        for text, is_response in self.samples[i]:
+        for text, is_response in segs:
             part = encode(self.tokenizer, text)
             ids += part
             mask += [int(is_response)] * len(part)
-        return {keys.INPUT_IDS: torch.tensor(ids[: self.max_length], dtype=torch.long),
+        if images and self.image_token_id in ids[self.max_length:]:
+            raise ValueError(f"{self.name} row {i}: {len(ids)} tokens with its images > max length {self.max_length}; "
+                             "the cut would drop image tokens: raise data.max_prompt_length")
+        item = {keys.INPUT_IDS: torch.tensor(ids[: self.max_length], dtype=torch.long),
                 "loss_mask": torch.tensor(mask[: self.max_length], dtype=torch.long), "index": i}
+        return item | ({keys.MULTI_MODAL_INPUTS: mm} if self.vision is not None else {})
+
+
+def _has_images(row: dict[str, Any]) -> bool:
+    images = row.get(IMAGE_KEY)
+    return images is not None and len(images) > 0

@@ -77,7 +77,8 @@ TASKS: dict[str, Task] = {
     "tool_calculator": Task("tool_calculator", "tool use", _tool_multiplication, _tool_demonstration,
                             tool_task.flawed),
     # count the squares of one colour in a 4x4-grid image (vision-language models), 20,000 problems
-    "colour_count": Task("colour_count", "visual counting", _colour_count, draw=colour_task.draw),
+    "colour_count": Task("colour_count", "visual counting", _colour_count, corrupt=colour_task.flawed,
+                         draw=colour_task.draw),
 }
 
 

@@ -78,13 +78,17 @@ class VisionPrompts:
         assert len(pieces) == len(counts) + 1, (len(pieces) - 1, counts)
         return pieces[0] + "".join(VISION_START + IMAGE_PAD * n + VISION_END + p for n, p in zip(counts, pieces[1:]))
 
+    def tensors(self, images: Sequence[Any]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """({pixel_values, image_grid_thw}, image tokens of each image) of a non-empty list of images."""
+        out = self.image_processor(images=[decode_image(i) for i in images], return_tensors="pt")
+        mm = {PIXEL_VALUES: out[PIXEL_VALUES], IMAGE_GRID_THW: out[IMAGE_GRID_THW].long()}
+        return mm, (mm[IMAGE_GRID_THW].prod(-1) // self.merge ** 2).tolist()
+
     def __call__(self, text: str, images: Sequence[Any]) -> tuple[str, dict[str, torch.Tensor]]:
         """(rendered text with expanded placeholders, {pixel_values, image_grid_thw}) of one prompt."""
         if not images:
             return text, {}
-        out = self.image_processor(images=[decode_image(i) for i in images], return_tensors="pt")
-        mm = {PIXEL_VALUES: out[PIXEL_VALUES], IMAGE_GRID_THW: out[IMAGE_GRID_THW].long()}
-        counts = (mm[IMAGE_GRID_THW].prod(-1) // self.merge ** 2).tolist()
+        mm, counts = self.tensors(images)
         return self.expand(text, counts), mm
 
 

@@ -136,15 +136,17 @@ def _auto_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerB
 
 
 def model_config(cfg: ModelSource, path: str | None = None) -> PretrainedConfig:
-    """The HF config of `path` (or `cfg.path`) or of `cfg.preset`, with `cfg.override_config` applied."""
+    """The HF config of `path` (or `cfg.path`) or of `cfg.preset`, with `cfg.override_config` applied (to a
+    vision-language model's text config when the key is not a top-level field, as the `tiny-vl` preset does)."""
     path = path or cfg.path
     if path is None:
         return preset_config(cfg.preset, **cfg.override_config)
     hf = AutoConfig.from_pretrained(str(_check_dir(path, "model.path")), trust_remote_code=cfg.trust_remote_code)
     for key, value in cfg.override_config.items():
-        if not hasattr(hf, key):
-            raise ValueError(f"model.override_config.{key}: {type(hf).__name__} has no such field")
-        setattr(hf, key, value)
+        target = hf if hasattr(hf, key) or not is_vision_language(hf) else hf.get_text_config()
+        if not hasattr(target, key):
+            raise ValueError(f"model.override_config.{key}: {type(target).__name__} has no such field")
+        setattr(target, key, value)
     return hf
 
 

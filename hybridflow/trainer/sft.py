@@ -22,6 +22,7 @@ from hybridflow.config import Config
 from hybridflow.config.schema import SFTConfig
 from hybridflow.data.build import build_sft_datasets
 from hybridflow.engine import EngineSpec, HeadRequest
+from hybridflow.models.loader import load_image_processor
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.supervised import SupervisedAlgorithm, SupervisedTrainer
 from hybridflow.workers.engine_specs import sft_head, sft_spec
@@ -38,7 +39,8 @@ class SFTAlgorithm(SupervisedAlgorithm):
     sec: SFTConfig
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
-        return build_sft_datasets(self.cfg.data, self.tokenizer, label_noise=self.cfg.sft.label_noise)
+        return build_sft_datasets(self.cfg.data, self.tokenizer, label_noise=self.cfg.sft.label_noise,
+                                  image_processor=load_image_processor(self.cfg.model))
 
     def collate_fn(self) -> Callable[[list[Any]], DataProto]:
         return functools.partial(collate_sft_rows, pad_token_id=self.pad_id)

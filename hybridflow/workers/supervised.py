@@ -21,6 +21,7 @@ import torch
 from hybridflow.checkpoint.worker import CheckpointingGroup, CheckpointingWorker
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, gathered, per_rank, register
+from hybridflow.data.vision import batch_vision_inputs, vision_column
 from hybridflow.engine import TrainEngine, train_update
 from hybridflow.engine.checkpoint import full_model_state, write_hf
 from hybridflow.engine.model_forward import HeadRequest
@@ -101,14 +102,20 @@ class SupervisedWorker(CheckpointingWorker, Worker):
     @torch.no_grad()
     def _argmax_hits(self, data: DataProto) -> torch.Tensor:
         """[B, R] bool: the model's greedy token equals the response token. A plain padded HF forward through
-        the root module (FSDP2 hooks apply); logits only for the last R+1 positions, in micro-batches."""
+        the root module (FSDP2 hooks apply); logits only for the last R+1 positions, in micro-batches. With images,
+        HF's forward runs the vision tower and derives the 3-D rope positions itself."""
         b = data.batch
         R = b[keys.RESPONSES].shape[1]
         micro = self.spec.infer_batching.size
+        images = vision_column(data.non_tensor_batch)
+        image_token = getattr(self.engine.module.config, "image_token_id", None)
         out = []
         for s in range(0, len(data), micro):
             sl = slice(s, s + micro)
             dev = {k: b[k][sl].to(self.engine.device) for k in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)}
+            vision = batch_vision_inputs(None if images is None else images[sl], b[keys.INPUT_IDS][sl], image_token)
+            if vision:
+                dev |= {k: v.to(self.engine.device) for k, v in vision.items()} | {keys.POSITION_IDS: None}
             logits = self.engine.module(**dev, use_cache=False, logits_to_keep=R + 1).logits
             out.append((logits[:, :R].argmax(-1) == b[keys.RESPONSES][sl].to(logits.device)).cpu())
         return torch.cat(out)

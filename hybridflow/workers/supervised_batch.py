@@ -23,6 +23,7 @@ import torch
 
 from hybridflow.data.collate import pad_sequences, position_ids_from_mask
 from hybridflow.protocol import DataProto, keys
+from hybridflow.protocol.indexing import to_object_array
 
 
 def _as_list(x: Any) -> list[int]:
@@ -61,10 +62,14 @@ def engine_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
 
 
 def collate_sft_rows(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> DataProto:
-    """`SFTDataset` items ({input_ids, loss_mask}) → one engine-layout batch."""
+    """`SFTDataset` items ({input_ids, loss_mask[, multi_modal_inputs]}) → one engine-layout batch; the items'
+    image tensors become the non-tensor column `multi_modal_inputs`, as in RL batches."""
     parts = [split_at_first_loss_token(it[keys.INPUT_IDS], it["loss_mask"]) for it in items]
-    return engine_batch([p for p, _, _ in parts], [r for _, r, _ in parts], [m for _, _, m in parts],
-                        pad_token_id)
+    batch = engine_batch([p for p, _, _ in parts], [r for _, r, _ in parts], [m for _, _, m in parts],
+                         pad_token_id)
+    if items and keys.MULTI_MODAL_INPUTS in items[0]:
+        batch.non_tensor_batch[keys.MULTI_MODAL_INPUTS] = to_object_array([it[keys.MULTI_MODAL_INPUTS] for it in items])
+    return batch
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

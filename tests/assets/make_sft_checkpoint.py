@@ -5,11 +5,13 @@
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py tool_calculator  # sft_tool_calculator/
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py arithmetic_clean # sft_arithmetic_clean/
     OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py arithmetic_moe   # sft_arithmetic_moe/
+    OMP_NUM_THREADS=1 .venv/bin/python tests/assets/make_sft_checkpoint.py colour_count     # sft_colour_count/
 
 `arithmetic`: the config of `hybridflow quickstart` (hybridflow/config/quickstart.yaml); `arithmetic_clean`: the same
 without label noise (the distillation test's teacher); `arithmetic_moe`: the quickstart on the `tiny-moe` preset (Qwen3-MoE,
 8 experts, top-2) at the quickstart's shape; `tool_calculator`: the tool-use recipe
-(examples/tool_calculator.yaml); default seeds. Writes the HF directory and `provenance.json`
+(examples/tool_calculator.yaml); `colour_count`: the vision-language recipe (examples/colour_count.yaml, `tiny-vl`,
+images); default seeds. Writes the HF directory and `provenance.json`
 (steps, val loss, versions, CPU). Float rounding differs between machines, so a regenerated checkpoint is
 equivalent, not bit-identical.
 """
@@ -38,6 +40,8 @@ RECIPES = {  # name -> (config, asset directory, config as named in provenance.j
                        ("model.preset=tiny-moe",)),
     "tool_calculator": (ROOT / "examples" / "tool_calculator.yaml", ASSETS / "sft_tool_calculator",
                         "examples/tool_calculator.yaml (default seeds)", ()),
+    "colour_count": (ROOT / "examples" / "colour_count.yaml", ASSETS / "sft_colour_count",
+                     "examples/colour_count.yaml (default seeds)", ()),
 }
 
 

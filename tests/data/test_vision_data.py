@@ -4,6 +4,7 @@ processor, errors that name the row, and the built-in `colour_count` task and it
 from __future__ import annotations
 
 import io
+import random
 from unittest import mock
 
 import numpy as np
@@ -17,7 +18,7 @@ from hybridflow.data import collate_rl
 from hybridflow.data.colour_task import CELL, COLOURS, GRID
 from hybridflow.data.parquet_io import read_rows, write_rows
 from hybridflow.data.rl_dataset import RLHFDataset
-from hybridflow.data.tasks import task_splits
+from hybridflow.data.tasks import get_task, task_splits
 from hybridflow.data.vision import IMAGE_GRID_THW, PIXEL_VALUES, VISION_END, VISION_START
 from hybridflow.models.tiny_vl import tiny_vl_image_processor, tiny_vl_tokenizer
 from hybridflow.models.tokenizer import builtin_tokenizer
@@ -102,9 +103,37 @@ def test_colour_count_rows_draw_the_answer_and_survive_parquet(tmp_path):
     assert score("hybridflow/colour_count", f"#### {int(truth) + 1}", truth)["score"] == 0.0
 
 
-def test_sft_on_image_rows_is_refused():
+def test_sft_image_rows_carry_the_rl_prompt_ids_and_pixels():
     from hybridflow.data.sft_dataset import SFTDataset
+    from hybridflow.workers.supervised_batch import collate_sft_rows
 
     train, _ = task_splits("colour_count", 4, 2, seed=1)
-    with pytest.raises(ValueError, match="sft rows carry images"):
-        SFTDataset(train, tiny_vl_tokenizer(), max_length=96)
+    tok = tiny_vl_tokenizer()
+    sft = SFTDataset(train, tok, max_length=96, image_processor=tiny_vl_image_processor())
+    rl = _dataset(train)
+    for i in range(len(train)):
+        item, prompt = sft[i], rl[i]
+        n = len(prompt[keys.INPUT_IDS])
+        # the prompt as RL renders it (image pads and all), then the trained answer and EOS
+        assert item[keys.INPUT_IDS][:n].tolist() == prompt[keys.INPUT_IDS].tolist()
+        assert item["loss_mask"][:n].sum() == 0 and item["loss_mask"][n:].all()
+        truth = train[i]["reward_model"]["ground_truth"]
+        assert tok.decode(item[keys.INPUT_IDS][n:]) == f"#### {truth}{tok.eos_token}"
+        for k in (PIXEL_VALUES, IMAGE_GRID_THW):
+            assert torch.equal(item[keys.MULTI_MODAL_INPUTS][k], prompt[keys.MULTI_MODAL_INPUTS][k])
+    batch = collate_sft_rows([sft[0], sft[1]], tok.pad_token_id)
+    column = batch.non_tensor_batch[keys.MULTI_MODAL_INPUTS]
+    assert len(column) == 2 and torch.equal(column[1][PIXEL_VALUES], sft[1][keys.MULTI_MODAL_INPUTS][PIXEL_VALUES])
+    with pytest.raises(ValueError, match="sft rows carry images but the model takes none"):
+        SFTDataset(train, tok, max_length=96)
+    with pytest.raises(ValueError, match="the cut would drop image tokens"):
+        SFTDataset(train, tok, max_length=12, image_processor=tiny_vl_image_processor())[0]
+
+
+def test_colour_count_flawed_demonstrations_drop_the_answer_marker():
+    train, _ = task_splits("colour_count", 4, 2, seed=1)
+    truth = train[0]["reward_model"]["ground_truth"]
+    bad = get_task("colour_count").corrupt(train[0], random.Random(0))
+    assert bad["response"] == truth and bad["images"] == train[0]["images"]
+    scorer = get_reward_fn(reward_fn_name(train[0]["data_source"]))
+    assert scorer("hybridflow/colour_count", bad["response"], truth)["score"] == 0.0

@@ -12,7 +12,7 @@ from PIL import Image
 from hybridflow.config import load_config
 from hybridflow.data.vision import IMAGE_GRID_THW, PIXEL_VALUES
 from hybridflow.engine.checkpoint import write_hf
-from hybridflow.models.loader import load_image_processor, load_module, load_tokenizer
+from hybridflow.models.loader import load_image_processor, load_module, load_tokenizer, model_config
 
 
 def test_exported_tiny_vl_loads_back_as_model_path(tmp_path):
@@ -34,3 +34,7 @@ def test_exported_tiny_vl_loads_back_as_model_path(tmp_path):
               mm_token_type_ids=(ids == model.config.image_token_id).int())
     with torch.no_grad():
         torch.testing.assert_close(again(**kw).logits, model(**kw).logits)
+    # a recipe's text-model overrides (as the preset takes them) still apply when it loads the exported directory
+    shaped = load_config([], [f"model.path={out}", "model.override_config={rms_norm_eps: 1.0e-5}"]).model
+    hf = model_config(shaped)
+    assert hf.get_text_config().rms_norm_eps == 1.0e-5 and not hasattr(hf, "rms_norm_eps")
