@@ -17,6 +17,8 @@ from typing import Any
 
 from PIL import Image
 
+from hybridflow.protocol import keys
+
 GRID, CELL = 4, 8  # 4x4 cells of 8x8 pixels: one cell = one merged 2x2 patch of the tiny-vl preset
 COLOURS = {"r": ("red", (220, 30, 30)), "g": ("green", (30, 200, 30)), "b": ("blue", (30, 30, 220))}
 NUM_PROBLEMS = 20_000
@@ -40,7 +42,7 @@ def space() -> Iterator[tuple[str, str, str]]:
 
 def flawed(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     """`row` with the demonstration "<count>" (no "####", so it scores 0) instead of "#### <count>"."""
-    return {**row, "response": str(row["reward_model"]["ground_truth"])}
+    return {**row, "response": str(row[keys.REWARD_MODEL]["ground_truth"])}
 
 
 @lru_cache(maxsize=NUM_PROBLEMS)
