@@ -84,7 +84,7 @@ def test_label_noise_makes_the_flawed_kinds_in_equal_parts():
     train, _ = build_sft_datasets(cfg.data, TOK, label_noise=0.6)
     clean, _ = task_splits("tool_calculator", 3000, 10, seed=cfg.data.seed)
     kinds = Counter()
-    for i, segments in enumerate(train.samples):
+    for i, (segments, _images) in enumerate(train.samples):
         text = "".join(t for t, _ in segments)
         if text.count("<tool_call>") and text.count(f"#### {clean[i]['reward_model']['ground_truth']}{EOS}") \
                 and "Error" not in text:
