@@ -276,6 +276,11 @@ class RolloutEngine:
                 self.release_cache()
             return out.to(dev_in)
         else:
+            kw = {}
+            if self._vl:  # the vision tower, once per prompt, before the KV cache takes its share of the memory
+                t_vis = time.perf_counter()
+                kw["images"] = vision.encode(self.module, ids_d, mask_d, images, self.dtype)
+                self.timing["timing/rollout_vision"] = time.perf_counter() - t_vis
             runner = self._prepare()
             runner.set_sampling(params, self.eos_ids)
             sched = Scheduler(runner, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
@@ -284,11 +289,6 @@ class RolloutEngine:
                 sched, (ids_d, mask_d, pos_d) = self._multi_turn_scheduler(runner, prompts, params.n,
                                                                             ids_d, mask_d, pos_d)
             runner.capture_s = 0.0
-            kw = {}
-            if self._vl:  # the vision tower, once per prompt, before any prefill
-                t_vis = time.perf_counter()
-                kw["images"] = vision.encode(self.module, ids_d, mask_d, images, self.dtype)
-                self.timing["timing/rollout_vision"] = time.perf_counter() - t_vis
             res = sched.run(ids_d, mask_d, pos_d, params.n, seeds, max_new, weight_check, **kw)
             self.timing["timing/rollout_graph_capture"] = runner.capture_s
         self.timing["timing/generate"] = time.perf_counter() - t0

@@ -114,6 +114,9 @@ def check_supported(module: nn.Module, *, fallback_reason: str | None, tp_size: 
         why = f"it needs our engine, but this model generates through HF generate ({fallback_reason})"
     elif tp_size > 1:
         why = f"rollout.tensor_model_parallel_size={tp_size}: fp8 is built for one rank per model; set it to 1"
+    elif dtype == torch.float16:  # the tensorwise GEMMs write the unscaled sum (up to 448² K) in x's dtype
+        why = ("the generation dtype is float16, whose range (65504) the unscaled fp8 sums overflow; generate in "
+               "bfloat16 (model.dtype=bfloat16)")
     elif any(moe_ops.is_moe_layer(layer.mlp) for layer in module.model.layers):
         why = "MoE models are not supported (the experts stay unquantized); use rollout.quantization=none"
     elif device.type == "cuda":

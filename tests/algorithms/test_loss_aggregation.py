@@ -152,10 +152,15 @@ def test_split_invariance_across_two_dp_ranks():
     procs = [ctx.Process(target=_dp_worker, args=(r, 2, port, mode, q)) for r in range(2)]
     for p in procs:
         p.start()
-    grad, n = q.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        grad, n = q.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:  # a hung rank must not outlive the test
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     mask, g = ragged(5)
     x = torch.randn(mask.shape, generator=g, dtype=torch.float64)
     w = torch.randn(mask.shape[1], generator=g, dtype=torch.float64).requires_grad_(True)

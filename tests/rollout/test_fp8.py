@@ -187,6 +187,8 @@ def test_fp8_refused_where_it_cannot_run():
         load_config([], ["rollout.quantization=fp8", "rollout.tensor_model_parallel_size=2"])
     with pytest.raises(ValueError, match="rollout.name='hf'"):
         load_config([], ["rollout.quantization=fp8", "rollout.name=hf"])
+    with pytest.raises(ValueError, match="rollout.quantization='fp8'.*float16.*overflow"):
+        fp8.check_supported(_qwen(0), fallback_reason=None, tp_size=1, device=torch.device("cpu"), dtype=torch.float16)
 
 
 def test_fp8_turns_truncated_importance_sampling_on_unless_set(caplog):
