@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +106,7 @@ def main() -> None:
         run = sft_run if args.stage == "sft" else rl_run
         print(json.dumps(run(Path(args.child), *args.overrides)))
         return
-    numerics = harness.parse_choices(args.numerics, harness.NUMERICS, "--numerics")
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, n) for n in numerics for s in harness.parse_seeds(args.seeds)]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda j: launch(out, args.stage, j[0], j[1], args.overrides), jobs))
+    out, rows = harness.sweep(args, lambda out, seed, num: launch(out, args.stage, seed, num, args.overrides))
     harness.write_table(out / f"summary_{args.stage}.md", summarize(rows, args.stage), append=False)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +103,7 @@ def main() -> None:
         torch.set_num_threads(1)
         print(json.dumps(distill(Path(args.child), *args.overrides)))
         return
-    numerics = harness.parse_choices(args.numerics, harness.NUMERICS, "--numerics")
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, n) for n in numerics for s in harness.parse_seeds(args.seeds)]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda j: launch(out, j[0], j[1], args.overrides), jobs))
+    out, rows = harness.sweep(args, lambda out, seed, num: launch(out, seed, num, args.overrides))
     harness.write_table(out / "summary.md", summarize(rows), append=False)
 
 

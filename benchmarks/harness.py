@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,17 @@ def parse_seeds(text: str) -> list[int]:
         lo, hi = text.split("-")
         return list(range(int(lo), int(hi) + 1))
     return [int(s) for s in text.split(",")]
+
+
+def sweep(args: argparse.Namespace, launch: Callable[[Path, int, str], dict[str, Any]]) -> tuple[Path, list[dict]]:
+    """Run `launch(out, seed, numerics)` for every seed x numerics of `add_sweep_args`' flags, `--jobs` at a time;
+    (the resolved output folder, the rows in job order)."""
+    numerics = parse_choices(args.numerics, NUMERICS, "--numerics")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(s, n) for n in numerics for s in parse_seeds(args.seeds)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        return out, list(pool.map(lambda j: launch(out, j[0], j[1]), jobs))
 
 
 def run_child(cmd: list[str], row: dict[str, Any], jsonl: Path, env: dict[str, str] | None = None,

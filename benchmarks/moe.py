@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from benchmarks import harness
+from benchmarks.rollout import timed
 from hybridflow.config import load_config
 from hybridflow.engine.moe_replay import routing_replay
 from hybridflow.protocol import DataProto
@@ -51,16 +51,6 @@ def prompts_for(B: int, P: int, vocab: int, dev: torch.device) -> DataProto:
     ids = torch.randint(3, vocab, (B, P), generator=torch.Generator().manual_seed(0))
     return DataProto.from_single_dict({"input_ids": ids.to(dev), "attention_mask": torch.ones(B, P, dtype=torch.long,
                                        device=dev), "position_ids": torch.arange(P, device=dev).expand(B, P).clone()})
-
-
-def timed(fn, dev: torch.device) -> tuple[Any, float]:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    out = fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return out, time.perf_counter() - t0
 
 
 def bench_ours(model, B: int, P: int, R: int, dev: torch.device, eager: bool) -> tuple[dict[str, Any], DataProto]:

@@ -28,6 +28,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from benchmarks import harness
+from benchmarks.rollout import timed
 from hybridflow.algorithms.advantages import compute_advantage
 from hybridflow.algorithms.policy_loss import vanilla_policy_loss
 from hybridflow.config import load_config
@@ -85,16 +86,6 @@ def prompts_for(args: argparse.Namespace) -> DataProto:
     if width > args.prompt_len:
         raise ValueError(f"--prompt-len {args.prompt_len} < {width} prompt tokens at --image-side {side}")
     return collate_rl(items, pad_token_id=tok.pad_token_id)
-
-
-def timed(fn: Any, dev: torch.device) -> tuple[Any, float]:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    out = fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return out, time.perf_counter() - t0
 
 
 def grpo_loss(outputs: dict[str, torch.Tensor], mb: DataProto, norm: dict[str, torch.Tensor]):
