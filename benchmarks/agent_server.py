@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,10 @@ SMOKE = {"device": "cpu", "preset": "tiny", "prompts": 2, "n": 2, "prompt_len": 
 
 # where the server run's time goes (docs/metrics.md, agent/*)
 SERVER_KEYS = ("agent/engine_idle_s", "agent/live_rows_per_step", "rollout/prefills", "agent/prefill_rows_per_call",
-               "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/answer_ms",
-               "agent/turn_gap_ms", "rollout/decode_steps")
+               "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/queued_first_ms",
+               "agent/queued_next_ms", "agent/answer_ms",
+               "agent/turn_gap_ms", "rollout/decode_steps", "agent/step_rows", "agent/loop_take_s",
+               "agent/loop_admit_s", "agent/loop_launch_s", "agent/loop_sync_s", "agent/loop_answer_s")
 
 
 async def agent(client: Any, sample: dict[str, Any]) -> None:
@@ -78,7 +81,8 @@ def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: Sa
     cfg = model.config
     engine = RolloutEngine(model, dataclasses.replace(rcfg, agent=agent_cfg), eos_token_id=cfg.eos_token_id,
                            pad_token_id=cfg.pad_token_id, max_prompt_length=args.prompt_len,
-                           max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab))
+                           max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab),
+                           check_every=args.check_every or None)
     try:
         out, seconds = timed_generate(engine, prompts, params)
     finally:
@@ -96,6 +100,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 x 2 short trajectories")
     ap.add_argument("--agent-workers", type=int, default=0,
                     help="rollout.agent.workers (0 = auto: one process per 4 CPU cores, at most 8)")
+    ap.add_argument("--check-every", type=int, default=0,
+                    help="decode steps between host looks at the done flags in the server run (0 = the engine's)")
+    ap.add_argument("--switch-intervals", default="",
+                    help="comma-separated sys.setswitchinterval values (s): one more server run under each "
+                         "(the endpoint's thread and the engine's share the interpreter lock)")
     args = ap.parse_args()
     apply_smoke(args, SMOKE)
 
@@ -127,10 +136,18 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()  # the in-engine run's KV cache, before the server run sizes its own
     out_srv, t_srv = run_server(model, rcfg, prompts, params, args, dtype)
+    extra = []
+    default_interval = sys.getswitchinterval()
+    for value in [float(v) for v in args.switch_intervals.split(",") if v]:
+        sys.setswitchinterval(value)
+        try:
+            extra.append((f"server_switch_{value:g}", *run_server(model, rcfg, prompts, params, args, dtype)))
+        finally:
+            sys.setswitchinterval(default_interval)
 
     res: dict[str, Any] = {**environment(), "args": vars(args), "trajectories": B * n,
                            "agent_workers": auto_workers(args.agent_workers)}
-    for name, out, seconds in (("in_engine", out_in, t_in), ("server", out_srv, t_srv)):
+    for name, out, seconds in (("in_engine", out_in, t_in), ("server", out_srv, t_srv), *extra):
         tokens = int(out.batch["response_mask"].sum())
         m = out.meta_info["metrics"]
         res[name] = {"seconds": seconds, "model_tokens": tokens, "tok_s": tokens / seconds,
@@ -140,10 +157,14 @@ def main() -> None:
     res["server_vs_in_engine"] = res["server"]["tok_s"] / res["in_engine"]["tok_s"]
     m = out_srv.meta_info["metrics"]
     res["server"]["engine"] = {k.split("/")[1]: m[k] for k in SERVER_KEYS if k in m}
+    for name, out, _ in extra:
+        res[name]["engine"] = {k.split("/")[1]: out.meta_info["metrics"][k] for k in SERVER_KEYS
+                               if k in out.meta_info["metrics"]}
+        res[name]["vs_in_engine"] = res[name]["tok_s"] / res["in_engine"]["tok_s"]
     write_json(args.out, res)
     rows = ["| rollout | trajectories | turns / trajectory | model tokens | seconds | tokens/s |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name in ("in_engine", "server"):
+    for name in ("in_engine", "server", *(e[0] for e in extra)):
         r = res[name]
         rows.append(f"| {name} | {B * n} | {cell(r['turns_mean'], '{:.2f}')} | {r['model_tokens']} | "
                     f"{r['seconds']:.2f} | {r['tok_s']:.0f} |")

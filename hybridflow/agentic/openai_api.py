@@ -51,6 +51,7 @@ class Call:
     arrived: float = 0.0  # time.monotonic() when the handler got the request
     admitted: float = 0.0  # when the engine put it into KV slots (0: never)
     answered: float = 0.0  # when the engine replied
+    followup: bool = False  # the session had an earlier answered request
 
     def reply(self, result: dict[str, Any] | Exception) -> None:
         reply_all([(self, result)])
@@ -200,27 +201,38 @@ class Latency:
 
     queued_s: float = 0.0
     admitted: int = 0
+    queued_next_s: float = 0.0  # the part of queued_s of follow-up requests (a session's 2nd, 3rd, ... request)
+    admitted_next: int = 0
     answer_s: float = 0.0
     answered: int = 0
     gap_s: float = 0.0
     gaps: int = 0
     last: dict[str, float] = field(default_factory=dict)  # session -> when its last response was serialised
 
-    def arrive(self, session: str, now: float) -> None:
+    def arrive(self, session: str, now: float) -> bool:
+        """Count the session's gap; True when it is a follow-up request."""
         if session in self.last:
             self.gap_s += now - self.last.pop(session)
             self.gaps += 1
+            return True
+        return False
 
     def replied(self, call: Call, now: float) -> None:
         if call.admitted:
             self.queued_s += call.admitted - call.arrived
             self.admitted += 1
+            if call.followup:
+                self.queued_next_s += call.admitted - call.arrived
+                self.admitted_next += 1
         self.answer_s += now - call.answered
         self.answered += 1
         self.last[call.session] = now
 
     def metrics(self) -> dict[str, float]:
+        first = self.admitted - self.admitted_next
         return {"agent/queued_ms": 1e3 * self.queued_s / max(self.admitted, 1),
+                "agent/queued_first_ms": 1e3 * (self.queued_s - self.queued_next_s) / max(first, 1),
+                "agent/queued_next_ms": 1e3 * self.queued_next_s / max(self.admitted_next, 1),
                 "agent/answer_ms": 1e3 * self.answer_s / max(self.answered, 1),
                 "agent/turn_gap_ms": 1e3 * self.gap_s / max(self.gaps, 1)}
 
@@ -300,9 +312,9 @@ class OpenAIServer:
                 or str(body.get("user") or "") or f"anon-{uuid.uuid4().hex}"
             if not self.serving.is_set():
                 raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
-            self.latency.arrive(session, arrived)
+            followup = self.latency.arrive(session, arrived)
             call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future(),
-                        arrived)
+                        arrived, followup=followup)
             self.calls.put(call)
             result = await call.future
             if body.get("stream"):

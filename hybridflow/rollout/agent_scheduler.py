@@ -108,7 +108,9 @@ class AgentScheduler:
         self._seeds = itertools.count()
         self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefilled", "prefill_tokens",
                                     "evictions", "decode_steps", "bad_requests", "tool_choice_unmet",
-                                    "extends", "live_row_steps", "idle_s"), 0)
+                                    "extends", "live_row_steps", "step_rows", "idle_s"), 0)
+        # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one)
+        self.phase_s = dict.fromkeys(("take", "admit", "launch", "sync", "answer"), 0.0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
@@ -118,11 +120,17 @@ class AgentScheduler:
                 beat()  # for the hang watchdog: waiting on agents (bounded by rollout.agent.timeout_s) is progress
                 if finished():
                     break
+                t0 = time.monotonic()
                 self._take(calls, block=not self.live)
+                t1 = time.monotonic()
                 self._admit()
+                self.phase_s["take"] += t1 - t0
+                self.phase_s["admit"] += time.monotonic() - t1
                 if self.live:
                     self._decode()
+                t2 = time.monotonic()
                 self._send()
+                self.phase_s["answer"] += time.monotonic() - t2
         finally:  # every request still open gets an answer, also when the engine failed
             self._abort("the rollout ended")
             self._send()
@@ -327,19 +335,25 @@ class AgentScheduler:
         todo = min(self.check_every, remaining)
         if todo > 0:
             kv_needed = max(self.info[s].width + self.host_steps[s] for s in self.live) + todo - 1
+            t0 = time.monotonic()
             b, L = r.shape(max(self.live), remaining, kv_needed)
             for _ in range(todo):
                 r.step_(b, L)
+            self.phase_s["launch"] += time.monotonic() - t0
             self.stats["decode_steps"] += todo
             self.stats["live_row_steps"] += todo * len(self.live)
+            self.stats["step_rows"] += todo * b
             for s in self.live:
                 self.host_steps[s] += todo
+        t0 = time.monotonic()
         done, steps_now = r.done_and_steps()
+        self.phase_s["sync"] += time.monotonic() - t0
         finished = [s for s in self.live if done[s]]
         if not finished and todo == 0:
             raise RuntimeError(f"agent scheduler made no progress: slots {sorted(self.live)} not done at their cap")
         if not finished:
             return
+        t0 = time.monotonic()
         idx = torch.tensor(finished, device=r.device)
         toks, logps = r.out_tok[idx].cpu().tolist(), r.out_logp[idx].cpu().tolist()
         for i, s in enumerate(finished):
@@ -349,6 +363,7 @@ class AgentScheduler:
             del self.host_steps[s]
             if len(job.out) == len(job.slots):
                 self._answer(job)
+        self.phase_s["answer"] += time.monotonic() - t0
 
     def _answer(self, job: Job) -> None:
         choices = []
@@ -427,4 +442,6 @@ class AgentScheduler:
                 "agent/engine_idle_s": st["idle_s"], "agent/extends": st["extends"],
                 "agent/extend_rows_per_call": st["extended"] / max(st["extends"], 1),
                 "agent/prefill_rows_per_call": st["prefilled"] / max(st["prefills"], 1),
-                "agent/live_rows_per_step": st["live_row_steps"] / max(st["decode_steps"], 1)}
+                "agent/live_rows_per_step": st["live_row_steps"] / max(st["decode_steps"], 1),
+                "agent/step_rows": st["step_rows"] / max(st["decode_steps"], 1)} | {
+                f"agent/loop_{k}_s": v for k, v in self.phase_s.items()}
