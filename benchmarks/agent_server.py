@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +80,7 @@ def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: Sa
     cfg = model.config
     engine = RolloutEngine(model, dataclasses.replace(rcfg, agent=agent_cfg), eos_token_id=cfg.eos_token_id,
                            pad_token_id=cfg.pad_token_id, max_prompt_length=args.prompt_len,
-                           max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab),
-                           check_every=args.check_every or None)
+                           max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab))
     try:
         out, seconds = timed_generate(engine, prompts, params)
     finally:
@@ -100,11 +98,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 x 2 short trajectories")
     ap.add_argument("--agent-workers", type=int, default=0,
                     help="rollout.agent.workers (0 = auto: one process per 4 CPU cores, at most 8)")
-    ap.add_argument("--check-every", type=int, default=0,
-                    help="decode steps between host looks at the done flags in the server run (0 = the engine's)")
-    ap.add_argument("--switch-intervals", default="",
-                    help="comma-separated sys.setswitchinterval values (s): one more server run under each "
-                         "(the endpoint's thread and the engine's share the interpreter lock)")
+    ap.add_argument("--server-variants", default="",
+                    help="';'-separated sets of space-separated rollout.agent.* overrides: one more server run "
+                         "under each, e.g. 'rollout.agent.check_every=8 rollout.agent.switch_interval_ms=null'")
     args = ap.parse_args()
     apply_smoke(args, SMOKE)
 
@@ -137,13 +133,10 @@ def main() -> None:
         torch.cuda.empty_cache()  # the in-engine run's KV cache, before the server run sizes its own
     out_srv, t_srv = run_server(model, rcfg, prompts, params, args, dtype)
     extra = []
-    default_interval = sys.getswitchinterval()
-    for value in [float(v) for v in args.switch_intervals.split(",") if v]:
-        sys.setswitchinterval(value)
-        try:
-            extra.append((f"server_switch_{value:g}", *run_server(model, rcfg, prompts, params, args, dtype)))
-        finally:
-            sys.setswitchinterval(default_interval)
+    for variant in [v.split() for v in args.server_variants.split(";") if v.strip()]:
+        vcfg = dataclasses.replace(rcfg, agent=load_config([], ["trainer.device=" + dev.type, *variant]).rollout.agent)
+        name = "server " + " ".join(o.removeprefix("rollout.agent.") for o in variant)
+        extra.append((name, *run_server(model, vcfg, prompts, params, args, dtype)))
 
     res: dict[str, Any] = {**environment(), "args": vars(args), "trajectories": B * n,
                            "agent_workers": auto_workers(args.agent_workers)}

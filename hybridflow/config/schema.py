@@ -298,9 +298,15 @@ class AgentConfig:
     workers: int  # processes running the agent tasks; 1 = the engine's, 0 = auto (one per 4 CPU cores, <= 8)
     host: str  # the endpoint's address (this host only by default)
     port: int  # 0 = any free port
+    check_every: int  # decode steps between the server's looks for finished and arriving requests; 0 = the engine's
+    switch_interval_ms: float | None  # the interpreter's thread switch interval while serving; None = Python's
 
     def __post_init__(self) -> None:
         _one_of("rollout.agent.mode", self.mode, ("builtin", "server"))
+        _check(self.check_every >= 0, "rollout.agent.check_every", self.check_every,
+               "must be >= 0 (0 = the engine's own: 8 decode steps on a GPU)")
+        _check(self.switch_interval_ms is None or 0 < self.switch_interval_ms <= 100, "rollout.agent.switch_interval_ms",
+               self.switch_interval_ms, "must be in (0, 100] milliseconds, or null to keep Python's (5 ms)")
         _check(self.mode == "builtin" or bool(self.path), "rollout.agent.path", self.path,
                "rollout.agent.mode=server needs the agent: a .py file or module defining rollout.agent.name")
         _check(self.max_concurrency >= 1, "rollout.agent.max_concurrency", self.max_concurrency, "must be >= 1")

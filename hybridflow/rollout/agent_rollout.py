@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,7 +73,7 @@ class AgentRollout:
         samples = [{k: v[i] for k, v in prompts.non_tensor_batch.items()} for i in range(B) for _ in range(n)]
         sessions = [f"r{self.calls}-{i}-{j}" for i in range(B) for j in range(n)]
         sched = AgentScheduler(runner, self.tok, self.template, params, eos_ids=eos_ids, prompt_width=self.P,
-                               check_every=check_every, seed=row_seed(params.seed, self.calls))
+                               check_every=self.cfg.check_every or check_every, seed=row_seed(params.seed, self.calls))
         server.serving.set()  # before the agents start: an early first request must not meet a 503
         limits = dict(max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s)
         if self.workers > 1:
@@ -81,12 +82,16 @@ class AgentRollout:
             tasks = server.run(self.pool.run(samples, [server.session_url(s) for s in sessions], sessions, **limits))
         else:
             tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions, **limits))
+        python_interval = sys.getswitchinterval()
+        if self.cfg.switch_interval_ms is not None:
+            sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)
         try:
             sched.serve(server.calls, tasks.done)
         except BaseException:
             tasks.cancel()  # the engine failed: stop the agents rather than let them wait for answers
             raise
         finally:
+            sys.setswitchinterval(python_interval)
             server.serving.clear()
         outcomes: list[Outcome] = tasks.result()
         self.last_sessions = sched.sessions  # for inspection (tests, debugging)
