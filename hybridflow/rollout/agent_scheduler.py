@@ -41,7 +41,7 @@ from hybridflow.agentic.openai_api import (
     split_tool_calls,
     tool_choice,
 )
-from hybridflow.rollout.model_runner import ModelRunner
+from hybridflow.rollout.model_runner import ModelRunner, on_device
 from hybridflow.rollout.sampling import SamplingParams, row_seed
 from hybridflow.rollout.top_logprobs import top_logprobs
 from hybridflow.utils.progress import beat
@@ -354,7 +354,7 @@ class AgentScheduler:
         if not finished:
             return
         t0 = time.monotonic()
-        idx = torch.tensor(finished, device=r.device)
+        idx = on_device(finished, r.device)
         toks, logps = r.out_tok[idx].cpu().tolist(), r.out_logp[idx].cpu().tolist()
         for i, s in enumerate(finished):
             job = self.live.pop(s)

@@ -60,6 +60,11 @@ def _pow2(x: int, floor: int) -> int:
     return max(floor, 1 << (x - 1).bit_length())
 
 
+def on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of host-known values on `device` without a stream sync (`torch.tensor(values, device=cuda)`
+    waits for every queued kernel — and gives the interpreter lock away to get its answer back)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
 class ModelRunner:
     """Owns the KV cache and slot state; `admit` prefills prompts into slots, `step_` decodes all live slots.
     `ops` (the forward's pieces) and `sampler` are the engine's choice for its device. With `tp` (tensor
@@ -158,7 +163,7 @@ class ModelRunner:
         assert len(slots) == B * n == len(seeds), (len(slots), B, n, len(seeds))
         assert P + max_new <= self.cache.max_len, (P, max_new, self.cache.max_len)
         dev = self.device
-        slot_t = torch.tensor(slots, device=dev)
+        slot_t = on_device(slots, dev)
         src = torch.arange(B, device=dev).repeat_interleave(n)
         embeds = None
         if image_NH is not None:
@@ -170,7 +175,7 @@ class ModelRunner:
                                       src, self.prefill_ops, embeds))
         if self.routes is not None:
             self.routes[slot_t, :P] = moe.stacked(sinks, B, P)[src]
-        seeds_t = torch.tensor(seeds, dtype=torch.long, device=dev)
+        seeds_t = on_device(seeds, dev)
         tok, logp = self._sample(logits[src], seeds_t, torch.zeros_like(seeds_t))
         self.valid[slot_t] = False
         self.valid[slot_t, :P] = mask_BP.bool()[src]
@@ -204,14 +209,14 @@ class ModelRunner:
         the caller does not know them — a sync that drains the queued decode steps first."""
         dev = self.device
         slots = [s for s, _, _ in items]
-        slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        slots_t = on_device(slots, dev)
         if steps is None or max_new is None:
             steps, max_new = torch.stack([self.resp_len[slots_t], self.max_new[slots_t]]).tolist()
         for (s, new_ids, _), step, mx in zip(items, steps, max_new):
             assert step + len(new_ids) < mx, (s, step, len(new_ids), mx)
         col0 = [prompt_width + st - 1 for st in steps]  # the column of response token step - 1 (re-fed)
         cols = torch.arange(self.valid.shape[1], device=dev)
-        self.valid[slots_t] &= cols[None] < torch.tensor(col0, device=dev)[:, None]
+        self.valid[slots_t] &= cols[None] < on_device(col0, dev)[:, None]
         if self.exact:
             logits = self._extend_exact(items, steps, col0, slots_t)
         elif self.ops.attention is not None:
@@ -274,7 +279,7 @@ class ModelRunner:
             buf, last_t = self._ext_in[:, : key[0]], self._ext_last[: key[1]]
             buf.copy_(host, non_blocking=True)
             last_t.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)
-        buf[0, idx[0]] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
+        buf[0, idx[0]] = self.out_tok[slots_t, on_device(steps, dev) - 1]
         self.valid[buf[2, :N], buf[3, :N]] = True
         if key is None:
             return self._extend_forward(buf, last_t)
@@ -324,7 +329,7 @@ class ModelRunner:
             first = resp_pos0 + steps[i] - 1
             pos[i] = torch.arange(first, first + K).clamp(max=first + k)  # padding repeats the last position
         ids, pos = ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
-        ids[:, 0] = self.out_tok[slots_t, torch.tensor(steps, device=dev) - 1]
+        ids[:, 0] = self.out_tok[slots_t, on_device(steps, dev) - 1]
         return forward.extend_batch(self.weights, self.spec, self.rope, ids, pos, lens, self.cache, slots_t, col0,
                                     self.valid, self.eager_ops)
 
@@ -491,5 +496,5 @@ class ModelRunner:
 
     def harvest(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [k, R], log-probs [k, R], lengths [k]) of finished slots; the slots become free."""
-        idx = torch.tensor(slots, device=self.device)
+        idx = on_device(slots, self.device)
         return self.out_tok[idx, : self.R], self.out_logp[idx, : self.R], self.resp_len[idx].clone()
