@@ -43,7 +43,7 @@ SERVER_KEYS = ("agent/engine_idle_s", "agent/live_rows_per_step", "rollout/prefi
                "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/queued_first_ms",
                "agent/queued_next_ms", "agent/answer_ms",
                "agent/turn_gap_ms", "rollout/decode_steps", "agent/step_rows", "agent/loop_take_s",
-               "agent/loop_admit_s", "agent/loop_launch_s", "agent/loop_sync_s", "agent/loop_answer_s")
+               "agent/loop_admit_s", "agent/loop_prefill_s", "agent/loop_extend_s", "agent/loop_launch_s", "agent/loop_sync_s", "agent/loop_answer_s")
 
 
 async def agent(client: Any, sample: dict[str, Any]) -> None:

@@ -110,7 +110,8 @@ class AgentScheduler:
                                     "evictions", "decode_steps", "bad_requests", "tool_choice_unmet",
                                     "extends", "live_row_steps", "step_rows", "idle_s"), 0)
         # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one)
-        self.phase_s = dict.fromkeys(("take", "admit", "launch", "sync", "answer"), 0.0)
+        # (prefill and extend: the parts of admit spent in those forwards)
+        self.phase_s = dict.fromkeys(("take", "admit", "prefill", "extend", "launch", "sync", "answer"), 0.0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
@@ -238,11 +239,15 @@ class AgentScheduler:
                     continue
             if self._reserve(job, start, prefill.setdefault(job.params.n, {})):
                 self.waiting.remove(job)
+        t0 = time.monotonic()
         for n_groups in prefill.values():
             for (width, room), group in n_groups.items():
                 self._prefill(width, room, group)
+        t1 = time.monotonic()
         if extend:
             self._extend(extend)
+        self.phase_s["prefill"] += t1 - t0
+        self.phase_s["extend"] += time.monotonic() - t1
 
     def _take_slots(self, k: int) -> list[int] | None:
         while len(self.free) < k:
