@@ -4,6 +4,7 @@ unquantized engine, the persistent buffers, and the configuration errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -87,10 +88,29 @@ def test_each_gemm_through_scaled_mm_matches_its_emulation(gemm):
 
 def test_fp8_gemm_env_names_the_choices(monkeypatch):
     monkeypatch.setenv(fp8.GEMM_ENV, "rowwise_fast")
-    assert fp8.default_gemm() == "rowwise_fast"
+    assert fp8.gemm_from_env() == "rowwise_fast"
+    monkeypatch.setenv(fp8.GEMM_ENV, "")  # set but empty: the default, as unset
+    assert fp8.gemm_from_env() == "tensorwise_fast"
     monkeypatch.setenv(fp8.GEMM_ENV, "blockwise")
-    with pytest.raises(ValueError, match="HYBRIDFLOW_FP8_GEMM='blockwise': use one of tensorwise_fast, tensorwise"):
-        fp8.default_gemm()
+    with pytest.raises(ValueError, match="HYBRIDFLOW_FP8_GEMM='blockwise'.*use one of tensorwise_fast, tensorwise, "
+                                         "rowwise_fast, rowwise"):
+        fp8.gemm_from_env()
+
+
+def test_a_bad_fp8_gemm_env_breaks_only_fp8_engines(monkeypatch):
+    monkeypatch.setenv(fp8.GEMM_ENV, "blockwise")
+    # importing the module does not read it (a fresh copy, so the imported one and its users stay as they are)
+    spec = importlib.util.spec_from_file_location("fp8_fresh_copy", fp8.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.GEMM == "tensorwise_fast"
+    model = _qwen(seed=0)
+    prompts = make_prompts(2, 6, model.config.vocab_size, meta={"do_sample": False})
+    assert make_engine(model, 6, 3).generate(prompts).batch["responses"].shape == (2, 3)  # unquantized: unaffected
+    with pytest.raises(ValueError, match="HYBRIDFLOW_FP8_GEMM='blockwise' .*rollout.quantization=fp8.*use one of "
+                                         "tensorwise_fast"):
+        make_engine(model, 6, 3, quantization="fp8")
+    assert fp8.GEMM == "tensorwise_fast"  # refused before it was selected
 
 
 def _codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
