@@ -5,6 +5,7 @@ buffers, and the configuration errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -16,10 +17,11 @@ from test_model_families import make_family
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmarks.lora_switch_work import build_model
-from hybridflow.config import load_config
+from hybridflow.config import load_config, resolve
 from hybridflow.engine.lora import lora_factors
 from hybridflow.rollout import fp8
 from hybridflow.rollout.weights import WeightView
+from hybridflow.tracking.run_info import write_run_info
 
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= fp8.MIN_CAPABILITY
 EPS = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: a normal value rounds within 1/16 of itself
@@ -212,14 +214,44 @@ def test_fp8_refused_where_it_cannot_run():
         fp8.check_supported(_qwen(0), fallback_reason=None, tp_size=1, device=torch.device("cpu"), dtype=torch.float16)
 
 
+def _is_mode(files=(), overrides=()) -> str | None:
+    """The rollout-IS mode a run of this config applies (None: off)."""
+    is_cfg = resolve(load_config(list(files), list(overrides))).rollout_is
+    return None if is_cfg is None else is_cfg.mode
+
+
 def test_fp8_turns_truncated_importance_sampling_on_unless_set(caplog):
-    assert load_config([], []).algorithm.rollout_is.mode is None
-    assert load_config([], ["rollout.quantization=fp8"]).algorithm.rollout_is.mode == "tis"
-    assert load_config([], ["rollout.quantization=fp8", "algorithm.rollout_is.mode=mask"]
-                       ).algorithm.rollout_is.mode == "mask"
+    assert _is_mode() is None
+    assert _is_mode(overrides=["rollout.quantization=fp8"]) == "tis"
+    assert _is_mode(overrides=["rollout.quantization=fp8", "algorithm.rollout_is.mode=mask"]) == "mask"
+    assert _is_mode(overrides=["algorithm.rollout_is.mode=mask", "rollout.quantization=fp8"]) == "mask"
+    assert _is_mode(overrides=["algorithm.rollout_is.mode=tis"]) == "tis"  # set without fp8: kept too
     with caplog.at_level(logging.WARNING):
-        cfg = load_config([], ["rollout.quantization=fp8", "algorithm.rollout_is.mode=null"])
-    assert cfg.algorithm.rollout_is.mode is None and "not corrected" in caplog.text
+        assert _is_mode(overrides=["rollout.quantization=fp8", "algorithm.rollout_is.mode=null"]) is None
+    assert "not corrected" in caplog.text
+
+
+def test_fp8_tis_default_follows_the_quantization_the_run_ends_up_with(tmp_path):
+    """auto is decided from the final config: fp8 set by an override over a file, by an override of a run's saved
+    config.yaml, or after loading, turns TIS on; an explicit mode in a file survives an fp8 override."""
+    fp8_file = tmp_path / "fp8.yaml"
+    fp8_file.write_text("rollout:\n  quantization: fp8\n")
+    assert _is_mode([fp8_file]) == "tis"
+    assert _is_mode([fp8_file], ["rollout.quantization='none'"]) is None
+    for quantization, want in (("none", "tis"), ("fp8", None)):  # a saved run's config, rerun with the other one
+        write_run_info(tmp_path / quantization, load_config([], [f"rollout.quantization='{quantization}'"]))
+        saved = tmp_path / quantization / "config.yaml"
+        other = "fp8" if quantization == "none" else "none"
+        assert _is_mode([saved]) == (None if quantization == "none" else "tis")
+        assert _is_mode([saved], [f"rollout.quantization='{other}'"]) == want
+    cfg = load_config()
+    fp8_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, quantization="fp8"))
+    assert resolve(cfg).rollout_is is None and resolve(fp8_cfg).rollout_is.mode == "tis"
+    assert resolve(fp8_cfg).recompute_old_log_prob  # TIS needs the old log-probs
+    for mode in ("mask", "null"):  # set in a file: never replaced by the fp8 default
+        user = tmp_path / f"{mode}.yaml"
+        user.write_text(f"algorithm:\n  rollout_is:\n    mode: {mode}\n")
+        assert _is_mode([user], ["rollout.quantization=fp8"]) == (None if mode == "null" else mode)
 
 
 ACC_BITS = 13  # fraction bits of the fp8 MMA's accumulator (~fp22; DeepSeek-V3 measured ~14 significant bits)
