@@ -33,7 +33,8 @@ _TINY = 1e-12  # amax floor: an all-zero row gets a tiny scale and zero codes, n
 # rounding of the scaled sum). tensorwise: `_scaled_mm` with unit tensor-wise scales (cuBLASLt) writes the unscaled
 # sum in the output dtype, then one fp32 multiply by both scales (fused with the next op in the compiled decode
 # pieces) rounds it again. _fast: `use_fast_accum` (Hopper keeps the fp8 MMA's ~fp22 accumulator instead of adding
-# it into fp32 every 128 products; an error no emulation reproduces, below the e4m3 rounding's).
+# it into fp32 every 128 products; an error the emulation does not reproduce, below the e4m3 rounding's:
+# tests/rollout/test_fp8.py bounds it).
 GEMMS = ("tensorwise_fast", "tensorwise", "rowwise_fast", "rowwise")
 GEMM_ENV = "HYBRIDFLOW_FP8_GEMM"
 # The recipe `fp8_linear` uses when given none. `select_gemm` sets it from the environment when an fp8 engine is set
