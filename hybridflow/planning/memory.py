@@ -31,8 +31,8 @@ projections made at each switch (rollout/fp8.py): 1 byte a q/k/v, o, gate/up and
 per output channel, before the KV cache is sized. Kept between steps unless `free_cache_engine` (one rank keeps the
 cast buffers even then; the fp8 copies go with the cache). Tensor-parallel generation (`tp` ranks a group): each
 rank holds its weight slices (model_shape.tp_slice_numel, kept between steps: the resharder refills them in place)
-and a cache of its KV heads (max(1, kv_heads // tp)); the group prefills and decodes its members' rows together (tp × a rank's), each rank
-computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs
+and a cache of its KV heads (max(1, kv_heads // tp)); the group prefills and decodes its members' rows together
+(tp × a rank's), each rank computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs
 `CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
 """
 
