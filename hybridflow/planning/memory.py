@@ -32,8 +32,9 @@ per output channel, before the KV cache is sized. Kept between steps unless `fre
 cast buffers even then; the fp8 copies go with the cache). Tensor-parallel generation (`tp` ranks a group): each
 rank holds its weight slices (model_shape.tp_slice_numel, kept between steps: the resharder refills them in place)
 and a cache of its KV heads (max(1, kv_heads // tp)); the group prefills and decodes its members' rows together
-(tp × a rank's), each rank computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs
-`CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
+(tp × a rank's), each rank computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated
+bytes; a GPU also needs `CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits`
+adds.
 """
 
 from __future__ import annotations
