@@ -260,7 +260,7 @@ MMA_K = 32  # products one Hopper fp8 MMA instruction adds into its accumulator
 
 def _products(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """[M, N, K / MMA_K, MMA_K] fp64: the products of each output's sum, in the MMA's blocks (zero-padded)."""
-    p = xq.double()[:, None, :] * wq.double()[None]
+    p = xq.float().double()[:, None, :] * wq.float().double()[None]  # via fp32, as the emulation casts
     return F.pad(p, (0, -p.shape[-1] % MMA_K)).unflatten(-1, (-1, MMA_K))
 
 
