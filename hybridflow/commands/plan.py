@@ -38,7 +38,7 @@ def plan_dict(choice_given: Any, gpu: Any, best: Any, error: str | None, gpus_pe
                              "total_gib": gib(s.total)} for s in mem.stages},
         "peak_stage": mem.peak.stage, "peak_gib": gib(mem.peak.total), "needed_gib": gib(needed_bytes(mem)),
         "host_gib_per_rank": gib(mem.host_bytes), "host_gib_per_node": gib(mem.host_bytes * gpus_per_node),
-        "kv_slots": mem.kv_slots,
+        "kv_slots": mem.kv_slots, "notes": mem.notes,
         "step_seconds": {k: round(v, 3) for k, v in time.seconds.items()}, "step_total_seconds": round(time.total, 3),
         "update_mfu": round(time.mfu, 3), "decode_fraction_of_copy_bandwidth": round(time.decode_fraction, 3),
     }
@@ -71,6 +71,8 @@ def render(d: dict[str, Any], world: int) -> None:
     table.add_row("[bold]total (allocated)", *(f"[bold]{d['stages'][s]['total_gib']:.2f}" for s in stages))
     table.add_row("predicted seconds", *(f"{d['step_seconds'].get(s, 0.0):.2f}" for s in stages))
     console.print(table)
+    for note in d["notes"]:
+        console.print(note)
     verdict = "[green]fits[/]" if d["fits"] else "[red]does not fit[/]"
     if d["fits"] and d["needed_gib"] > 0.9 * d["gpu_memory_gib"]:
         verdict += " (within 10% of the limit, the planner's error band: tight)"

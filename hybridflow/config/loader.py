@@ -77,24 +77,21 @@ def merge_sources(files: Iterable[str | Path | Mapping[str, Any]] = (), override
         merged = _with_preset(merged, presets[-1])
     for key, value in parsed:
         set_dotted(merged, key, value)
-    return resolve_rollout_is(interpolate(merged))
+    merged = interpolate(merged)
+    warn_uncorrected_fp8(merged)
+    return merged
 
 
-def resolve_rollout_is(merged: dict[str, Any]) -> dict[str, Any]:
-    """`algorithm.rollout_is.mode: auto` (the default) becomes tis with `rollout.quantization=fp8` (an fp8 rollout
-    samples from a visibly different policy than the trainer scores: correct for it unless told not to), else null.
-    An explicit null with fp8 is kept, with a warning."""
+def warn_uncorrected_fp8(merged: dict[str, Any]) -> None:
+    """Warn when `rollout.quantization=fp8` comes with `algorithm.rollout_is.mode=null` set explicitly. (`auto`, the
+    default, stays in the config: `config/resolved.py:rollout_is` decides it, tis with fp8.)"""
     section = merged.get("algorithm", {}).get("rollout_is")
     if not isinstance(section, dict):
-        return merged
-    fp8 = merged.get("rollout", {}).get("quantization") == "fp8"
-    if section.get("mode") == "auto":
-        section["mode"] = "tis" if fp8 else None
-    elif fp8 and section.get("mode") is None:
+        return
+    if merged.get("rollout", {}).get("quantization") == "fp8" and section.get("mode", "auto") is None:
         logger.warning("rollout.quantization=fp8 with algorithm.rollout_is.mode=null: the policy gradient is not "
                        "corrected for the fp8 rollout's mismatch with the trainer (rollout_is/* not logged); "
                        "leave the mode at auto (tis) to correct it")
-    return merged
 
 
 def _from_verl(layer: dict[str, Any], source: str) -> dict[str, Any]:

@@ -5,9 +5,10 @@ Computed once from a validated `Config`; the config itself is never changed. Eve
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from hybridflow.config.schema import Config
+from hybridflow.config.schema import Config, RolloutISConfig
 
 # Estimators that need a critic's values.
 VALUE_ESTIMATORS = ("gae",)
@@ -45,6 +46,7 @@ class Resolved:
     # Where old log-probs are needed but `actor_rollout.exact_logprobs` makes the rollout's the trainer's, bit for bit
     # (sync mode: the sampling policy is the one before the update): copied, no forward pass.
     old_log_prob_from_rollout: bool = False
+    rollout_is: RolloutISConfig | None = None  # `algorithm.rollout_is` as applied (auto decided); None = off
 
     @property
     def num_roles(self) -> int:
@@ -78,6 +80,19 @@ def online_dpo_reference(cfg: Config) -> bool:
     return cfg.dpo.online and cfg.dpo.loss_type not in REFERENCE_FREE
 
 
+def rollout_is(cfg: Config) -> RolloutISConfig | None:
+    """`algorithm.rollout_is` with its mode as the run applies it, None when off. `auto` (the default) is tis with
+    `rollout.quantization=fp8` (an fp8 rollout samples from a visibly different policy than the trainer scores:
+    corrected unless told not to), else off. Decided here, from the config the run has, not when it is loaded: a
+    config saved with `auto` and run again with another quantization, or one changed after loading, gets the default
+    of its own quantization; a mode the user set (tis, mask, null) is never changed."""
+    section = cfg.algorithm.rollout_is
+    mode = section.mode
+    if mode == "auto":
+        mode = "tis" if cfg.rollout.quantization == "fp8" else None
+    return None if mode is None else dataclasses.replace(section, mode=mode)
+
+
 def resolve(cfg: Config) -> Resolved:
     nodes = process_on_nodes(cfg)
     world = sum(nodes)
@@ -91,7 +106,8 @@ def resolve(cfg: Config) -> Resolved:
         else None
     )
     use_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg)
-    needs_old = (cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg) or cfg.algorithm.rollout_is.mode is not None
+    is_cfg = rollout_is(cfg)
+    needs_old = (cfg.algorithm.use_kl_in_reward or online_dpo_reference(cfg) or is_cfg is not None
                  or not (cfg.actor.ppo_epochs == 1 and actor.num_mini_batches == 1))
     from_rollout = needs_old and cfg.actor_rollout.exact_logprobs and cfg.trainer.mode == "sync" and not cfg.dpo.online
     return Resolved(
@@ -106,4 +122,5 @@ def resolve(cfg: Config) -> Resolved:
         use_teacher=cfg.algorithm.adv_estimator == "distill",
         recompute_old_log_prob=needs_old and not from_rollout,
         old_log_prob_from_rollout=from_rollout,
+        rollout_is=is_cfg,
     )

@@ -630,14 +630,16 @@ class RolloutISConfig:
     """Off-policy correction between the rollout engine's log-probs and the trainer's (algorithms/rollout_is.py)."""
 
     mode: str | None  # null = off | tis (weight min(ratio, cap)) | mask (drop tokens with ratio outside [1/cap, cap])
+    #                   | auto: tis with rollout.quantization=fp8, else off (decided by config/resolved.py:rollout_is)
     cap: float  # C: the TIS truncation, and the mask's band [1/C, C]
 
     def __post_init__(self) -> None:
         from hybridflow.algorithms.rollout_is import ROLLOUT_IS_MODES
 
         if self.mode is not None:
-            _check(self.mode in ROLLOUT_IS_MODES, "algorithm.rollout_is.mode", self.mode,
-                   "must be tis, mask or null (off); verl's rollout_is_mode=truncate is tis")
+            _check(self.mode in (*ROLLOUT_IS_MODES, "auto"), "algorithm.rollout_is.mode", self.mode,
+                   "must be tis, mask or null (off), or auto (tis with rollout.quantization=fp8); verl's "
+                   "rollout_is_mode=truncate is tis")
         _check(self.cap > 1, "algorithm.rollout_is.cap", self.cap,
                "must be > 1 (TIS truncates the ratio at cap; mask keeps ratios in [1/cap, cap]); 2.0 is typical")
 

@@ -94,7 +94,7 @@ def plan_inputs(cfg: Config, world: int | None = None) -> PlanInputs:
         prompts_per_gpu=max(1, cfg.data.train_batch_size // world), max_num_seqs=r.max_num_seqs,
         kv_cache_tokens=r.kv_cache_tokens, gpu_memory_utilization=r.gpu_memory_utilization,
         max_num_batched_tokens=r.max_num_batched_tokens, free_cache_engine=bool(r.free_cache_engine),
-        tp=r.tensor_model_parallel_size)
+        tp=r.tensor_model_parallel_size, quantization=r.quantization)
     return PlanInputs(engines=engines, rollout=rollout, stages=stages, world=world, samples_per_gpu=rows)
 
 

@@ -26,12 +26,15 @@ Rollout: KV cache = slots × round16(prompt + response) × layers × 2 × kv_hea
 `max_num_seqs`, `kv_cache_tokens` // length or `gpu_memory_utilization` × free memory // bytes per slot) as
 rollout/kv_cache.py sizes it; the weight view = a compute-dtype copy of the weights unless one rank already holds
 them in the compute dtype (LoRA: the adapted matrices are always copied); prefill = one layer's temporaries over the
-prompt tokens (≤ max_num_batched_tokens). Kept between steps unless `free_cache_engine` (one rank keeps the cast
-buffers even then). Tensor-parallel generation (`tp` ranks a group): each rank holds its weight slices
-(model_shape.tp_slice_numel, kept between steps: the resharder refills them in place) and a cache of its KV heads
-(max(1, kv_heads // tp)); the group prefills and decodes its members' rows together (tp × a rank's), each rank
-computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated bytes; a GPU also needs
-`CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits` adds.
+prompt tokens (≤ max_num_batched_tokens). `rollout.quantization=fp8` adds the e4m3 copies of the decoder
+projections made at each switch (rollout/fp8.py): 1 byte a q/k/v, o, gate/up and down weight element + one fp32 scale
+per output channel, before the KV cache is sized. Kept between steps unless `free_cache_engine` (one rank keeps the
+cast buffers even then; the fp8 copies go with the cache). Tensor-parallel generation (`tp` ranks a group): each
+rank holds its weight slices (model_shape.tp_slice_numel, kept between steps: the resharder refills them in place)
+and a cache of its KV heads (max(1, kv_heads // tp)); the group prefills and decodes its members' rows together
+(tp × a rank's), each rank computing 1/tp of the heads, MLP rows and vocabulary. Peaks are torch's allocated
+bytes; a GPU also needs `CUDA_CONTEXT_GIB` and the allocator's fragmentation (`FRAGMENTATION`) on top, which `fits`
+adds.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ class RolloutSettings:
     max_num_batched_tokens: int = 16384
     free_cache_engine: bool = True
     tp: int = 1  # rollout.tensor_model_parallel_size
+    quantization: str = "none"  # rollout.quantization: none | fp8
 
     @property
     def max_len(self) -> int:
@@ -245,6 +249,18 @@ def weight_view_bytes(actor: EngineSettings, tp: int = 1) -> int:
     return full
 
 
+def fp8_weight_bytes(shape: ModelShape) -> int:
+    """The fp8 rollout's copies of the decoder projections (rollout/fp8.py `Fp8Weights`): 1 byte a weight element of
+    q/k/v, o, gate/up and down, + 4 bytes a row (the fp32 per-output-channel scales). The fused q/k/v bias some models
+    get on top (compute dtype, (q + 2 kv) a layer) is left out: under a MB."""
+    linears = shape.linear_shapes().values()
+    return shape.layers * sum(o * i + 4 * o for o, i in linears)
+
+
+FP8_NOTE = ("rollout/fp8_weights: the e4m3 copies of the decoder projections made at each switch "
+            "(rollout.quantization=fp8): 1 byte a weight element + fp32 scales, one per output channel")
+
+
 def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gpu_bytes: int,
                 stages: tuple[str, ...] | list[str] = STAGES) -> MemoryPlan:
     """Per-stage peaks on one GPU of `gpu_bytes` for `engines` (actor required; critic, ref, teacher optional) over the
@@ -264,7 +280,8 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
     if actor.optimizer_offload:
         gen_base["actor/optimizer"] = 0
     gen_base["actor/params"] = actor.param_bytes()
-    free = gpu_bytes - int(CUDA_CONTEXT_GIB * GiB) - sum(gen_base.values()) - view
+    fp8 = fp8_weight_bytes(actor.shape) if rollout.quantization == "fp8" else 0
+    free = gpu_bytes - int(CUDA_CONTEXT_GIB * GiB) - sum(gen_base.values()) - view - fp8
     slots = kv_slots(actor.shape, rollout, actor.compute_bytes, free)
     kv = slots * kv_bytes_per_slot(actor.shape, rollout, actor.compute_bytes)
     s = actor.shape
@@ -273,9 +290,10 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
     prefill = prefill_tokens * actor.compute_bytes * (2 * s.hidden + s.q_dim // tp + 2 * kv_dim + 2 * s.inter // tp)
     # last-position logits (fp32) of a decode step: this rank's vocabulary shard
     prefill += min(tp * rollout.rows_per_gpu, slots) * -(-s.vocab // tp) * 4
-    peaks = [StagePeak("generate", {**gen_base, "rollout/weights": view, "rollout/kv_cache": kv,
-                                     "activations": prefill})]
-    kept = {"rollout/weights": view if keep_view else 0, "rollout/kv_cache": 0 if rollout.free_cache_engine else kv}
+    peaks = [StagePeak("generate", {**gen_base, "rollout/weights": view, "rollout/fp8_weights": fp8,
+                                     "rollout/kv_cache": kv, "activations": prefill})]
+    kept = {"rollout/weights": view if keep_view else 0, "rollout/kv_cache": 0 if rollout.free_cache_engine else kv,
+            "rollout/fp8_weights": 0 if rollout.free_cache_engine else fp8}  # released with the cache
 
     actor_gathered = False  # generation reshards the actor: its unsharded copy is back after its next pass
 
@@ -302,7 +320,7 @@ def plan_memory(engines: dict[str, EngineSettings], rollout: RolloutSettings, gp
             peaks.append(pass_peak(stage, engines[role], role, train))
             actor_gathered = actor_gathered or role == "actor"
     host = sum(e.host_bytes() for e in engines.values())
-    return MemoryPlan(stages=peaks, host_bytes=host, kv_slots=slots)
+    return MemoryPlan(stages=peaks, host_bytes=host, kv_slots=slots, notes=[FP8_NOTE] if fp8 else [])
 
 
 def fits(plan: MemoryPlan, gpu_bytes: int) -> bool:

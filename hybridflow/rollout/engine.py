@@ -117,11 +117,12 @@ class RolloutEngine:
             self._view = WeightView(module, self.dtype, self.device) if self.tp is None else None
         self._fp8: fp8.Fp8Weights | None = None
         if self.cfg.quantization == "fp8":
+            gemm = fp8.select_gemm()
             fp8.check_supported(module, fallback_reason=reason, tp_size=self.cfg.tensor_model_parallel_size,
-                                device=self.device, dtype=None if self._fallback else self.dtype)
+                                device=self.device, dtype=None if self._fallback else self.dtype, gemm=gemm)
             self._fp8 = fp8.Fp8Weights()
             logger.info("rollout: fp8 decoder projections (per-channel weight, per-token activation scales; "
-                        "GEMM %s, %s)", fp8.GEMM, fp8.GEMM_ENV)
+                        "GEMM %s, %s)", gemm, fp8.GEMM_ENV)
         self._weights: ModelWeights | None = None
         self._runner: ModelRunner | None = None
 

@@ -33,20 +33,32 @@ _TINY = 1e-12  # amax floor: an all-zero row gets a tiny scale and zero codes, n
 # rounding of the scaled sum). tensorwise: `_scaled_mm` with unit tensor-wise scales (cuBLASLt) writes the unscaled
 # sum in the output dtype, then one fp32 multiply by both scales (fused with the next op in the compiled decode
 # pieces) rounds it again. _fast: `use_fast_accum` (Hopper keeps the fp8 MMA's ~fp22 accumulator instead of adding
-# it into fp32 every 128 products; an error no emulation reproduces, below the e4m3 rounding's).
+# it into fp32 every 128 products; an error the emulation does not reproduce, below the e4m3 rounding's:
+# tests/rollout/test_fp8.py bounds it).
 GEMMS = ("tensorwise_fast", "tensorwise", "rowwise_fast", "rowwise")
 GEMM_ENV = "HYBRIDFLOW_FP8_GEMM"
+# The recipe `fp8_linear` uses when given none. `select_gemm` sets it from the environment when an fp8 engine is set
+# up, not at import: a bad value must not break runs that never quantize.
+GEMM = GEMMS[0]
 
 
-def default_gemm() -> str:
-    """`HYBRIDFLOW_FP8_GEMM` when set (one of `GEMMS`), else `tensorwise_fast`."""
-    gemm = os.environ.get(GEMM_ENV, GEMMS[0])
+def gemm_from_env() -> str:
+    """`HYBRIDFLOW_FP8_GEMM` when set and not empty (one of `GEMMS`), else `tensorwise_fast`; ValueError otherwise."""
+    gemm = os.environ.get(GEMM_ENV) or GEMMS[0]
     if gemm not in GEMMS:
-        raise ValueError(f"{GEMM_ENV}={gemm!r}: use one of {', '.join(GEMMS)} (or unset it)")
+        raise ValueError(f"{GEMM_ENV}={gemm!r} (read because rollout.quantization=fp8): use one of "
+                         f"{', '.join(GEMMS)}, or unset it for {GEMMS[0]}")
     return gemm
 
 
-GEMM = default_gemm()
+def select_gemm() -> str:
+    """Make `gemm_from_env()` the process's recipe (`GEMM`) and return it; called when an fp8 engine is set up,
+    before anything is compiled or captured (compiled code reads `GEMM` as a constant)."""
+    global GEMM
+    GEMM = gemm_from_env()
+    return GEMM
+
+
 _ONES: dict[torch.device, torch.Tensor] = {}  # the unit fp32 scale of the tensorwise GEMMs, one per device
 
 
@@ -107,8 +119,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def check_supported(module: nn.Module, *, fallback_reason: str | None, tp_size: int, device: torch.device,
-                    dtype: torch.dtype | None) -> None:
-    """ValueError naming `rollout.quantization` when fp8 generation cannot run here (checked when the engine binds)."""
+                    dtype: torch.dtype | None, gemm: str | None = None) -> None:
+    """ValueError naming `rollout.quantization` when fp8 generation with recipe `gemm` (default `GEMM`) cannot run
+    here (checked when the engine binds)."""
+    gemm = GEMM if gemm is None else gemm
     why = None
     if fallback_reason:
         why = f"it needs our engine, but this model generates through HF generate ({fallback_reason})"
@@ -124,8 +138,8 @@ def check_supported(module: nn.Module, *, fallback_reason: str | None, tp_size: 
         if cc < MIN_CAPABILITY:
             why = (f"{torch.cuda.get_device_name(device)} has compute capability {cc[0]}.{cc[1]}; FP8 GEMMs need "
                    f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper or newer)")
-        elif dtype != torch.bfloat16 and GEMM.startswith("rowwise"):
-            why = (f"the generation dtype is {dtype}; torch._scaled_mm with row-wise scales ({GEMM_ENV}={GEMM}) "
+        elif dtype != torch.bfloat16 and gemm.startswith("rowwise"):
+            why = (f"the generation dtype is {dtype}; torch._scaled_mm with row-wise scales ({GEMM_ENV}={gemm}) "
                    "writes bfloat16 only")
         else:
             cfg = module.config

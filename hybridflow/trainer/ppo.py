@@ -301,7 +301,7 @@ class PPOAlgorithm(Algorithm):
         """3. Log-probs of the sampling policy, recomputed (and the rollout-IS metrics when the loss applies them)."""
         out = self.actor.compute_log_prob(batch, beside=beside)
         metrics |= reduce_metrics(out.meta_info.pop("metrics", []))  # MoE: moe/routing_agreement, moe/logprob_gap
-        if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:
+        if (is_cfg := self.res.rollout_is) is not None:
             metrics |= rollout_is_metrics(out.batch[keys.OLD_LOG_PROBS], batch.batch[keys.ROLLOUT_LOG_PROBS],
                                           batch.batch[keys.RESPONSE_MASK], mode=is_cfg.mode, cap=is_cfg.cap)
         return out
@@ -310,7 +310,7 @@ class PPOAlgorithm(Algorithm):
         """3'. Exact log-probs in sync mode: the rollout's log-probs are the sampling policy's as the trainer computes
         them (the same bits), so they are the old log-probs — the recompute pass is skipped."""
         batch.batch[keys.OLD_LOG_PROBS] = batch.batch[keys.ROLLOUT_LOG_PROBS].clone()
-        if (is_cfg := self.cfg.algorithm.rollout_is).mode is not None:
+        if (is_cfg := self.res.rollout_is) is not None:
             metrics |= rollout_is_metrics(batch.batch[keys.OLD_LOG_PROBS], batch.batch[keys.ROLLOUT_LOG_PROBS],
                                           batch.batch[keys.RESPONSE_MASK], mode=is_cfg.mode, cap=is_cfg.cap)
         return batch

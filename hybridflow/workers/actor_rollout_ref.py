@@ -66,7 +66,7 @@ class ActorRolloutRefWorker(CheckpointingWorker, Worker):
         group = tp_group(self.rank, self.world_size, cfg.rollout.tensor_model_parallel_size)
         self.rollout, self.tp = build_engine_rollout(cfg, self.actor, self.tokenizer, self.device, group)
         self.loss_fn = make_actor_loss(cfg.actor, cfg.data.max_response_length, cfg.actor.use_kl_loss,
-                                       rollout_is=cfg.algorithm.rollout_is)
+                                       rollout_is=self.res.rollout_is)
 
     # ------------------------------------------------------------------------------------------- generate
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

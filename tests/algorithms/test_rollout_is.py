@@ -124,7 +124,8 @@ def test_config_errors_name_the_key_and_the_fix(override: str, match: str) -> No
 def test_defaults_off_and_on_forces_old_log_prob() -> None:
     from hybridflow.config import resolve
 
-    assert load_config().algorithm.rollout_is.mode is None
+    cfg = load_config()
+    assert cfg.algorithm.rollout_is.mode == "auto" and resolve(cfg).rollout_is is None  # auto without fp8: off
     on_policy = ["actor.ppo_epochs=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
     assert not resolve(load_config(overrides=on_policy)).recompute_old_log_prob
     assert resolve(load_config(overrides=[*on_policy, "algorithm.rollout_is.mode=tis"])).recompute_old_log_prob

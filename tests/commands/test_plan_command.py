@@ -38,3 +38,14 @@ def test_more_gpus_shard_the_state(capsys):
     _, four = _plan(capsys, *SEVEN_B, "--gpus", "4")
     params = [d["stages"]["update_actor"]["components_gib"]["actor/params"] for d in (one, four)]
     assert abs(params[0] / params[1] - 4) < 0.01
+
+
+def test_fp8_rollout_names_its_weight_copies(capsys):
+    small = ["model.preset=qwen2.5-0.5b", "data.max_prompt_length=128", "data.max_response_length=128",
+             "rollout.quantization=fp8"]
+    _, d = _plan(capsys, *small)
+    assert d["stages"]["generate"]["components_gib"]["rollout/fp8_weights"] > 0.3  # 0.33 GiB at 0.5B
+    assert d["notes"] and d["notes"][0].startswith("rollout/fp8_weights: the e4m3 copies")
+    main(["plan", *small])
+    out = " ".join(capsys.readouterr().out.split())  # the table's note, however the console wraps it
+    assert "rollout/fp8_weights: the e4m3 copies of the decoder projections" in out
