@@ -24,7 +24,7 @@ def _png(side: int) -> dict:
 
 
 def _batch(with_image: bool):
-    """One prompt (with an image or text-only) and a fixed response, in the engine's layout."""
+    """One prompt (with an image or text-only) and a fixed response, in the engine's layout; also the prompt alone."""
     from hybridflow.data import collate_rl
     from hybridflow.data.rl_dataset import RLHFDataset
     from hybridflow.models.tiny_vl import tiny_vl_image_processor, tiny_vl_tokenizer
@@ -34,6 +34,7 @@ def _batch(with_image: bool):
     tok = tiny_vl_tokenizer()
     ds = RLHFDataset([row | {"reward_model": {"ground_truth": "1"}}], tok, max_prompt_length=P,
                      image_processor=tiny_vl_image_processor())
+    prompts = collate_rl([ds[0]], pad_token_id=tok.pad_token_id, pad_to=P)
     batch = collate_rl([ds[0]], pad_token_id=tok.pad_token_id, pad_to=P)
     response = torch.tensor([RESPONSE])
     ids = torch.cat([batch.batch[keys.INPUT_IDS], response], 1)
@@ -41,7 +42,25 @@ def _batch(with_image: bool):
     batch.batch.update({keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.RESPONSES: response,
                         keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
                         keys.RESPONSE_MASK: torch.ones_like(response)})
-    return batch
+    return prompts, batch
+
+
+def _generate(engine, prompts, name: str) -> None:
+    """Greedy generation of a fixed length with the actor's FSDP2 module (rollout.name=hybrid: our engine, hf: HF
+    generate); both gather the vision tower on every rank."""
+    import dataclasses
+
+    from hybridflow.config import load_config
+    from hybridflow.models.tiny_vl import tiny_vl_tokenizer
+    from hybridflow.rollout import RolloutEngine
+
+    tok = tiny_vl_tokenizer()
+    cfg = dataclasses.replace(load_config([], []).rollout, name=name, free_cache_engine=False)
+    rollout = RolloutEngine(engine.module, cfg, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            max_prompt_length=P, max_response_length=len(RESPONSE))
+    prompts.meta_info = {"do_sample": False, "ignore_eos": True}
+    rollout.generate(prompts)
+    rollout.release_cache()
 
 
 def _tower(engine) -> dict[str, torch.Tensor]:
@@ -60,7 +79,9 @@ def _worker(rank: int, out: str) -> None:
     from hybridflow.engine import HeadRequest
 
     engine = make_engine("model.preset=tiny-vl", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=1")
-    data = _batch(with_image=rank == 0)
+    prompts, data = _batch(with_image=rank == 0)
+    for name in ("hybrid", "hf"):
+        _generate(engine, prompts, name)
     logp = engine.infer(data, HeadRequest("lm"))["log_probs"]  # forward only: the same all-gathers on both ranks
     before = _tower(engine)
     train_step(engine, data, nll_loss)
