@@ -47,7 +47,7 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
                           position_ids=position_ids, use_cache=False, **kwargs)
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
-    idle = None if inputs.vision is not None else idle_tower_zero(self)
+    idle = idle_tower_zero(self) if inputs.idle_tower and inputs.vision is None else None
     if req.kind == "lm" and getattr(self.config, "final_logit_softcapping", None):
         res = _softcapped_logprobs(self, hidden_NH.index_select(0, inputs.src_K), inputs.labels_K, req)
         return _plus(res, "log_probs", idle)
@@ -63,22 +63,27 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
 
 
 def idle_tower_zero(model: torch.nn.Module) -> torch.Tensor | None:
-    """A zero that depends on every trainable vision-tower parameter, for a training forward without images (None
-    otherwise: no grad, no tower, or a frozen one).
+    """A zero that depends on every trainable vision-tower parameter (None without grad, tower or trainable ones).
 
     Why: the tower sits in the root FSDP2 group (`fsdp.apply_fsdp2`), and FSDP2 reduce-scatters only the parameters
-    that got a gradient. A rank whose micro-batch holds no image would leave the tower without one while a rank
-    with images gives it one: their reduce-scatters would differ in size (a hang, or gradients mixed up). Added to
-    the outputs, this term gives the tower a zero gradient on the image-less rank, so every rank reduces the same
-    parameters and the average is the images' gradient over all ranks. It runs inside the root's forward, where
-    the parameters are the unsharded ones FSDP2 reduces."""
+    that got a gradient. When a micro-batch holds no image on one rank but images on another, their reduce-scatters
+    would differ in size (a hang, or gradients mixed up). Added to the outputs of the image-less one, this term gives
+    the tower a zero gradient there, so every rank reduces the same parameters and the average is the images'
+    gradient over all ranks. It runs inside the root's forward, where the parameters are the unsharded ones FSDP2
+    reduces. The engine asks for it only then (`TrainEngine._images_on_any_rank`): with no image on any rank the
+    tower keeps no gradient, and the optimizer leaves it alone, as before."""
     if not torch.is_grad_enabled():
         return None
-    tower = getattr(model.base_model, "visual", None)
-    params = [] if tower is None else [p for p in tower.parameters() if p.requires_grad]
+    params = trainable_tower_params(model)
     if not params:
         return None
     return torch.stack([p.sum().float() for p in params]).sum() * 0.0
+
+
+def trainable_tower_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The vision tower's trainable parameters (none for a text model, or a frozen tower)."""
+    tower = getattr(model.base_model, "visual", None)
+    return [] if tower is None else [p for p in tower.parameters() if p.requires_grad]
 
 
 def _plus(out: dict[str, torch.Tensor], key: str, zero: torch.Tensor | None) -> dict[str, torch.Tensor]:
