@@ -108,8 +108,9 @@ class VisionPrompts:
         return mm, (mm[IMAGE_GRID_THW].prod(-1) // self.merge ** 2).tolist()
 
     def check_inputs(self, mm: dict[str, Any], ids: Sequence[int] | torch.Tensor, where: str) -> None:
-        """ValueError naming `where` (the data row) unless the row's `multi_modal_inputs` fit each other, the image
-        processor's patches and the prompt `ids`' image tokens (one per merged patch); {} for a row without images."""
+        """ValueError naming `where` (the data row) unless the row's `multi_modal_inputs` `mm` fit each other, the
+        image processor's patches and the prompt `ids`' image tokens (one per merged patch). A row without images
+        has `mm` = {} and must hold no image tokens."""
         column = f"{where}: column {keys.MULTI_MODAL_INPUTS!r}"
         pads = int((torch.as_tensor(ids) == self.image_token_id).sum())
         if not mm:
@@ -123,7 +124,7 @@ class VisionPrompts:
             raise ValueError(f"{column} must hold tensors {PIXEL_VALUES!r} and {IMAGE_GRID_THW!r}, got "
                              f"{sorted(mm)} of types {[type(v).__name__ for v in mm.values()]}; use a Qwen2-VL-style "
                              "image processor (model.path's preprocessor_config.json)")
-        want = "[patches, %s]" % (self.patch_dim or "D")
+        want = f"[patches, {self.patch_dim or 'D'}]"
         if pixels.ndim != 2 or not pixels.is_floating_point() or (self.patch_dim and pixels.shape[1] != self.patch_dim):
             raise ValueError(f"{column}: {PIXEL_VALUES} is {pixels.dtype} {tuple(pixels.shape)}, not floating point "
                              f"{want}; use the model's own image processor (patch_size, temporal_patch_size)")
