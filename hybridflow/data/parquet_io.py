@@ -44,15 +44,28 @@ def read_table(path: str) -> pa.Table:
     return pq.read_table(path)
 
 
-def read_rows(files: str | Sequence[str]) -> list[dict[str, Any]]:
-    """All rows of `files` (in order) as dicts; columns missing from one file are None in its rows."""
+def read_rows(files: str | Sequence[str], sources: list[tuple[str, int]] | None = None) -> list[dict[str, Any]]:
+    """All rows of `files` (in order) as dicts; columns missing from one file are None in its rows. `sources`, when
+    given, gets (file, rows read from it) for each file, for `row_origin`."""
     paths = [p for f in ([files] if isinstance(files, str) else files) for p in _expand(str(f))]
     rows: list[dict[str, Any]] = []
     for path in paths:
         table = read_table(path)
         logger.info("read %d rows from %s", table.num_rows, path)
         rows.extend(table.to_pylist())
+        if sources is not None:
+            sources.append((path, table.num_rows))
     return rows
+
+
+def row_origin(sources: Sequence[tuple[str, int]], index: int) -> str:
+    """" (file F, its row k)" for row `index` of the rows `read_rows` read from `sources`; "" when not known."""
+    start = 0
+    for path, n in sources:
+        if index < start + n:
+            return f" (file {path}, its row {index - start})"
+        start += n
+    return ""
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:

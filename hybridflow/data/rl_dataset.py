@@ -7,7 +7,9 @@ contract (`hybridflow.data.contract`): malformed rows and empty prompts are skip
 are decided up front (one tokenisation pass, so training never dies mid-run); `left`/`right` truncate in
 `__getitem__`, which is where tokenisation happens (in the dataloader workers). With an image processor (a
 vision-language model) rows may carry `images`, one per `<image>` placeholder (`hybridflow.data.vision`); a
-mismatch is a malformed row.
+mismatch, an unreadable image header or a size the image processor refuses is a malformed row; bytes that do not
+decode, or image tensors that do not fit the prompt, raise in `__getitem__` naming the row (and its file), in the
+driver, before any worker sees the batch.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_rl
 from hybridflow.data.contract import SkipReport, check_ground_truths, empty_prompt_reason
-from hybridflow.data.parquet_io import read_rows
+from hybridflow.data.parquet_io import read_rows, row_origin
 from hybridflow.data.templates import MalformedRow, encode, render, to_messages
-from hybridflow.data.vision import IMAGE_KEY, VisionPrompts, check_images
+from hybridflow.data.vision import DECODE_ERRORS, IMAGE_KEY, VisionPrompts, check_images
 from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -40,14 +42,15 @@ def _as_dict(value: Any, column: str) -> dict[str, Any]:
     return value
 
 
-def normalize_row(row: dict[str, Any], prompt_key: str, position: int, vision: bool = False) -> dict[str, Any]:
-    """A raw row → the dataset's canonical fields; raises MalformedRow naming what is wrong. `vision`: the model
-    takes images (else a row with images is malformed)."""
+def normalize_row(row: dict[str, Any], prompt_key: str, position: int,
+                  vision: VisionPrompts | None = None) -> dict[str, Any]:
+    """A raw row → the dataset's canonical fields; raises MalformedRow naming what is wrong. `vision`: the model's
+    image prompts (None: the model takes no images, and a row with images is malformed)."""
     if prompt_key not in row:
         raise MalformedRow(f"no {prompt_key!r} column (set data.prompt_key to the prompt column)")
     messages = to_messages(row[prompt_key])
-    if vision:
-        images = check_images(row, messages)
+    if vision is not None:
+        images = check_images(row, messages, vision)
     elif row.get(IMAGE_KEY) is not None and len(row[IMAGE_KEY]):
         raise MalformedRow(f"the row has {IMAGE_KEY!r} but the model takes no images (no image processor); use a "
                            "vision-language model or drop the column")
@@ -71,19 +74,20 @@ def normalize_row(row: dict[str, Any], prompt_key: str, position: int, vision: b
 
 
 def validate_rows(rows: Sequence[dict[str, Any]], prompt_key: str, strict: bool, skips: SkipReport,
-                  vision: bool = False) -> list[dict[str, Any]]:
+                  vision: VisionPrompts | None = None,
+                  sources: Sequence[tuple[str, int]] = ()) -> list[dict[str, Any]]:
     """Normalise every row; malformed ones raise (strict) or are skipped, empty prompts are skipped; both are
-    counted in `skips` and summarised in one warning."""
+    counted in `skips` and summarised in one warning. `sources`: the files the rows came from (`read_rows`)."""
     good, reasons = [], {}
     for i, row in enumerate(rows):
         try:
             norm = normalize_row(row, prompt_key, i, vision)
         except MalformedRow as err:
             if strict:
-                raise ValueError(f"{skips.name} data row {i} is malformed: {err}. Fix the row, or set "
-                                 "data.strict=false to skip malformed rows") from err
+                raise ValueError(f"{skips.name} data row {i}{row_origin(sources, i)} is malformed: {err}. Fix the "
+                                 "row, or set data.strict=false to skip malformed rows") from err
             skips.add("malformed", i)
-            reasons.setdefault("malformed", f"row {i}: {err}")
+            reasons.setdefault("malformed", f"row {i}{row_origin(sources, i)}: {err}")
             continue
         empty = empty_prompt_reason(norm["messages"])
         if empty is not None:
@@ -102,7 +106,8 @@ class RLHFDataset(Dataset):
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_prompt_length: int,
                  truncation: str = "error", prompt_key: str = "prompt", strict: bool = False,
                  chat_template: str | None = None, name: str = "train", require_ground_truth: bool = True,
-                 tools: list[dict[str, Any]] | None = None, image_processor: Any | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, image_processor: Any | None = None,
+                 sources: Sequence[tuple[str, int]] = ()) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}: must be one of {', '.join(TRUNCATION_MODES)}")
         self.tokenizer = tokenizer
@@ -113,8 +118,9 @@ class RLHFDataset(Dataset):
         self.name = name
         # image prompts → expanded ids + pixel values (vision-language models only)
         self.vision = None if image_processor is None else VisionPrompts(tokenizer, image_processor)
+        self.sources = list(sources)  # (file, rows) each, when read from files: error messages name the file
         self.skips = SkipReport(name, rows_read=len(rows))
-        self.rows = validate_rows(rows, prompt_key, strict, self.skips, vision=self.vision is not None)
+        self.rows = validate_rows(rows, prompt_key, strict, self.skips, self.vision, self.sources)
         if require_ground_truth:
             check_ground_truths(rows, self.rows, name)
         if truncation in ("error", "filter"):
@@ -124,7 +130,8 @@ class RLHFDataset(Dataset):
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> RLHFDataset:
-        return cls(read_rows(files), tokenizer, **kwargs)
+        sources: list[tuple[str, int]] = []
+        return cls(read_rows(files, sources), tokenizer, sources=sources, **kwargs)
 
     def _check_lengths(self) -> None:
         """One tokenisation pass: over-long prompts raise (`error`) or are dropped (`filter`); 0-token prompts
@@ -156,17 +163,23 @@ class RLHFDataset(Dataset):
                        "%d remain", self.name, len(dropped), len(over), self.max_prompt_length,
                        len(dropped) - len(over), len(self.rows))
 
+    def _where(self, row: dict[str, Any]) -> str:
+        return f"{self.name} data row {row['index']}{row_origin(self.sources, row['index'])}"
+
     def _encode(self, row: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-        """Prompt ids and the row's image tensors ({} without images)."""
+        """Prompt ids and the row's image tensors ({} without images), checked against each other."""
         text = render(self.tokenizer, row["messages"], self.chat_template, tools=self.tools)
         mm: dict[str, Any] = {}
         if row[IMAGE_KEY]:
             try:
                 text, mm = self.vision(text, row[IMAGE_KEY])
-            except (OSError, ValueError) as err:  # PIL cannot decode the bytes, or the image processor refuses
-                raise ValueError(f"{self.name} data row {row['index']}: cannot read its images: "
-                                 f"{type(err).__name__}: {err}. Fix the row's {IMAGE_KEY!r}") from err
-        return encode(self.tokenizer, text), mm
+            except DECODE_ERRORS as err:  # PIL cannot decode the bytes, or the image processor refuses
+                raise ValueError(f"{self._where(row)}: cannot read its images: {type(err).__name__}: {err}. Fix "
+                                 f"the row's {IMAGE_KEY!r} column (or drop the row)") from err
+        ids = encode(self.tokenizer, text)
+        if self.vision is not None:
+            self.vision.check_inputs(mm, ids, self._where(row))
+        return ids, mm
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -179,7 +192,7 @@ class RLHFDataset(Dataset):
         row = self.rows[i]
         ids, mm = self._encode(row)
         if len(ids) > self.max_prompt_length and mm:
-            raise ValueError(f"{self.name} row {row['index']}: {len(ids)} prompt tokens with its images > "
+            raise ValueError(f"{self._where(row)}: {len(ids)} prompt tokens with its images > "
                              f"data.max_prompt_length={self.max_prompt_length}; truncation would cut image tokens: "
                              "raise data.max_prompt_length")
         if len(ids) > self.max_prompt_length:

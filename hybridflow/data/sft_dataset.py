@@ -6,7 +6,7 @@ assistant turns are trained on), or `text` (every token trained). The response g
 = 1` when token t is a response token (a token the model must predict); the trainer shifts it with the labels.
 Sequences longer than `max_length` are cut on the right. With an image processor (a vision-language model) rows may
 carry `images`, one per `<image>` placeholder of the untrained turns (`data.vision`); items then carry the row's image
-tensors in `multi_modal_inputs`, as RL prompts do.
+tensors in `multi_modal_inputs`, as RL prompts do; their images are checked as RL rows' are (`data.vision`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ from torch.utils.data import Dataset
 
 from hybridflow.data.collate import collate_sft
 from hybridflow.data.layouts import sft_layout
-from hybridflow.data.parquet_io import read_rows
+from hybridflow.data.parquet_io import read_rows, row_origin
 from hybridflow.data.templates import MalformedRow, encode, parse_rows, render, to_messages
-from hybridflow.data.vision import IMAGE_KEY, IMAGE_PAD, IMAGE_PLACEHOLDER, VisionPrompts, check_images
+from hybridflow.data.vision import (
+    DECODE_ERRORS,
+    IMAGE_KEY,
+    IMAGE_PAD,
+    IMAGE_PLACEHOLDER,
+    VisionPrompts,
+    check_images,
+)
 from hybridflow.protocol import DataProto, keys
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -79,8 +86,10 @@ class SFTDataset(Dataset):
 
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, *, max_length: int,
                  prompt_key: str = "prompt", chat_template: str | None = None, strict: bool = False,
-                 name: str = "sft", image_processor: Any | None = None) -> None:
+                 name: str = "sft", image_processor: Any | None = None,
+                 sources: Sequence[tuple[str, int]] = ()) -> None:
         self.tokenizer, self.max_length, self.name = tokenizer, max_length, name
+        self.sources = list(sources)  # (file, rows) each, when read from files: error messages name the file
         if not rows:
             raise ValueError(f"{name} dataset has no rows")
         self.vision = None if image_processor is None else VisionPrompts(tokenizer, image_processor)
@@ -100,14 +109,17 @@ class SFTDataset(Dataset):
                 return segs, []
             if any(trained and IMAGE_PLACEHOLDER in text for text, trained in segs):
                 raise MalformedRow(f"a trained turn holds {IMAGE_PLACEHOLDER}: images belong to untrained turns")
-            return segs, check_images(row, [{"content": text} for text, _ in segs])
+            return segs, check_images(row, [{"content": text} for text, _ in segs], self.vision)
 
-        self.samples: list[tuple[list[tuple[str, bool]], list[Any]]] = parse_rows(rows, segments, name, strict)
+        parsed = parse_rows(list(enumerate(rows)), lambda pr: (pr[0], segments(pr[1])), name, strict)
+        self.positions = [p for p, _ in parsed]  # each sample's row in `rows` (malformed rows may be skipped)
+        self.samples: list[tuple[list[tuple[str, bool]], list[Any]]] = [s for _, s in parsed]
         self.image_token_id = None if self.vision is None else tokenizer.convert_tokens_to_ids(IMAGE_PAD)
 
     @classmethod
     def from_files(cls, files: str | Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> SFTDataset:
-        return cls(read_rows(files), tokenizer, **kwargs)
+        sources: list[tuple[str, int]] = []
+        return cls(read_rows(files, sources), tokenizer, sources=sources, **kwargs)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -117,9 +129,14 @@ class SFTDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         segs, images = self.samples[i]
+        where = f"{self.name} data row {self.positions[i]}{row_origin(self.sources, self.positions[i])}"
         mm: dict[str, torch.Tensor] = {}
         if images:  # each placeholder → its image's tokens, images in order across the segments
-            mm, counts = self.vision.tensors(images)
+            try:
+                mm, counts = self.vision.tensors(images)
+            except DECODE_ERRORS as err:  # PIL cannot decode the bytes, or the image processor refuses
+                raise ValueError(f"{where}: cannot read its images: {type(err).__name__}: {err}. Fix the row's "
+                                 f"{IMAGE_KEY!r} column (or drop the row)") from err
             expanded = []
             for text, is_response in segs:
                 n = text.count(IMAGE_PLACEHOLDER)
@@ -132,8 +149,10 @@ class SFTDataset(Dataset):
             part = encode(self.tokenizer, text)
             ids += part
             mask += [int(is_response)] * len(part)
+        if self.vision is not None:
+            self.vision.check_inputs(mm, ids, where)
         if images and self.image_token_id in ids[self.max_length:]:
-            raise ValueError(f"{self.name} row {i}: {len(ids)} tokens with its images > max length {self.max_length}; "
+            raise ValueError(f"{where}: {len(ids)} tokens with its images > max length {self.max_length}; "
                              "the cut would drop image tokens: raise data.max_prompt_length")
         item = {keys.INPUT_IDS: torch.tensor(ids[: self.max_length], dtype=torch.long),
                 "loss_mask": torch.tensor(mask[: self.max_length], dtype=torch.long), "index": i}

@@ -47,16 +47,49 @@ def _engine_forward(self: torch.nn.Module, inputs: ModelInputs, req: HeadRequest
                           position_ids=position_ids, use_cache=False, **kwargs)
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+    idle = idle_tower_zero(self) if inputs.idle_tower and inputs.vision is None else None
     if req.kind == "lm" and getattr(self.config, "final_logit_softcapping", None):
-        return _softcapped_logprobs(self, hidden_NH.index_select(0, inputs.src_K), inputs.labels_K, req)
+        res = _softcapped_logprobs(self, hidden_NH.index_select(0, inputs.src_K), inputs.labels_K, req)
+        return _plus(res, "log_probs", idle)
     if req.kind == "lm":
         logp, ent = chunked_logprobs(hidden_NH.index_select(0, inputs.src_K), self.get_output_embeddings(),
                                      inputs.labels_K, temperature=req.temperature, chunk_size=req.chunk_size,
                                      with_entropy=req.with_entropy, exact=exact)
-        return {"log_probs": logp} if ent is None else {"log_probs": logp, keys.ENTROPY: ent}
+        res = {"log_probs": logp} if ent is None else {"log_probs": logp, keys.ENTROPY: ent}
+        return _plus(res, "log_probs", idle)
     idx = inputs.src_K if req.kind == "value" else inputs.last_K
     # sum over the single output column: a fresh tensor, not a view (FSDP2 output hooks dislike views).
-    return {keys.VALUES: self.score(hidden_NH.index_select(0, idx)).float().sum(-1)}
+    return _plus({keys.VALUES: self.score(hidden_NH.index_select(0, idx)).float().sum(-1)}, keys.VALUES, idle)
+
+
+def idle_tower_zero(model: torch.nn.Module) -> torch.Tensor | None:
+    """A zero that depends on every trainable vision-tower parameter (None without grad, tower or trainable ones).
+
+    Why: the tower sits in the root FSDP2 group (`fsdp.apply_fsdp2`), and FSDP2 reduce-scatters only the parameters
+    that got a gradient. When a micro-batch holds no image on one rank but images on another, their reduce-scatters
+    would differ in size (a hang, or gradients mixed up). Added to the outputs of the image-less one, this term gives
+    the tower a zero gradient there, so every rank reduces the same parameters and the average is the images'
+    gradient over all ranks. It runs inside the root's forward, where the parameters are the unsharded ones FSDP2
+    reduces. The engine asks for it only then (`TrainEngine._images_on_any_rank`): with no image on any rank the
+    tower keeps no gradient, and the optimizer leaves it alone, as before."""
+    if not torch.is_grad_enabled():
+        return None
+    params = trainable_tower_params(model)
+    if not params:
+        return None
+    return torch.stack([p.sum().float() for p in params]).sum() * 0.0
+
+
+def trainable_tower_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The vision tower's trainable parameters (none for a text model, or a frozen tower)."""
+    tower = getattr(model.base_model, "visual", None)
+    return [] if tower is None else [p for p in tower.parameters() if p.requires_grad]
+
+
+def _plus(out: dict[str, torch.Tensor], key: str, zero: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if zero is not None:
+        out[key] = out[key] + zero.to(out[key].dtype)
+    return out
 
 
 def _softcapped_logprobs(self: torch.nn.Module, hidden_KH: torch.Tensor, labels_K: torch.Tensor,

@@ -33,6 +33,8 @@ class ModelInputs:
     last_K: torch.Tensor  # flat hidden index of each row's last valid token (reward scores) [B]
     seqlens_B: torch.Tensor  # valid tokens per row
     vision: dict[str, torch.Tensor] | None = None  # image arguments of the HF forward (`data.vision`), padded only
+    # training, no image here but on another rank: the vision tower gets a zero gradient (`idle_tower_zero`)
+    idle_tower: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ mini-batches live in `engine/update.py`. torch.distributed must be initialised (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections import defaultdict
@@ -43,7 +44,7 @@ from hybridflow.engine.fsdp import (
 from hybridflow.engine.host_optim import HostOptimizer, cast_params, cut_masters
 from hybridflow.engine.lora import adapters_disabled, apply_lora
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
-from hybridflow.engine.model_forward import HeadRequest, install_engine_forward
+from hybridflow.engine.model_forward import HeadRequest, install_engine_forward, trainable_tower_params
 from hybridflow.engine.moe_replay import AGREEMENT, ROUTED, routing_replay
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, is_fused
 from hybridflow.engine.optim import set_kind as set_optimizer_kind
@@ -129,6 +130,7 @@ class TrainEngine:
                                  and reduce_dtype.itemsize >= master_dtype.itemsize)
         install_engine_forward(model)
         self.module = model
+        self._trains_tower = bool(trainable_tower_params(model))  # a vision-language model training its tower
         self.tokenizer = load_tokenizer(spec.model)
         adapters = None if self.lora_targets is None else sum(
             p.numel() for p in model.parameters() if p.requires_grad)
@@ -191,16 +193,19 @@ class TrainEngine:
 
     # ----------------------------------------------------------------------------------------- forward
     def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest,
-                       images: Sequence[dict[str, torch.Tensor]] | None = None
+                       images: Sequence[dict[str, torch.Tensor]] | None = None, idle_tower: bool = False
                        ) -> tuple[dict[str, torch.Tensor], int]:
         """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens. `images`: each row's
-        `multi_modal_inputs` (vision-language models)."""
+        `multi_modal_inputs` (vision-language models). `idle_tower`: another rank trains on images (a micro-batch
+        without any gives the vision tower a zero gradient, `model_forward.idle_tower_zero`)."""
         ids = batch[keys.INPUT_IDS]
         b, r = ids.shape[0], batch[keys.RESPONSES].shape[1]
         vision = batch_vision_inputs(images, ids, getattr(self.module.config, "image_token_id", None))
         # Indices are built where the batch lives (the host, normally) and copied without stalling the GPU.
         inputs = build_inputs(ids, batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS], r, self.spec.packed,
                               vision)
+        if idle_tower and inputs.vision is None:
+            inputs = dataclasses.replace(inputs, idle_tower=True)
         inputs = inputs.to(self.device)
         with routing_replay(self.module, batch.get(ROUTED), batch[keys.ATTENTION_MASK], self.spec.packed,
                             self.spec.routing_replay, self.device) as agree:
@@ -297,6 +302,17 @@ class TrainEngine:
             self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
             self.to_rest()
 
+    def _images_on_any_rank(self, batch: DataProto) -> bool:
+        """Several ranks and a trainable vision tower: whether any rank's mini-batch holds an image (one all-reduce
+        and a host read per mini-batch). Then every micro-batch without one gives the tower a zero gradient, so the
+        ranks' reduce-scatters of the root FSDP2 group (the tower's) match; with no image anywhere none does."""
+        if self.dp_size == 1 or not self._trains_tower:
+            return False
+        images = vision_column(batch.non_tensor_batch)
+        flag = torch.tensor([float(images is not None and any(images))], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item() > 0)
+
     def _global_norms(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         local = torch.stack([loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES]).to(torch.float64)
         if self.dp_size > 1:
@@ -320,12 +336,13 @@ class TrainEngine:
                                "cleanup on failure)")
         self._check_head(head)
         global_norm = self._global_norms(batch.batch[keys.RESPONSE_MASK])
+        idle_tower = self._images_on_any_rank(batch)
         fresh = self._pending_loss is None
         if fresh:  # a new accumulation (the last step's gradients stay readable until now)
             self._zero_grad()
         batching = self._train_batching_now()
         try:
-            return self._accumulate(batch, loss_fn, head, global_norm, batching, late)
+            return self._accumulate(batch, loss_fn, head, global_norm, batching, late, idle_tower)
         except torch.cuda.OutOfMemoryError:
             if not (fresh and self._may_retry_oom(batching)):
                 raise
@@ -337,7 +354,7 @@ class TrainEngine:
         logger.warning("out of memory at %d samples per training micro-batch; retrying this and later mini-batches at "
                        "%d (set actor/critic ppo_micro_batch_size_per_gpu to choose)", batching.size,
                        self._train_micro_override)
-        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now(), late)
+        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now(), late, idle_tower)
 
     def _train_batching_now(self) -> MicroBatching:
         size = self._train_micro_override
@@ -350,7 +367,8 @@ class TrainEngine:
                 and self._train_micro_override is None)
 
     def _accumulate(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest, global_norm: dict[str, torch.Tensor],
-                    batching: MicroBatching, late: Callable[[], DataProto] | None = None) -> BackwardStats:
+                    batching: MicroBatching, late: Callable[[], DataProto] | None = None,
+                    idle_tower: bool = False) -> BackwardStats:
         loss_total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
         micro = self._micro_batches(batch, batching)
@@ -361,7 +379,7 @@ class TrainEngine:
             mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch[keys.ATTENTION_MASK][:, -mb.batch[keys.RESPONSES].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch[keys.ATTENTION_MASK].sum(-1).tolist(), head_tokens)
-            outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch))
+            outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch), idle_tower)
             if late is not None:  # the forward is queued: wait for the late columns while the device runs it
                 batch = batch.select().union(new_columns(batch, late()))
                 mb, late = batch.select_idxs(idx), None

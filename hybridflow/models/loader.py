@@ -211,12 +211,31 @@ def _auto_class(hf_cfg: PretrainedConfig) -> type:
 def load_image_processor(cfg: ModelSource) -> Any | None:
     """The image processor of a vision-language model (None for a text model): `model.path`'s, or the `tiny-vl`
     preset's built-in one."""
-    if not is_vision_language(model_config(cfg)):
+    config = model_config(cfg)
+    if not is_vision_language(config):
         return None
     if cfg.path is None:
-        return tiny_vl_image_processor()
-    return AutoImageProcessor.from_pretrained(str(resolve_path(cfg.path)), local_files_only=True,
-                                              trust_remote_code=cfg.trust_remote_code)
+        processor = tiny_vl_image_processor()
+    else:
+        processor = AutoImageProcessor.from_pretrained(str(resolve_path(cfg.path)), local_files_only=True,
+                                                       trust_remote_code=cfg.trust_remote_code)
+    model = f"model.path={cfg.path}" if cfg.path else f"model.preset={cfg.preset}"
+    _check_patches(processor, config.vision_config, model)
+    return processor
+
+
+def _check_patches(processor: Any, vision: Any, model: str) -> None:
+    """The image processor cuts the patches the vision tower takes: checked once, in the driver, so a mismatch fails
+    before any worker starts rather than inside one rank's forward (the others would wait in its collectives)."""
+    pairs = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+             "merge_size": "spatial_merge_size"}
+    bad = [f"{p}={getattr(processor, p)} vs vision_config.{v}={getattr(vision, v)}" for p, v in pairs.items()
+           if getattr(processor, p, None) is not None and getattr(vision, v, None) is not None
+           and int(getattr(processor, p)) != int(getattr(vision, v))]
+    if bad:
+        raise ValueError(f"{model}: the image processor (preprocessor_config.json) does not match the "
+                         f"model's vision tower ({'; '.join(bad)}); use the preprocessor_config.json that came with "
+                         "the model")
 
 
 @contextlib.contextmanager

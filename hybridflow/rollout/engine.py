@@ -80,6 +80,7 @@ class RolloutEngine:
         self.compile_decode = (on_gpu and not rollout_cfg.enforce_eager) if compile_decode is None else compile_decode
         self.check_every = check_every or (8 if on_gpu else 1)
         self._calls = 0
+        self._weights_stamp = 0  # sync_weights calls: which weights the module holds, for partial rollouts
         self.timing: dict[str, float] = {}  # the last generate's timings (seconds), also in its meta_info["metrics"]
         self.bind(module)
 
@@ -131,6 +132,10 @@ class RolloutEngine:
         `timing/switch` times the whole train↔generate switch around it.) Tensor parallel: `local` = this rank's
         slices {HF parameter name: tensor} (`weights.tp_model_weights`); None = cut from the whole module (as a generate
         after `release_cache` does: give the slices again first when the module is sharded)."""
+        self._weights_stamp += 1  # new weights: a partial rollout's images are encoded again (vision.py)
+        return self._sync(local)
+
+    def _sync(self, local: dict[str, torch.Tensor] | None = None) -> float:
         if self._fallback is not None:
             return 0.0
         t0 = time.perf_counter()
@@ -170,7 +175,7 @@ class RolloutEngine:
 
     def _prepare(self) -> ModelRunner:
         if self._weights is None:
-            self.sync_weights()
+            self._sync()
         self.timing["timing/rollout_cache_alloc"] = 0.0
         if self._runner is None:
             t0 = time.perf_counter()
@@ -280,7 +285,8 @@ class RolloutEngine:
             kw = {}
             if self._vl:  # the vision tower, once per prompt, before the KV cache takes its share of the memory
                 t_vis = time.perf_counter()
-                kw["images"] = vision.encode(self.module, ids_d, mask_d, images, self.dtype)
+                stamp = None if weight_check is None else (lambda: self._weights_stamp)
+                kw["images"] = vision.encode(self.module, ids_d, mask_d, images, self.dtype, stamp)
                 self.timing["timing/rollout_vision"] = time.perf_counter() - t_vis
             runner = self._prepare()
             runner.set_sampling(params, self.eos_ids)

@@ -6,6 +6,8 @@ prompt's image embeddings until its prefill, where they replace the image-pad em
 HF's own `get_rope_index` (the trainer's forward calls the same function). Prefill applies the multimodal RoPE
 (`forward.RopeTable.at` on [B, P, 3] positions); decode positions continue at max(prompt position) + 1 for all three
 components, where mrope equals plain RoPE, so the decode step and its CUDA graphs are those of a text model.
+Partial rollouts (`trainer.async.partial_rollout=continue`): weights may change between the encoding and a prompt's
+prefill (a prompt admitted after a swap); its images are encoded again, under the weights in effect, at admission.
 Not covered natively (refused with the key to change): multi-turn, tensor parallelism, exact log-probs, fp8, agents.
 
 Legend: B prompts, P prompt length, H hidden, N image tokens.
@@ -16,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -61,9 +63,21 @@ class PromptImages:
     pos_BP3: torch.Tensor  # (t, h, w) rope positions; text tokens have three equal components
     embeds: list[torch.Tensor | None]  # prompt i's image-token embeddings [N_i, H] (None: no image)
     image_token_id: int
+    # Partial rollouts: `stamp()` names the weights in effect (it changes when new ones are installed mid-call),
+    # `renew(prompts)` encodes those prompts' images again under them; `at[i]`: the stamp prompt i was encoded at.
+    stamp: Callable[[], int] | None = None
+    renew: Callable[[list[int]], dict[int, torch.Tensor]] | None = None
+    at: list[int] = field(default_factory=list)
 
     def take(self, prompts: Sequence[int]) -> torch.Tensor | None:
-        """The image embeddings of `prompts`, in their order, as one [N, H] tensor (None when none has images)."""
+        """The image embeddings of `prompts`, in their order, as one [N, H] tensor (None when none has images);
+        those encoded under weights since replaced are encoded again first."""
+        if self.stamp is not None:
+            now = self.stamp()
+            stale = [p for p in prompts if self.embeds[p] is not None and self.at[p] != now]
+            if stale:
+                for p, e in self.renew(stale).items():
+                    self.embeds[p], self.at[p] = e, now
         got = [self.embeds[p] for p in prompts if self.embeds[p] is not None]
         return torch.cat(got) if got else None
 
@@ -79,10 +93,13 @@ def input_embeds(x_BPH: torch.Tensor, ids_BP: torch.Tensor, image_NH: torch.Tens
 
 
 def encode(module: nn.Module, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
-           rows: Sequence[dict[str, torch.Tensor] | None] | None, dtype: torch.dtype) -> PromptImages | None:
+           rows: Sequence[dict[str, torch.Tensor] | None] | None, dtype: torch.dtype,
+           stamp: Callable[[], int] | None = None) -> PromptImages | None:
     """Run the vision tower over each prompt's `multi_modal_inputs` (row i of the batch) and compute the batch's
     3-D positions; None for a batch without images. Collective under FSDP2 over several ranks (the root's
-    parameters are gathered): every rank calls it at each generate, with or without images."""
+    parameters are gathered): every rank calls it at each generate, with or without images. `stamp` (partial
+    rollouts: the weights may change during the call) names the weights in effect; a prompt is encoded again at
+    its prefill when it changed since (`PromptImages.take`)."""
     cfg = module.config
     image_id = int(cfg.image_token_id)
     has = [bool(r) for r in rows] if rows is not None else [False] * ids_BP.shape[0]
@@ -91,18 +108,31 @@ def encode(module: nn.Module, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
         if h != (n > 0):
             raise ValueError(f"prompt row {i} has {n} image-pad tokens but {'' if h else 'no '}images in "
                              "multi_modal_inputs; build image prompts with data/vision.py (one image per <image>)")
+    if stamp is not None and isinstance(module, FSDPModule):  # encoding again at a prefill runs on one rank only
+        raise ValueError("new weights during a generate call (trainer.async.partial_rollout=continue) with images "
+                         "need the rollout worker's own unsharded model (trainer.mode=async), not the FSDP2 actor")
     with _gathered(module):
         if not any(has):
             return None
-        embeds: list[torch.Tensor | None] = [None] * len(has)
-        for chunk in _chunks(rows, has):
-            pixels = torch.cat([rows[i][PIXEL_VALUES] for i in chunk]).to(ids_BP.device)
-            grid = torch.cat([rows[i][IMAGE_GRID_THW] for i in chunk]).to(ids_BP.device)
-            feats = _image_features(module, pixels, grid, dtype)
-            for i, part in zip(chunk, feats.split([pads_B[i] for i in chunk])):
-                embeds[i] = part
-    grid = torch.cat([r[IMAGE_GRID_THW] for r, h in zip(rows, has) if h]).to(ids_BP.device)
-    return PromptImages(rope_positions(module, ids_BP, mask_BP, grid), embeds, image_id)
+        dev = ids_BP.device
+
+        def encode_prompts(prompts: list[int]) -> dict[int, torch.Tensor]:
+            out = {}
+            for chunk in _chunks(rows, prompts):
+                pixels = torch.cat([rows[i][PIXEL_VALUES] for i in chunk]).to(dev)
+                grid = torch.cat([rows[i][IMAGE_GRID_THW] for i in chunk]).to(dev)
+                feats = _image_features(module, pixels, grid, dtype)
+                out.update(zip(chunk, feats.split([pads_B[i] for i in chunk])))
+            return out
+
+        with_images = [i for i, h in enumerate(has) if h]
+        encoded = encode_prompts(with_images)
+    embeds = [encoded.get(i) for i in range(len(has))]
+    grid = torch.cat([r[IMAGE_GRID_THW] for r, h in zip(rows, has) if h]).to(dev)
+    images = PromptImages(rope_positions(module, ids_BP, mask_BP, grid), embeds, image_id)
+    if stamp is not None:
+        images.stamp, images.renew, images.at = stamp, encode_prompts, [stamp()] * len(has)
+    return images
 
 
 def rope_positions(module: nn.Module, ids_BP: torch.Tensor, mask_BP: torch.Tensor,
@@ -129,12 +159,10 @@ def _image_features(module: nn.Module, pixels: torch.Tensor, grid: torch.Tensor,
     return feats.to(dtype)
 
 
-def _chunks(rows: Sequence[dict[str, torch.Tensor] | None], has: list[bool]) -> Iterator[list[int]]:
-    """Prompts with images, grouped up to MAX_PATCHES_PER_CALL patches per vision-tower call."""
+def _chunks(rows: Sequence[dict[str, torch.Tensor] | None], prompts: Sequence[int]) -> Iterator[list[int]]:
+    """`prompts` (each with images) grouped up to MAX_PATCHES_PER_CALL patches per vision-tower call."""
     chunk, patches = [], 0
-    for i, h in enumerate(has):
-        if not h:
-            continue
+    for i in prompts:
         n = int(rows[i][PIXEL_VALUES].shape[0])
         if chunk and patches + n > MAX_PATCHES_PER_CALL:
             yield chunk

@@ -72,6 +72,7 @@ def test_collate_keeps_each_rows_images_with_it():
     ("no image", [{"bytes": b"png"}], "0 <image> placeholder\\(s\\) but the row has 1 image"),
     ("<image>?", [{"bytes": b"not a png"}], "images\\[0\\] is not a readable image"),
     ("<image>?", [{"path": "a.png"}], "images\\[0\\] must be image bytes"),
+    ("<image>?", [{"bytes": _png(2, 402, 0)}], "images\\[0\\]: the image processor refuses its size"),
 ])
 def test_bad_image_rows_name_the_row(prompt, images, why):
     rows = [_row("<image>fine", [{"bytes": _png(8, 8, 0)}]), _row(prompt, images)]
@@ -137,3 +138,72 @@ def test_colour_count_flawed_demonstrations_drop_the_answer_marker():
     assert bad["response"] == truth and bad["images"] == train[0]["images"]
     scorer = get_reward_fn(reward_fn_name(train[0]["data_source"]))
     assert scorer("hybridflow/colour_count", bad["response"], truth)["score"] == 0.0
+
+
+def _truncated_png() -> bytes:
+    """A PNG whose header reads (the build-time check passes) but whose pixel data is cut short."""
+    data = _png(32, 32, 5)
+    return data[: len(data) // 2]
+
+
+def test_an_image_that_does_not_decode_names_the_row_its_file_and_the_column(tmp_path):
+    from hybridflow.data.sft_dataset import SFTDataset
+
+    train, _ = task_splits("colour_count", 4, 2, seed=1)
+    train[3]["images"] = [{"bytes": _truncated_png()}]
+    write_rows(train[:2], tmp_path / "a.parquet")
+    write_rows(train[2:], tmp_path / "b.parquet")
+    files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    rl = RLHFDataset.from_files(files, tiny_vl_tokenizer(), max_prompt_length=96,
+                                image_processor=tiny_vl_image_processor())
+    sft = SFTDataset.from_files(files, tiny_vl_tokenizer(), max_length=96, image_processor=tiny_vl_image_processor(),
+                                name="sft-train")
+    assert rl[2][keys.MULTI_MODAL_INPUTS] and sft[2][keys.MULTI_MODAL_INPUTS]  # the other rows load
+    where = f"data row 3 \\(file {tmp_path}/b.parquet, its row 1\\): cannot read its images: .*Fix the row's 'images'"
+    with pytest.raises(ValueError, match=f"train {where}"):
+        rl[3]
+    with pytest.raises(ValueError, match=f"sft-train {where}"):
+        sft[3]
+
+
+def test_an_image_size_the_processor_refuses_is_a_malformed_row():
+    rows = [_row("<image>fine", [{"bytes": _png(8, 8, 0)}]), _row("<image>?", [{"bytes": _png(402, 2, 1)}])]
+    with pytest.raises(ValueError, match="row 1 is malformed: images\\[0\\]: the image processor refuses its size"):
+        _dataset(rows, strict=True)
+    assert _dataset(rows).skips.counts == {"malformed": 1}
+
+
+def test_image_tensors_that_do_not_fit_the_row_are_refused_where_it_loads():
+    ds = _dataset([_row("<image>a", [{"bytes": _png(16, 16, 0)}])])
+    ids, mm = ds[0][keys.INPUT_IDS], ds[0][keys.MULTI_MODAL_INPUTS]
+    vision = ds.vision
+    vision.check_inputs(mm, ids, "row 0")  # the processor's own output fits
+    pixels, grid = mm[PIXEL_VALUES], mm[IMAGE_GRID_THW]
+    cases = [
+        ({PIXEL_VALUES: pixels[:, :-1], IMAGE_GRID_THW: grid}, ids, "pixel_values is torch.float32 \\(16, 95\\)"),
+        ({PIXEL_VALUES: pixels.long(), IMAGE_GRID_THW: grid}, ids, "not floating point"),
+        ({PIXEL_VALUES: pixels.numpy(), IMAGE_GRID_THW: grid}, ids, "must hold tensors"),
+        ({PIXEL_VALUES: pixels, IMAGE_GRID_THW: grid.float()}, ids, "not positive integer"),
+        ({PIXEL_VALUES: pixels[:8], IMAGE_GRID_THW: grid}, ids, "makes 16 patches but pixel_values has 8"),
+        (mm, ids[ids != vision.image_token_id], "holds 0 <\\|image_pad\\|> tokens but its images make 4"),
+    ]
+    for bad, bad_ids, why in cases:
+        with pytest.raises(ValueError, match=f"row 0: (column 'multi_modal_inputs'|the prompt)(: )?.*{why}"):
+            vision.check_inputs(bad, bad_ids, "row 0")
+    # vision tokens typed into a text-only prompt would make a worker's forward fail on its own rank
+    text_only = _dataset([_row("Look: <|image_pad|>", None)])
+    with pytest.raises(ValueError, match="train data row 0: the prompt holds 1 <\\|image_pad\\|> tokens but the "
+                                         "row has no images"):
+        text_only[0]
+
+
+def test_an_image_processor_that_does_not_match_the_vision_tower_is_refused():
+    from types import SimpleNamespace
+
+    from hybridflow.models.loader import _check_patches
+
+    vision = SimpleNamespace(patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+    _check_patches(SimpleNamespace(patch_size=14, temporal_patch_size=2, merge_size=2), vision, "model.path=m")
+    with pytest.raises(ValueError, match="model.path=m: the image processor .*\\(patch_size=16 vs "
+                                         "vision_config.patch_size=14\\)"):
+        _check_patches(SimpleNamespace(patch_size=16, temporal_patch_size=2, merge_size=2), vision, "model.path=m")
