@@ -306,16 +306,20 @@ class TrainEngine:
             self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
             self.to_rest()
 
-    def _global_norms(self, response_mask: torch.Tensor, attention_mask: torch.Tensor
-                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The mini-batch's normaliser per loss_agg_mode and its real (attention-mask) tokens, over all ranks."""
-        local = torch.stack([*(loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES),
-                             attention_mask.float().sum()]).to(torch.float64)
+    def _global_norms(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        local = torch.stack([loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES]).to(torch.float64)
         if self.dp_size > 1:
             local = local.to(self.device)
             dist.all_reduce(local)
-        local = local.float().to(self.device)
-        return {m: local[i] for i, m in enumerate(LOSS_AGG_MODES)}, local[-1]
+        return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
+
+    def _global_tokens(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The mini-batch's real tokens over all ranks (the MoE load-balancing loss's weights)."""
+        n = attention_mask.sum().to(torch.float64)
+        if self.dp_size > 1:
+            n = n.to(self.device)
+            dist.all_reduce(n)
+        return n.float().to(self.device)
 
     def forward_backward(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest,
                          late: Callable[[], DataProto] | None = None) -> BackwardStats:
@@ -334,13 +338,13 @@ class TrainEngine:
             raise RuntimeError("forward_backward runs inside `with engine.training():` (placement, train mode, "
                                "cleanup on failure)")
         self._check_head(head)
-        global_norm, real_tokens = self._global_norms(batch.batch[keys.RESPONSE_MASK], batch.batch[keys.ATTENTION_MASK])
+        global_norm = self._global_norms(batch.batch[keys.RESPONSE_MASK])
         fresh = self._pending_loss is None
         if fresh:  # a new accumulation (the last step's gradients stay readable until now)
             self._zero_grad()
         batching = self._train_batching_now()
         try:
-            return self._accumulate(batch, loss_fn, head, global_norm, real_tokens, batching, late)
+            return self._accumulate(batch, loss_fn, head, global_norm, batching, late)
         except torch.cuda.OutOfMemoryError:
             if not (fresh and self._may_retry_oom(batching)):
                 raise
@@ -352,7 +356,7 @@ class TrainEngine:
         logger.warning("out of memory at %d samples per training micro-batch; retrying this and later mini-batches at "
                        "%d (set actor/critic ppo_micro_batch_size_per_gpu to choose)", batching.size,
                        self._train_micro_override)
-        return self._accumulate(batch, loss_fn, head, global_norm, real_tokens, self._train_batching_now(), late)
+        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now(), late)
 
     def _train_batching_now(self) -> MicroBatching:
         size = self._train_micro_override
@@ -365,19 +369,19 @@ class TrainEngine:
                 and self._train_micro_override is None)
 
     def _accumulate(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest, global_norm: dict[str, torch.Tensor],
-                    real_tokens: torch.Tensor, batching: MicroBatching,
-                    late: Callable[[], DataProto] | None = None) -> BackwardStats:
+                    batching: MicroBatching, late: Callable[[], DataProto] | None = None) -> BackwardStats:
         loss_total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
         micro = self._micro_batches(batch, batching)
         tokens, flops = 0, 0.0
+        aux_coef = self.spec.moe_aux_loss_coef
+        real_tokens = self._global_tokens(batch.batch[keys.ATTENTION_MASK]) if aux_coef > 0 else None
         for i, idx in enumerate(micro):
             beat(i)
             self._set_grad_sync(i == len(micro) - 1)
             mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch[keys.ATTENTION_MASK][:, -mb.batch[keys.RESPONSES].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch[keys.ATTENTION_MASK].sum(-1).tolist(), head_tokens)
-            aux_coef = self.spec.moe_aux_loss_coef
             outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch), aux_coef > 0)
             aux = outputs.pop(AUX_LOSS, None)
             if late is not None:  # the forward is queued: wait for the late columns while the device runs it
