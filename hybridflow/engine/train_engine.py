@@ -213,9 +213,8 @@ class TrainEngine:
             out = self.module(hf_inputs=inputs, hf_request=req)
         if agree[0] is not None and req.kind == "lm":
             out[AGREEMENT] = agree[0].float().index_select(0, inputs.src_K)
-        if req.kind == "score":
-            return {"scores": out[keys.VALUES]}, inputs.num_tokens
-        res = {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()}
+        res = ({"scores": out[keys.VALUES]} if req.kind == "score"
+               else {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()})
         if moe_aux:  # packed: every token the model saw is real; padded: the attention mask says which
             res[AUX_LOSS] = load_balancing_loss(logits, self.module.config.num_experts_per_tok, inputs.attention_mask)
         return res, inputs.num_tokens
@@ -330,7 +329,7 @@ class TrainEngine:
         `late`: returns `batch`'s rows with columns the loss needs that were not ready at the call (`protocol.late`);
         it is called once the first micro-batch's forward is queued, so the device computes while it waits.
         `spec.moe_aux_loss_coef` > 0 (MoE): each micro-batch's loss also gets coef × its routers' load-balancing
-        loss × its share of the mini-batch's real tokens (all ranks), and the metrics `moe/aux_loss` (its own value).
+        loss × its share of the mini-batch's real tokens (all ranks), and the metric `moe/aux_loss` (its own value).
         """
         if late is not None:
             late = _once(late)
