@@ -204,6 +204,13 @@ class MoEConfig:
     # Mixture-of-Experts models: the trainer's forwards route each token to the experts the rollout engine chose
     # (`routed_experts`, engine/moe_replay.py) instead of re-routing with the trainer's numerics
     routing_replay: bool = False
+    # weight of the routers' load-balancing loss (Switch Transformer's, as HF computes it) in the actor's update
+    # loss (engine/moe_aux.py); 0 = off
+    aux_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.aux_loss_coef >= 0, "actor.moe.aux_loss_coef", self.aux_loss_coef,
+               "must be >= 0 (0 = off; HF's Qwen3-MoE and Mixtral configs use 0.001 as router_aux_loss_coef)")
 
 
 @dataclass(frozen=True)

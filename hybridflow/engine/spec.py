@@ -51,6 +51,7 @@ class EngineSpec:
     packed: bool = True  # data.use_packed_dataset: forward passes without padding
     lora: LoraConfig | None = None  # adapters on a trained module (rank 0 or None = full fine-tuning)
     routing_replay: bool = False  # MoE: forwards use the batch's `routed_experts` (engine/moe_replay.py)
+    moe_aux_loss_coef: float = 0.0  # MoE: + coef x the routers' load-balancing loss in training (engine/moe_aux.py)
     exact_logprobs: bool = False  # batch-invariant forward ops (engine/invariant.py), as the rollout engine's
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class EngineSpec:
             raise ValueError(f"head={self.head!r}: must be one of {', '.join(MODULE_HEADS)}")
         if self.optimizer is not None and self.train_batching is None:
             raise ValueError("a trained engine (optimizer given) needs train_batching")
+        if self.moe_aux_loss_coef < 0:
+            raise ValueError(f"moe_aux_loss_coef={self.moe_aux_loss_coef}: must be >= 0 (0 = off)")
         if self.uses_lora and self.optimizer is None:
             raise ValueError("LoRA adapters need a trained engine (EngineSpec.optimizer); a frozen engine has none")
 

@@ -45,6 +45,9 @@ from hybridflow.engine.host_optim import HostOptimizer, cast_params, cut_masters
 from hybridflow.engine.lora import adapters_disabled, apply_lora
 from hybridflow.engine.micro_batch import fixed_micro_batches, token_budget_micro_batches
 from hybridflow.engine.model_forward import HeadRequest, install_engine_forward, trainable_tower_params
+from hybridflow.engine.moe_aux import AUX_LOSS, load_balancing_loss, router_logits
+from hybridflow.engine.moe_aux import METRIC as AUX_METRIC
+from hybridflow.engine.moe_aux import check_model as check_moe_aux
 from hybridflow.engine.moe_replay import AGREEMENT, ROUTED, routing_replay
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer, is_fused
 from hybridflow.engine.optim import set_kind as set_optimizer_kind
@@ -101,6 +104,7 @@ class TrainEngine:
         base_dtype = self.compute_dtype if spec.uses_lora else DTYPES[fsdp.param_dtype]
         model = load_module(spec.model, spec.head, path=spec.model_path, dtype=base_dtype,
                             attn_implementation=register_attention(), init_device=self.device)
+        check_moe_aux(model, spec.moe_aux_loss_coef)
         if spec.trainable and spec.model.enable_gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -193,11 +197,13 @@ class TrainEngine:
 
     # ----------------------------------------------------------------------------------------- forward
     def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest,
-                       images: Sequence[dict[str, torch.Tensor]] | None = None, idle_tower: bool = False
-                       ) -> tuple[dict[str, torch.Tensor], int]:
+                       images: Sequence[dict[str, torch.Tensor]] | None = None, idle_tower: bool = False,
+                       moe_aux: bool = False) -> tuple[dict[str, torch.Tensor], int]:
         """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens. `images`: each row's
         `multi_modal_inputs` (vision-language models). `idle_tower`: another rank trains on images (a micro-batch
-        without any gives the vision tower a zero gradient, `model_forward.idle_tower_zero`)."""
+        without any gives the vision tower a zero gradient, `model_forward.idle_tower_zero`). `moe_aux`: also the
+        routers' load-balancing loss over the micro-batch's real tokens, a scalar under `AUX_LOSS`
+        (engine/moe_aux.py)."""
         ids = batch[keys.INPUT_IDS]
         b, r = ids.shape[0], batch[keys.RESPONSES].shape[1]
         vision = batch_vision_inputs(images, ids, getattr(self.module.config, "image_token_id", None))
@@ -208,13 +214,16 @@ class TrainEngine:
             inputs = dataclasses.replace(inputs, idle_tower=True)
         inputs = inputs.to(self.device)
         with routing_replay(self.module, batch.get(ROUTED), batch[keys.ATTENTION_MASK], self.spec.packed,
-                            self.spec.routing_replay, self.device) as agree:
+                            self.spec.routing_replay, self.device) as agree, \
+                router_logits(self.module, moe_aux) as logits:
             out = self.module(hf_inputs=inputs, hf_request=req)
         if agree[0] is not None and req.kind == "lm":
             out[AGREEMENT] = agree[0].float().index_select(0, inputs.src_K)
-        if req.kind == "score":
-            return {"scores": out[keys.VALUES]}, inputs.num_tokens
-        return {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()}, inputs.num_tokens
+        res = ({"scores": out[keys.VALUES]} if req.kind == "score"
+               else {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()})
+        if moe_aux:  # packed: every token the model saw is real; padded: the attention mask says which
+            res[AUX_LOSS] = load_balancing_loss(logits, self.module.config.num_experts_per_tok, inputs.attention_mask)
+        return res, inputs.num_tokens
 
     def _micro_batches(self, data: DataProto, batching: MicroBatching) -> list[list[int]]:
         if batching.dynamic:
@@ -320,6 +329,14 @@ class TrainEngine:
             dist.all_reduce(local)
         return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
 
+    def _global_tokens(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The mini-batch's real tokens over all ranks (the MoE load-balancing loss's weights)."""
+        n = attention_mask.sum().to(torch.float64)
+        if self.dp_size > 1:
+            n = n.to(self.device)
+            dist.all_reduce(n)
+        return n.float().to(self.device)
+
     def forward_backward(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest,
                          late: Callable[[], DataProto] | None = None) -> BackwardStats:
         """Accumulate the gradients of `loss_fn` over this rank's mini-batch `batch`, cut by `spec.train_batching`.
@@ -328,6 +345,8 @@ class TrainEngine:
         over all ranks for each loss_agg_mode. Call inside `with engine.training():`; `step()` applies the sum.
         `late`: returns `batch`'s rows with columns the loss needs that were not ready at the call (`protocol.late`);
         it is called once the first micro-batch's forward is queued, so the device computes while it waits.
+        `spec.moe_aux_loss_coef` > 0 (MoE): each micro-batch's loss also gets coef × its routers' load-balancing
+        loss × its share of the mini-batch's real tokens (all ranks), and the metric `moe/aux_loss` (its own value).
         """
         if late is not None:
             late = _once(late)
@@ -373,18 +392,27 @@ class TrainEngine:
         sums: dict[str, torch.Tensor | float] = {}
         micro = self._micro_batches(batch, batching)
         tokens, flops = 0, 0.0
+        aux_coef = self.spec.moe_aux_loss_coef
+        real_tokens = self._global_tokens(batch.batch[keys.ATTENTION_MASK]) if aux_coef > 0 else None
         for i, idx in enumerate(micro):
             beat(i)
             self._set_grad_sync(i == len(micro) - 1)
             mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch[keys.ATTENTION_MASK][:, -mb.batch[keys.RESPONSES].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch[keys.ATTENTION_MASK].sum(-1).tolist(), head_tokens)
-            outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch), idle_tower)
+            outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch), idle_tower,
+                                                 aux_coef > 0)
+            aux = outputs.pop(AUX_LOSS, None)
             if late is not None:  # the forward is queued: wait for the late columns while the device runs it
                 batch = batch.select().union(new_columns(batch, late()))
                 mb, late = batch.select_idxs(idx), None
             mb_dev = mb.to(self.device, non_blocking=True)
             loss, metrics = loss_fn(outputs, mb_dev, global_norm)
+            if aux is not None:
+                # weighted by the micro-batch's share of the mini-batch's real tokens (all ranks), as the
+                # token-normalised losses are: summed over micro-batches and ranks, a token-weighted mean
+                loss = loss + aux_coef * aux * (n_tok / real_tokens)
+                metrics = {**metrics, AUX_METRIC: aux.detach()}
             # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
             # ranks, so scale by the DP size to get the sum.
             (loss * self.dp_size).backward()

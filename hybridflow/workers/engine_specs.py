@@ -31,7 +31,8 @@ def actor_spec(cfg: Config, total_training_steps: int | None = None) -> EngineSp
         infer_batching=MicroBatching(a.log_prob_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                      a.log_prob_max_token_len_per_gpu),
         optimizer=OptimizerSpec(a.optim, a.grad_clip, total_training_steps), lora=cfg.model.lora,
-        routing_replay=a.moe.routing_replay, exact_logprobs=cfg.actor_rollout.exact_logprobs,
+        routing_replay=a.moe.routing_replay, moe_aux_loss_coef=a.moe.aux_loss_coef,
+        exact_logprobs=cfg.actor_rollout.exact_logprobs,
     )
 
 

@@ -33,6 +33,8 @@ def _train_and_dump(rank: int, world: int, out: str, overrides: list[str]) -> No
         weights.update({f"_export.{n}": t.clone() for n, t in exported.items()})
         weights["_loss"] = torch.tensor([m["loss"] for m in metrics])
         weights["_grad_norm"] = torch.tensor([m["grad_norm"] for m in metrics])
+        if any("aux_loss" in o for o in overrides):  # averaged over micro-batches and ranks
+            weights["_moe_aux_loss"] = torch.tensor([m["moe/aux_loss"] for m in metrics])
         save_file(weights, f"{out}/w{world}.safetensors")
     save_file({"logp": logp.contiguous()}, f"{out}/logp{world}_{rank}.safetensors")
 
@@ -50,7 +52,9 @@ def _worker(rank: int, world: int, out: str, overrides: list[str]) -> None:
 @pytest.mark.parametrize("overrides", [
     ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=30"],
     ["actor.ppo_micro_batch_size_per_gpu=1", "actor.fsdp.defer_grad_sync=true"],
-], ids=["token-budget", "deferred-sync"])
+    # the MoE load-balancing loss: the same micro-batches either way, weighted by the real tokens of all ranks
+    ["model.preset=tiny-moe", "actor.moe.aux_loss_coef=0.5", "actor.ppo_micro_batch_size_per_gpu=2"],
+], ids=["token-budget", "deferred-sync", "moe-aux-loss"])
 def test_world_size_1_and_2_agree(tmp_path, overrides, dist_group):
     start_ranks(_worker, (2, str(tmp_path), overrides), 2)
     _train_and_dump(0, 1, str(tmp_path), overrides)  # world size 1: this process's 1-rank group

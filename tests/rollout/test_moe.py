@@ -1,16 +1,23 @@
-"""MoE in the rollout engine (rollout/moe.py) and routing replay in the trainer (engine/moe_replay.py), against
-naive references: HF generate, HF's own routers, and an HF forward whose routers are forced to given experts.
-(Logit parity per family: test_model_families.py.)"""
+"""MoE in the rollout engine (rollout/moe.py), routing replay (engine/moe_replay.py) and the load-balancing loss
+(engine/moe_aux.py) in the trainer, against naive references: HF generate, HF's own routers, an HF forward whose
+routers are forced to given experts, and HF's own load-balancing loss. (Logit parity per family:
+test_model_families.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ppo_testlib import tiny_ppo_config
 from rollout_helpers import EOS, PAD, make_engine, make_prompts
 from test_model_families import VOCAB, hf_response_logprobs, make_family, train_engine_for
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as hf_load_balancing_loss
 
-from hybridflow.engine import HeadRequest, UpdatePlan, moe_replay, train_update
+from hybridflow.config import load_config
+from hybridflow.engine import HeadRequest, TrainEngine, UpdatePlan, moe_replay, train_update
+from hybridflow.engine.moe_aux import load_balancing_loss
 from hybridflow.rollout import RolloutEngine, moe
+from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.workers.engine_specs import actor_spec
 
 P, R = 10, 6
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -149,3 +156,94 @@ def test_lora_on_attention_and_shared_expert_is_merged(gloo, tmp_path):
     base = hf_response_logprobs(make_family("qwen2_moe"), out)
     assert (ref - base).abs().max() > 1e-2  # the adapters change the outputs
     torch.testing.assert_close(out.batch["rollout_log_probs"], ref, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------ load-balancing loss (engine/moe_aux.py)
+def test_load_balancing_loss_equals_hf_and_padding_does_not_count():
+    """Ours against transformers' function on the same router logits: padded rows with their mask, and the same
+    real rows packed (no mask). Padding positions route to expert 0 only, so counting them would show."""
+    g = torch.Generator().manual_seed(0)
+    B, L, E, k = 3, 7, 8, 2
+    mask_BL = torch.ones(B, L, dtype=torch.long)
+    mask_BL[0, :3] = 0  # left-padded prompt
+    mask_BL[1, 5:] = 0  # right-padded response
+    real = mask_BL.flatten().bool()
+    logits = [torch.randn(B * L, E, generator=g) for _ in range(3)]
+    for t in logits:
+        t[~real, 0] += 20.0
+    want = hf_load_balancing_loss(tuple(logits), E, k, mask_BL)
+    torch.testing.assert_close(load_balancing_loss(logits, k, mask_BL), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(load_balancing_loss([t[real] for t in logits], k, None), want, atol=1e-6, rtol=0)
+    assert abs(float(hf_load_balancing_loss(tuple(logits), E, k, None) - want)) > 0.1  # padding would count
+
+
+def _grads(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    return {n: _full(p.grad) for n, p in engine.module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family,variant", [("qwen3_moe", "packed"), ("qwen3_moe", "padded"),
+                                            ("qwen3_moe", "checkpointing"), ("qwen3_moe", "replay"),
+                                            ("mixtral", "packed"), ("qwen2_moe", "packed")])
+def test_aux_loss_and_its_router_gradients_equal_hf(family, variant, gloo, tmp_path):
+    """Two micro-batches of 3 rows: `moe/aux_loss` is the mean of HF's `aux_loss` per micro-batch, and adding the
+    term changes the router gradients by exactly coef x the gradient of HF's losses weighted by each micro-batch's
+    share of the real tokens; lm_head, which the term does not reach, gets the same gradient."""
+    coef = 0.5
+    model = make_family(family)
+    out = make_engine(model, P, R).generate(make_prompts(3, P, VOCAB, seed=4, meta={"n": 2}))
+    b = out.batch
+    if variant == "replay":  # the routers' own experts (also for each row's last token, which the rollout
+        b["routed_experts"] = hf_routes(model, b)  # does not record): the same forward as without replay
+    tokens = b["attention_mask"].sum()
+    hf_aux, weighted = [], 0.0
+    for rows in (slice(0, 3), slice(3, 6)):
+        res = model(input_ids=b["input_ids"][rows], attention_mask=b["attention_mask"][rows],
+                    position_ids=b["position_ids"][rows], output_router_logits=True)
+        hf_aux.append(float(res.aux_loss.detach()))
+        weighted = weighted + res.aux_loss * b["attention_mask"][rows].sum() / tokens
+    gates = [n for n, _ in model.named_parameters() if "mlp.gate." in n]
+    want = dict(zip(gates, torch.autograd.grad(weighted, [dict(model.named_parameters())[n] for n in gates])))
+    extra = {"packed": [], "padded": ["data.use_packed_dataset=false"],
+             "checkpointing": ["model.enable_gradient_checkpointing=true"],
+             "replay": ["actor.moe.routing_replay=true"]}[variant]
+    grads, stats = {}, {}
+    for c in (0.0, coef):
+        engine = train_engine_for(model, tmp_path / str(c), f"actor.moe.aux_loss_coef={c}",
+                                  "actor.ppo_micro_batch_size_per_gpu=3", *extra)
+        calls = []  # the first router's forwards: checkpointing runs each again in backward
+        hook = moe_replay.routers(engine.module)[0].register_forward_hook(lambda *a, seen=calls: seen.append(1))
+        with engine.training():
+            stats[c] = engine.forward_backward(out, _push_up, HeadRequest("lm", temperature=1.0)).metrics
+            grads[c] = _grads(engine)
+        hook.remove()
+        assert len(calls) == (4 if variant == "checkpointing" else 2)
+    assert "moe/aux_loss" not in stats[0.0]
+    assert float(stats[coef]["moe/aux_loss"]) == pytest.approx(sum(hf_aux) / 2, abs=1e-6)
+    assert len(want) == len(moe_replay.routers(model)) and all(want[n].abs().max() > 1e-4 for n in want)
+    for n in want:
+        torch.testing.assert_close(grads[coef][n] - grads[0.0][n], coef * want[n], atol=1e-6, rtol=1e-4)
+    assert torch.equal(grads[coef]["lm_head.weight"], grads[0.0]["lm_head.weight"])
+
+
+def test_aux_loss_coef_is_refused_when_negative_or_for_a_dense_model(gloo):
+    with pytest.raises(ValueError, match=r"actor\.moe\.aux_loss_coef=-0\.1: must be >= 0"):
+        load_config([], ["actor.moe.aux_loss_coef=-0.1"])
+    with pytest.raises(ValueError, match=r"actor\.moe\.aux_loss_coef=0\.01: .* model_type='qwen2'"):
+        TrainEngine(actor_spec(load_config([], ["model.preset=tiny", "actor.moe.aux_loss_coef=0.01"])), device="cpu")
+
+
+def test_ppo_step_on_tiny_moe_adds_the_aux_loss_and_logs_it(tmp_path):
+    """One GRPO step through the trainer, the actor worker and `train_update` (one micro-batch): the update's loss
+    is the policy loss plus coef x `moe/aux_loss`, which lies between 0 and the number of experts."""
+    coef = 0.01
+    cfg = tiny_ppo_config(tmp_path, tmp_path / "ckpt", 2, "model.preset=tiny-moe", "trainer.total_training_steps=1",
+                          "trainer.checkpoint.save_freq=0", "actor.ppo_micro_batch_size_per_gpu=8",
+                          f"actor.moe.aux_loss_coef={coef}")
+    trainer = PPOTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    m = trainer.history[-1]
+    assert 0 < m["moe/aux_loss"] <= 8, m
+    assert m["actor/loss"] == pytest.approx(m["actor/pg_loss"] + coef * m["moe/aux_loss"], rel=1e-5, abs=1e-7)
