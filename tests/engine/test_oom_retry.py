@@ -27,12 +27,12 @@ def test_oom_halves_the_micro_batch_once_and_equals_the_smaller_size(monkeypatch
     real = engine._accumulate
     sizes = []
 
-    def flaky(batch, loss_fn, head, norm, batching, late=None):
+    def flaky(batch, loss_fn, head, norm, batching, *rest):
         sizes.append(batching.size)
         if len(sizes) == 1:
-            real(batch, loss_fn, head, norm, batching, late)  # leaves partial gradients behind, as a real OOM would
+            real(batch, loss_fn, head, norm, batching, *rest)  # leaves partial gradients behind, as a real OOM would
             raise torch.cuda.OutOfMemoryError("simulated")
-        return real(batch, loss_fn, head, norm, batching, late)
+        return real(batch, loss_fn, head, norm, batching, *rest)
 
     monkeypatch.setattr(engine, "_accumulate", flaky)
     monkeypatch.setattr(engine, "_may_retry_oom", lambda b: engine._train_micro_override is None and b.size > 1)
