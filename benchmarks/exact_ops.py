@@ -143,7 +143,8 @@ def prefill_attention_case(s: dict[str, int], B: int, P: int, dev: torch.device,
     """B full prompts of P tokens: the exact prefill's flat queries over the cache vs the default's causal SDPA."""
     heads, hkv, hd = s["heads"], s["hkv"], s["hd"]
     q = _randn(B * P, heads, hd, dev=dev, dtype=dtype)
-    kc, vc = (_randn(B, hkv, P, hd, dev=dev, dtype=dtype) for _ in range(2))
+    k, v = (_randn(B, P, hkv, hd, dev=dev, dtype=dtype).transpose(1, 2) for _ in range(2))  # as projected
+    kc, vc = k.contiguous(), v.contiguous()  # the exact prefill attends over its KV cache
     rows = torch.arange(B, device=dev).repeat_interleave(P)
     pos = torch.arange(P, device=dev).repeat(B)
     first, scale = torch.zeros_like(pos), hd ** -0.5
@@ -151,8 +152,8 @@ def prefill_attention_case(s: dict[str, int], B: int, P: int, dev: torch.device,
     gqa = dev.type == "cuda"  # forward.prefill: grouped K/V on CUDA, repeated elsewhere
 
     def sdpa(i: int) -> torch.Tensor:
-        k, v = (kc, vc) if gqa else (kc.repeat_interleave(heads // hkv, 1), vc.repeat_interleave(heads // hkv, 1))
-        return F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        kg, vg = (k, v) if gqa else (k.repeat_interleave(heads // hkv, 1), v.repeat_interleave(heads // hkv, 1))
+        return F.scaled_dot_product_attention(q4, kg, vg, is_causal=True, enable_gqa=gqa, scale=scale)
 
     return Case("attention", B * P, lambda i: invariant.attention(q, kc, vc, rows, first, pos, None, scale), sdpa,
                 "causal SDPA")
@@ -161,8 +162,8 @@ def prefill_attention_case(s: dict[str, int], B: int, P: int, dev: torch.device,
 def packed_attention_case(s: dict[str, int], B: int, L: int, dev: torch.device, dtype: torch.dtype) -> Case:
     """The trainer's packed causal attention over B sequences of L tokens, through its attention function."""
     heads, hkv, hd, T = s["heads"], s["hkv"], s["hd"], B * L
-    q = _randn(1, heads, T, hd, dev=dev, dtype=dtype)
-    k, v = (_randn(1, hkv, T, hd, dev=dev, dtype=dtype) for _ in range(2))
+    q = _randn(1, T, heads, hd, dev=dev, dtype=dtype).transpose(1, 2)  # HF's [1, H, T, D] views
+    k, v = (_randn(1, T, hkv, hd, dev=dev, dtype=dtype).transpose(1, 2) for _ in range(2))
     pack = {packed.CU_SEQLENS: torch.arange(0, T + 1, L, device=dev, dtype=torch.int32), packed.MAX_SEQLEN: L}
 
     def run(exact: bool) -> torch.Tensor:
