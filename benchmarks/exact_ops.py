@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import cell, environment, write_json, write_table
+from benchmarks.harness import cell, environment, parse_choices, write_json, write_table
 from hybridflow.engine import attention as packed
 from hybridflow.engine import invariant, logprobs
 from hybridflow.models.presets import preset_config
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         dev, presets, phases, args.reps = torch.device("cpu"), ["tiny"], SMOKE_PHASES, 2
     else:
         dev, presets = torch.device("cuda"), args.presets.split(",")
-        phases = {p: PHASES[p] for p in args.phases.split(",")}
+        phases = {p: PHASES[p] for p in parse_choices(args.phases, PHASES, "--phases")}
     cuda, dtype = dev.type == "cuda", torch.bfloat16 if dev.type == "cuda" else torch.float32
     res = dict(environment(), smoke=args.smoke, dtype=str(dtype), results=[], totals=[])
     torch.manual_seed(0)
