@@ -8,7 +8,8 @@ from the sequence's first key (online softmax, fp32), for tiles of `ROW_TILE` qu
 blocks in the trainer's packed forward as in the rollout's prefill, decode and multi-turn extension; blocks past a
 query's last key are masked whole and change no bit. Both engines call these ops under `actor_rollout.
 exact_logprobs`; `install` puts them into an HF model (Linear and RMSNorm forwards), `EXACT_KWARG` selects
-`attention` in the packed attention function. Here plain torch (CPU; a loop of tiles); on CUDA the Triton forms of
+`attention` in the packed attention function, and the rollout may run a fused [q; k; v] or [gate; up] matrix as
+`split_linear` (one GEMM, the parts' bits). Here plain torch (CPU; a loop of tiles); on CUDA the Triton forms of
 invariant_kernels.py. Only forward values must match: each op is an autograd Function with the plain op's backward.
 
 Legend: M rows, N queries, H heads, Hkv kv heads, G = H / Hkv, D head dim, C cache columns, B key block.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,29 @@ class _Linear(torch.autograd.Function):
         dw = dy_MN.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         db = dy_MN.sum(0) if ctx.needs_input_grad[2] else None
         return dx, dw, db
+
+
+def fusable(x: torch.Tensor, sizes: Sequence[int]) -> bool:
+    """Whether `split_linear` gives parts of these output sizes their own `linear` bits here: on the Triton kernels
+    with one tile width for all parts. Not the torch loop: CPU GEMMs may round a row's outputs differently for
+    another N."""
+    return _on_kernels(x) and invariant_kernels.shared_block_n(sizes) is not None
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """`linear(x, part, part_bias)` for each row block of `weight` [sum(sizes), K] (`bias` likewise), in one GEMM
+    run with the parts' tile width: the bits of the separate calls (`fusable` must hold). Forward only (the
+    rollout's); the results are column views of one [..., sum(sizes)] output."""
+    if weight.shape[0] != sum(sizes) or (bias is not None and bias.shape[0] != sum(sizes)):
+        raise ValueError(f"split_linear: weight {tuple(weight.shape)} / bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not stack parts of sizes {list(sizes)}")
+    if not fusable(x, sizes):
+        raise ValueError(f"split_linear: parts of sizes {list(sizes)} on {x.device} have no fused GEMM with their own "
+                         f"bits (the torch loop, or tile widths {[invariant_kernels._block_n(n) for n in sizes]}); "
+                         "call `linear` per part")
+    y = invariant_kernels.linear(x, weight, bias, block_n=invariant_kernels.shared_block_n(sizes))
+    return tuple(y.split(list(sizes), dim=-1))
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

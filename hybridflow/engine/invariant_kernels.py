@@ -7,11 +7,15 @@ whether it is alone or one of thousands; RMSNorm is one program per row; attenti
 head), walking its keys in KEY_BLOCK blocks from the sequence's first key with an fp32 online softmax, the same
 code for the trainer's packed queries and the rollout's prefill, decode and extension over the KV cache. Values
 are close to, not equal to, the torch forms (other reduction orders): both engines use the same form on a device.
+An output column's arithmetic is the K loop alone, the same in every N tile: a fused [a; b] matrix run with the
+parts' tile width (`shared_block_n`) gives each part's columns the bits of the part's own GEMM.
 
 Legend: M rows, N out features, K in features, H heads, Hkv kv heads, G = H / Hkv, D head dim, S cache rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -23,6 +27,13 @@ BLOCK_M, BLOCK_K = 64, 64
 def _block_n(n: int) -> int:
     # small N (the projections of a small model): narrower tiles give a decode step more programs
     return 64 if n <= 4096 else 128
+
+
+def shared_block_n(sizes: Sequence[int]) -> int | None:
+    """The tile width every part of these output sizes runs with in its own `linear` call, when they share one;
+    None when they differ (no single launch of the fused matrix reproduces all of them)."""
+    widths = {_block_n(n) for n in sizes}
+    return widths.pop() if len(widths) == 1 else None
 
 
 @jit(do_not_specialize=["M"])
@@ -43,15 +54,19 @@ def _linear_kernel(X, W, B, Y, M, N, K, sxm, sxk, swn, swk, sym, syn, HAS_BIAS: 
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias): x [..., K], weight [N, K] of x's dtype; fp32 accumulation, bias added in fp32."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           block_n: int | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): x [..., K], weight [N, K] of x's dtype; fp32 accumulation, bias added in fp32.
+    `block_n`: the tile width over N (default: chosen by N), e.g. a fused matrix's parts' `shared_block_n`."""
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"batch-invariant linear needs one dtype: x {x.dtype}, weight {weight.dtype}, "
                          f"bias {None if bias is None else bias.dtype}")
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n={block_n} must be a power of two >= 16 (tl.dot's smallest tile)")
     x_MK = x.reshape(-1, x.shape[-1])
     (M, K), N = x_MK.shape, weight.shape[0]
     y_MN = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn = _block_n(N)
+    bn = _block_n(N) if block_n is None else block_n
     if M:
         _linear_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, bn))](
             x_MK, weight, weight if bias is None else bias, y_MN, M, N, K, *x_MK.stride(), *weight.stride(),

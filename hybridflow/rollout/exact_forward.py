@@ -5,8 +5,11 @@ sampled token's log-prob — have the bits the trainer's packed forward computes
 Decision: one function for the three cases. Token i sits at cache slot `slot[i]`, column `col[i]`, and attends to
 that slot's columns [start[i], col[i]] (its sequence from the first real token); its K/V are written before the
 layer attends, so a prompt's or an extension's tokens see each other causally. The ops are the HF module's, op for
-op: unfused q/k/v and gate/up projections (the fused matrices are other GEMM shapes), RoPE from the same table in
+op: the q/k/v and gate/up GEMMs the module runs (separate ones; Phi-3's fused matrices), RoPE from the same table in
 the activation dtype, residual adds in the activation dtype. Eager; CUDA graphs can capture it (no host sync).
+Where the weights hold fused [q; k; v] / [gate; up] copies of separate modules, the Triton GEMM runs each as one
+launch with the parts' tile width (`invariant.split_linear`: the parts' bits); the CPU torch loop keeps one GEMM per
+part (its GEMM may round a row's outputs differently for another N).
 
 Legend: N tokens, S returned rows, V vocab.
 """
@@ -45,9 +48,9 @@ def forward_tokens(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_N: torc
     cos, sin = rope.cos[pos_N].unsqueeze(-2), rope.sin[pos_N].unsqueeze(-2)
     for layer, lw in enumerate(w.layers):
         xn = invariant.rms_norm(x, lw.ln1, eps)
-        q = invariant.linear(xn, lw.q, lw.q_bias).view(N, h, d)
-        k = invariant.linear(xn, lw.k, lw.k_bias).view(N, hkv, d)
-        v = invariant.linear(xn, lw.v, lw.v_bias).view(N, hkv, d)
+        q, k, v = _project(xn, lw.qkv, lw.qkv_bias, (lw.q, lw.k, lw.v), (lw.q_bias, lw.k_bias, lw.v_bias),
+                           spec.fused_proj)
+        q, k, v = q.view(N, h, d), k.view(N, hkv, d), v.view(N, hkv, d)
         if lw.q_norm is not None:
             q, k = invariant.rms_norm(q, lw.q_norm, eps), invariant.rms_norm(k, lw.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -57,6 +60,22 @@ def forward_tokens(w: ModelWeights, spec: ArchSpec, rope: RopeTable, ids_N: torc
         o = invariant.attention(q, kc, vc, slot_N, start_N, col_N, blocks, d ** -0.5)
         x = x + invariant.linear(o.reshape(N, -1), lw.o, lw.o_bias)
         xn = invariant.rms_norm(x, lw.ln2, eps)
-        act = F.silu(invariant.linear(xn, lw.gate)) * invariant.linear(xn, lw.up)
+        gate, up = _project(xn, lw.gate_up, None, (lw.gate, lw.up), (None, None), spec.fused_proj)
+        act = F.silu(gate) * up
         x = x + invariant.linear(act, lw.down)
     return invariant.linear(invariant.rms_norm(x[last_S], w.norm, eps), w.lm_head)
+
+
+def _project(xn: torch.Tensor, fused: torch.Tensor | None, fused_bias: torch.Tensor | None,
+             parts: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
+             module_fused: bool) -> tuple[torch.Tensor, ...]:
+    """The parts' projections of xn with the trainer's bits: the module's own fused GEMM (Phi-3), one launch of
+    the fused copy where that gives each part its own GEMM's bits, else one GEMM per part."""
+    sizes = [p.shape[0] for p in parts]
+    if module_fused:
+        assert fused is not None, "weights of a fused-projection module without their fused matrix"
+        return invariant.linear(xn, fused, fused_bias).split(sizes, dim=-1)
+    whole_bias = fused_bias is not None or all(b is None for b in biases)
+    if fused is not None and whole_bias and invariant.fusable(xn, sizes):
+        return invariant.split_linear(xn, fused, fused_bias, sizes)
+    return tuple(invariant.linear(xn, p, b) for p, b in zip(parts, biases))

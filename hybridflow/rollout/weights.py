@@ -137,6 +137,7 @@ class ArchSpec:
     eps: float
     attn_scale: float | None = None  # softmax scale of q·k; None = 1/sqrt(head_dim)
     embed_scale: float | None = None  # Gemma: the embedding times sqrt(hidden), rounded to the generation dtype
+    fused_proj: bool = False  # the HF module's own q/k/v and gate/up are one matrix each (FUSED_PROJ_TYPES)
 
 
 def text_parts(module: nn.Module) -> tuple[nn.Module | None, object]:
@@ -218,7 +219,7 @@ def arch_spec(module: nn.Module, dtype: torch.dtype = torch.float32) -> ArchSpec
     return ArchSpec(num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
                     num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab=cfg.vocab_size,
                     eps=float(cfg.rms_norm_eps), attn_scale=cfg.query_pre_attn_scalar**-0.5 if gemma else None,
-                    embed_scale=embed_scale)
+                    embed_scale=embed_scale, fused_proj=cfg.model_type in FUSED_PROJ_TYPES)
 
 
 # The name of a decoder parameter from `layers.` / `embed_tokens.` / `norm.` / `lm_head.` on, whatever wraps it.

@@ -142,6 +142,33 @@ def test_fp8_gemm_benchmark_smoke(tmp_path, capsys):
     assert all(bf16 < v["rel_err"] < 0.1 for v in variants.values()), (bf16, variants)
 
 
+def test_exact_ops_benchmark_smoke(tmp_path, capsys):
+    """The exact-ops benchmark in its CPU smoke mode (in process): every op of every phase timed in its invariant and
+    default form, the per-layer totals of each mode (the fused rollout layer for the rollout phases only), the
+    forward ratios in the last line and the markdown table."""
+    from benchmarks import exact_ops
+
+    out = tmp_path / "exact_ops.json"
+    exact_ops.main(["--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())
+    layer_ops = ["rms_norm", "q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down"]
+    want = {"decode4": [*layer_ops, "attention@16", "attention@32"], "prefill": [*layer_ops, "attention"],
+            "trainer": [*layer_ops, "attention"]}
+    got = {}
+    for r in res["results"]:
+        got.setdefault(r["phase"], []).append(r["op"])
+        assert r["exact_us"] > 0 and r["default_us"] > 0 and r["ratio"] > 0, r
+    assert got == {p: [*ops, "lm_head", "logprob"] for p, ops in want.items()}, got
+    for t in res["totals"]:
+        rollout = t["phase"] != "trainer"
+        assert ("exact_fused" in t["layer_us"]) == rollout, t
+        for mode, layer in (("default", "default"), ("exact", "exact_fused" if rollout else "exact_separate")):
+            assert abs(t["forward_us"][mode] - t["layers"] * t["layer_us"][layer] - t["head_us"][mode]) < 0.1, t
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["smoke"] and set(summary["forward_ratio"]) == {f"tiny {p}" for p in want}, summary
+    assert "| tiny | decode4 | qkv | 4 |" in (tmp_path / "exact_ops.md").read_text()
+
+
 def test_decode_gemm_benchmark_smoke():
     """Issue 25's skinny-GEMM benchmark in its CPU smoke mode: the Triton GEMM (with and without split-K) runs under
     the interpreter and matches x @ w^T."""

@@ -1,7 +1,7 @@
 """The Triton forms of the batch-invariant ops (engine/invariant_kernels.py): a row's bits do not depend on how many
 rows share the call (batch sizes 1, 3, 64, 200, at the front and at the back; linear, RMSNorm, log-sum-exp, attention), a decode query over the KV cache
-gets the bits of the same query in a packed causal call, and the values are those of the torch forms up to
-rounding. In-process on a GPU (bf16 and fp32); without one, `test_kernels_under_interpreter` reruns this file with
+gets the bits of the same query in a packed causal call, a fused matrix run at its parts' tile width gives each part
+its own GEMM's bits, and the values are those of the torch forms up to rounding. In-process on a GPU (bf16 and fp32); without one, `test_kernels_under_interpreter` reruns this file with
 TRITON_INTERPRET=1 (fp32: the interpreter's bf16 dot is not the GPU's).
 """
 
@@ -40,6 +40,51 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, N, K, bias):
                                                                                                   rtol=2e-2)))
     assert torch.equal(invariant_kernels.linear(x.view(4, -1, K), w, b), full.view(4, -1, N))
     assert invariant_kernels.linear(x[:0], w, b).shape == (0, N)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes,K,bias", [((3584, 512, 512), 64, True),  # Qwen2.5-7B's q/k/v rows
+                                          ((200, 3968), 64, False)])  # a part boundary inside a tile
+def test_fused_matrix_gives_each_part_its_own_bits(dtype, sizes, K, bias, monkeypatch):
+    """One GEMM of the stacked parts at the parts' tile width = each part's own GEMM, bit for bit, where the stacked
+    matrix alone would get a wider tile (the rollout's fused [q; k; v] against the trainer's q, k, v). The
+    interpreter's dot (numpy) rarely depends on the width, so the launch's width is checked as well."""
+    widths = []
+    kernel = invariant_kernels._linear_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                widths.append(meta["BLOCK_N"])
+                return kernel[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(invariant_kernels, "_linear_kernel", Recorded())
+    assert invariant_kernels.shared_block_n(sizes) != invariant_kernels._block_n(sum(sizes))
+    x, w = _rand(ROWS, K, dtype=dtype, seed=10), _rand(sum(sizes), K, dtype=dtype, seed=11) / K ** 0.5
+    b = _rand(sum(sizes), dtype=dtype, seed=12) if bias else None
+    assert invariant.fusable(x, sizes)
+    parts = invariant.split_linear(x, w, b, sizes)
+    assert widths == [invariant_kernels.shared_block_n(sizes)], widths
+    for i, (part, got) in enumerate(zip(w.split(sizes), parts)):
+        part_b = None if b is None else b.split(sizes)[i]
+        assert torch.equal(got, invariant_kernels.linear(x, part, part_b)), (sizes, i)
+    m = BATCHES[1]  # and still row-invariant
+    assert all(torch.equal(p[:m], q) for p, q in zip(parts, invariant.split_linear(x[:m], w, b, sizes)))
+
+
+def test_split_linear_refuses_parts_of_other_tile_widths():
+    """Parts whose own GEMMs run at different widths have no fused launch with their bits: `fusable` says no and
+    `split_linear` refuses, naming the widths; a tile width tl.dot cannot run is refused too."""
+    x, w = torch.randn(3, 16, device=DEV), torch.randn(4224 + 512, 16, device=DEV)
+    assert not invariant.fusable(x, (4224, 512))
+    with pytest.raises(ValueError, match=r"tile widths \[128, 64\].*call `linear` per part"):
+        invariant.split_linear(x, w, None, (4224, 512))
+    with pytest.raises(ValueError, match="do not stack parts"):
+        invariant.split_linear(x, w, None, (4224, 500))
+    with pytest.raises(ValueError, match="block_n=48 must be a power of two"):
+        invariant_kernels.linear(x, w, None, block_n=48)
 
 
 @needs_kernel
@@ -113,7 +158,8 @@ def test_the_invariant_ops_route_through_the_kernels(monkeypatch):
     rollout call those); a kernel replaced by a marker shows up in the result."""
     x = _rand(5, 32, dtype=torch.float32, seed=8)
     assert invariant._on_kernels(x)
-    monkeypatch.setattr(invariant_kernels, "linear", lambda x, w, b: torch.full((x.shape[0], w.shape[0]), 7.0))
+    monkeypatch.setattr(invariant_kernels, "linear",
+                        lambda x, w, b, block_n=None: torch.full((x.shape[0], w.shape[0]), 7.0))
     monkeypatch.setattr(invariant_kernels, "rms_norm", lambda x, w, eps: torch.full_like(x, 8.0))
     assert (invariant.linear(x, x) == 7).all() and (invariant.rms_norm(x, x[0], 1e-6) == 8).all()
 

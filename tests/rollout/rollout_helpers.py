@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Phi3Config
 
 from hybridflow.config import load_config
 from hybridflow.models.presets import preset_config
@@ -30,10 +30,14 @@ PAD, EOS = 0, 1  # built-in tokenizer: <|pad|>=0, <|endoftext|>=1
 
 
 def make_model(kind: str = "tiny", seed: int = 0) -> torch.nn.Module:
-    """`tiny` preset, or `qwen` = small Qwen2 shape (tied embeddings, GQA 8/2, 3 layers, vocab 300)."""
+    """`tiny` preset, `qwen` = small Qwen2 shape (tied embeddings, GQA 8/2, 3 layers, vocab 300), or `phi3`."""
     torch.manual_seed(seed)
     if kind == "tiny":
         cfg = preset_config("tiny")
+    elif kind == "phi3":  # the `qwen` shape in a module with fused qkv_proj / gate_up_proj
+        cfg = Phi3Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                         sliding_window=4096, pad_token_id=PAD, bos_token_id=2, eos_token_id=EOS)
     else:
         cfg = preset_config("qwen2.5-0.5b", vocab_size=300, hidden_size=128, intermediate_size=256,
                             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
@@ -65,11 +69,12 @@ def make_prompts(B: int, P: int, vocab: int, seed: int = 0, meta: dict | None = 
                                       meta_info=dict(meta or {}))
 
 
-def rerun_under_triton_interpreter(test_file: str) -> None:
-    """Run `test_file` in a fresh pytest process with TRITON_INTERPRET=1 and fail with its output unless it passed.
-    Triton fixes interpreted-vs-compiled mode when first imported, which torch >= 2.13 does with torch itself."""
+def rerun_under_triton_interpreter(test_file: str, *pytest_args: str) -> None:
+    """Run `test_file` (and `pytest_args`, e.g. `-k name`) in a fresh pytest process with TRITON_INTERPRET=1 and fail
+    with its output unless it passed. Triton fixes interpreted-vs-compiled mode when first imported, which
+    torch >= 2.13 does with torch itself."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "--noconftest"]
+    cmd = [sys.executable, "-m", "pytest", test_file, *pytest_args, "-q", "-p", "no:cacheprovider", "--noconftest"]
     r = subprocess.run(cmd, env=env, cwd=Path(test_file).resolve().parents[2], capture_output=True, text=True,
                        timeout=600)
     tail = r.stdout[-4000:] + r.stderr[-2000:]

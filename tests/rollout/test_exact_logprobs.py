@@ -1,8 +1,8 @@
 """`actor_rollout.exact_logprobs`: the rollout engine's sampled-token log-probs equal the trainer's packed forward
-bit for bit (torch.equal, CPU fp32, tiny Qwen2) — ragged prompts, rows stopping at different steps, any
+bit for bit (torch.equal, CPU fp32, tiny Qwen2 and Phi-3) — ragged prompts, rows stopping at different steps, any
 micro-batching, multi-turn KV reuse, after an optimizer step — and a perturbed key-block order breaks it; on a
-GPU the same in bf16 through the Triton forms (engine/invariant_kernels.py), with and without CUDA graphs (run by
-benchmarks/gpu_tests.sh).
+GPU the same in bf16 through the Triton forms (engine/invariant_kernels.py), the rollout's fused q/k/v and gate/up
+copies included (test_exact_forward.py), with and without CUDA graphs (run by benchmarks/gpu_tests.sh).
 Small tiles (ROW_TILE 16, KEY_BLOCK 8) so that these short sequences cross several tiles and key blocks."""
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def _small_tiles(monkeypatch):
     monkeypatch.setattr(invariant, "KEY_BLOCK", 8)
 
 
-def _engines(tmp_path, exact: bool = True, device: str = "cpu", **cfg_kw) -> tuple[TrainEngine, RolloutEngine]:
-    model = make_model("qwen")
+def _engines(tmp_path, exact: bool = True, device: str = "cpu", family: str = "qwen",
+             **cfg_kw) -> tuple[TrainEngine, RolloutEngine]:
+    model = make_model(family)
     model.save_pretrained(tmp_path)
     save_builtin_tokenizer(tmp_path)
     cfg = load_config([], [f"model.path={tmp_path}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
@@ -71,8 +72,9 @@ def _equal_after_a_step_and_a_switch(train, rollout, out, P: int) -> None:
     assert torch.equal(_trainer_logprobs(train, out2, 5), _rollout_logprobs(out2))
 
 
-def test_rollout_logprobs_equal_trainer_bitwise(gloo, tmp_path):
-    train, rollout = _engines(tmp_path)
+@pytest.mark.parametrize("family", ["qwen", "phi3"])  # phi3: q/k/v and gate/up fused in the module
+def test_rollout_logprobs_equal_trainer_bitwise(gloo, tmp_path, family):
+    train, rollout = _engines(tmp_path, family=family)
     out = rollout.generate(make_prompts(4, P, 300, seed=3, meta={"n": 2}))
     lengths = out.batch["response_mask"].sum(-1)
     assert len(set(lengths.tolist())) > 2 and int(lengths.max()) + P > 2 * invariant.KEY_BLOCK, lengths
@@ -132,14 +134,14 @@ dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, de
 eager = sys.argv[2] == "1"
 if not eager:  # small tiles: several tiles and key blocks; eager runs the shipped sizes
     invariant.ROW_TILE, invariant.KEY_BLOCK = 16, 8
-used = set()  # both engines' forwards go through the Triton forms on CUDA
+used = set()  # both engines' forwards go through the Triton forms on CUDA; the rollout's bf16 copies are fused
 for name in ("linear", "rms_norm", "attention"):
-    def counted(*a, _f=getattr(invariant_kernels, name), _n=name):
-        used.add(_n)
-        return _f(*a)
+    def counted(*a, _f=getattr(invariant_kernels, name), _n=name, **kw):
+        used.add(_n + (" fused" if kw.get("block_n") else ""))
+        return _f(*a, **kw)
     setattr(invariant_kernels, name, counted)
 t.check_cuda_bf16(Path(sys.argv[1]), eager)
-assert used == {"linear", "rms_norm", "attention"}, used
+assert used == {"linear", "linear fused", "rms_norm", "attention"}, used
 dist.destroy_process_group()
 print("exact cuda ok")
 """
