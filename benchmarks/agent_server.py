@@ -42,7 +42,8 @@ SMOKE = {"device": "cpu", "preset": "tiny", "prompts": 2, "n": 2, "prompt_len": 
 SERVER_KEYS = ("agent/engine_idle_s", "agent/live_rows_per_step", "rollout/prefills", "agent/prefill_rows_per_call",
                "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/queued_first_ms",
                "agent/queued_next_ms", "agent/answer_ms",
-               "agent/turn_gap_ms", "rollout/decode_steps", "agent/step_rows", "agent/loop_take_s",
+               "agent/turn_gap_ms", "rollout/decode_steps", "agent/step_rows", "agent/first_prefill_ms",
+               "agent/last_prefill_ms", "agent/loop_take_s",
                "agent/loop_admit_s", "agent/loop_prefill_s", "agent/loop_extend_s", "agent/loop_launch_s", "agent/loop_sync_s", "agent/loop_answer_s")
 
 

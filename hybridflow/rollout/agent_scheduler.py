@@ -111,11 +111,14 @@ class AgentScheduler:
                                     "extends", "live_row_steps", "step_rows", "idle_s"), 0)
         # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one)
         # (prefill and extend: the parts of admit spent in those forwards)
+        self.t_start = time.monotonic()
+        self.prefill_at: list[float] = []  # seconds from the start of `serve` to each prefill forward
         self.phase_s = dict.fromkeys(("take", "admit", "prefill", "extend", "launch", "sync", "answer"), 0.0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
         """Serve until `finished()` (every agent task is over); requests still in flight then are answered 503."""
+        self.t_start = time.monotonic()
         try:
             while not finished() or self.live or self.waiting:
                 beat()  # for the hang watchdog: waiting on agents (bounded by rollout.agent.timeout_s) is progress
@@ -306,6 +309,7 @@ class AgentScheduler:
         self.stats["prefills"] += 1
         self.stats["prefilled"] += len(group)
         now = time.monotonic()
+        self.prefill_at.append(now - self.t_start)
         for job, _ in group:
             job.call.admitted = now
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in group)
@@ -448,5 +452,7 @@ class AgentScheduler:
                 "agent/extend_rows_per_call": st["extended"] / max(st["extends"], 1),
                 "agent/prefill_rows_per_call": st["prefilled"] / max(st["prefills"], 1),
                 "agent/live_rows_per_step": st["live_row_steps"] / max(st["decode_steps"], 1),
-                "agent/step_rows": st["step_rows"] / max(st["decode_steps"], 1)} | {
+                "agent/step_rows": st["step_rows"] / max(st["decode_steps"], 1),
+                "agent/first_prefill_ms": 1e3 * self.prefill_at[0] if self.prefill_at else 0.0,
+                "agent/last_prefill_ms": 1e3 * self.prefill_at[-1] if self.prefill_at else 0.0} | {
                 f"agent/loop_{k}_s": v for k, v in self.phase_s.items()}
