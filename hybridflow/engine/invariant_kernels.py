@@ -4,8 +4,9 @@ row tiles and key blocks.
 Decision: a row's arithmetic is fixed by the weight's shape alone. The GEMM uses one tile configuration per (N, K)
 — never chosen by M, no split-K, the K loop in one order, fp32 accumulation — so a row meets the same instructions
 whether it is alone or one of thousands; RMSNorm is one program per row; attention is one program per (query, kv
-head), walking its keys in KEY_BLOCK blocks from the sequence's first key with an fp32 online softmax, the same
-code for the trainer's packed queries and the rollout's prefill, decode and extension over the KV cache. Values
+head), walking its keys in KEY_BLOCK blocks from the sequence's first key with an fp32 online softmax (16-bit q/k/v
+meet the tensor cores with fp32 accumulation, the probabilities rounded to the value dtype for p·v, as flash
+attention does; fp32 inputs take exact fp32 dots), the same code for the trainer's packed queries and the rollout's prefill, decode and extension over the KV cache. Values
 are close to, not equal to, the torch forms (other reduction orders): both engines use the same form on a device.
 An output column's arithmetic is the K loop alone, the same in every N tile: a fused [a; b] matrix run with the
 parts' tile width (`shared_block_n`) gives each part's columns the bits of the part's own GEMM.
@@ -101,13 +102,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @jit
 def _attention_kernel(Q, Kc, Vc, Out, Rows, First, Last, scale, sqn, sqh, sqd, sks, skh, skc, skd,
                       svs, svh, svc, svd, son, soh, sod, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
-                      DP: tl.constexpr, KEY_BLOCK: tl.constexpr, BP: tl.constexpr):
+                      DP: tl.constexpr, KEY_BLOCK: tl.constexpr, BP: tl.constexpr, LOWP: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     qmask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(Q + i * sqn + (hk * G + g[:, None]) * sqh + d[None, :] * sqd, mask=qmask, other=0.0).to(tl.float32)
+    q = tl.load(Q + i * sqn + (hk * G + g[:, None]) * sqh + d[None, :] * sqd, mask=qmask, other=0.0)
+    if not LOWP:
+        q = q.to(tl.float32)
     row = tl.load(Rows + i).to(tl.int64)
     first = tl.load(First + i).to(tl.int64)
     last = tl.load(Last + i).to(tl.int64)
@@ -122,15 +125,21 @@ def _attention_kernel(Q, Kc, Vc, Out, Rows, First, Last, scale, sqn, sqh, sqd, s
         cols = first + j * KEY_BLOCK + offs
         ok = (offs < KEY_BLOCK) & (cols <= last)
         kvmask = ok[:, None] & (d[None, :] < D)
-        k = tl.load(kbase + cols[:, None] * skc + d[None, :] * skd, mask=kvmask, other=0.0).to(tl.float32)
-        v = tl.load(vbase + cols[:, None] * svc + d[None, :] * svd, mask=kvmask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        k = tl.load(kbase + cols[:, None] * skc + d[None, :] * skd, mask=kvmask, other=0.0)
+        v = tl.load(vbase + cols[:, None] * svc + d[None, :] * svd, mask=kvmask, other=0.0)
+        if LOWP:  # 16-bit operands on the tensor cores, fp32 accumulation (as flash attention)
+            s = tl.dot(q, tl.trans(k)) * scale
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_ = l_ * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if LOWP:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         m = m_new
     o = acc / l_[:, None]
     tl.store(Out + i * son + (hk * G + g[:, None]) * soh + d[None, :] * sod, o.to(Out.dtype.element_ty), mask=qmask)
@@ -148,7 +157,9 @@ def attention(q_NHD: torch.Tensor, k_SHCD: torch.Tensor, v_SHCD: torch.Tensor, r
         _attention_kernel[(N, hkv)](
             q_NHD, k_SHCD, v_SHCD, o, rows_N, first_N, last_N, scale, *q_NHD.stride(), *k_SHCD.stride(),
             *v_SHCD.stride(), *o.stride(), G=H // hkv, D=D, GP=max(16, triton.next_power_of_2(H // hkv)),
-            DP=max(16, triton.next_power_of_2(D)), KEY_BLOCK=key_block, BP=max(16, key_block), num_warps=4)
+            DP=max(16, triton.next_power_of_2(D)), KEY_BLOCK=key_block, BP=max(16, key_block),
+            LOWP=q_NHD.dtype in (torch.bfloat16, torch.float16) and k_SHCD.dtype == v_SHCD.dtype == q_NHD.dtype,
+            num_warps=4)
     return o
 
 
