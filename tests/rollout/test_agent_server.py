@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import queue
 import re
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from hybridflow.agentic.openai_api import ApiError, Call, reply_all, split_tool_
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout import RolloutEngine, agent_scheduler
 from hybridflow.rollout.agent_scheduler import AgentScheduler
 from hybridflow.rollout.sampling import SamplingParams
 
@@ -580,3 +581,39 @@ def test_agent_tasks_in_worker_processes(model, tmp_path):
     finally:
         eng.close()
     assert eng.agent.pool is None
+
+
+INTERVALS: list[float] = []
+
+
+async def interval_agent(client, sample):
+    """Records the interpreter's switch interval while its request is served."""
+    INTERVALS.append(sys.getswitchinterval())
+    await _ask(client, [{"role": "user", "content": "hi"}])
+    INTERVALS.append(sys.getswitchinterval())
+    return AgentResult(reward=0.0)
+
+
+def test_serving_knobs_are_honoured_and_restored(engine):
+    """rollout.agent.switch_interval_ms holds while the endpoint serves, Python's comes back after; check_every
+    sets the decode steps between the scheduler's looks."""
+    INTERVALS.clear()
+    before = sys.getswitchinterval()
+    saved = engine.agent.cfg
+    engine.agent.cfg = dataclasses.replace(saved, switch_interval_ms=0.25, check_every=3)
+    engine.agent.agent = interval_agent
+    seen = []
+    real = agent_scheduler.AgentScheduler.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw["check_every"])
+        real(self, *a, **kw)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(agent_scheduler.AgentScheduler, "__init__", spy)
+            out = engine.generate(_prompts(1))
+    finally:
+        engine.agent.cfg, engine.agent.agent = saved, chat_agent
+    assert out.meta_info["metrics"]["agent/errors"] == 0
+    assert INTERVALS == pytest.approx([0.00025, 0.00025], abs=2e-6) and seen == [3]
+    assert sys.getswitchinterval() == before
