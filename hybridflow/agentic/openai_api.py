@@ -66,6 +66,9 @@ def reply_all(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
         call.answered = now
         by_loop.setdefault(call.loop, []).append((call, result))
     for loop, items in by_loop.items():
+        if loop.is_closed():  # the endpoint was closed (run teardown): nobody waits for these answers any more
+            logger.debug("dropping %d replies: the endpoint's loop is closed", len(items))
+            continue
         loop.call_soon_threadsafe(_set_results, items)
 
 
