@@ -210,7 +210,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         _check(self.aux_loss_coef >= 0, "actor.moe.aux_loss_coef", self.aux_loss_coef,
-               "must be >= 0 (0 = off; HF's Qwen3-MoE and Mixtral configs use 0.001 as router_aux_loss_coef)")
+               "must be >= 0 (0 = off; transformers' Qwen3-MoE and Mixtral config classes default router_aux_loss_coef to 0.001)")
 
 
 @dataclass(frozen=True)

@@ -74,22 +74,24 @@ class AgentRollout:
         sessions = [f"r{self.calls}-{i}-{j}" for i in range(B) for j in range(n)]
         sched = AgentScheduler(runner, self.tok, self.template, params, eos_ids=eos_ids, prompt_width=self.P,
                                check_every=self.cfg.check_every or check_every, seed=row_seed(params.seed, self.calls))
-        server.serving.set()  # before the agents start: an early first request must not meet a 503
-        limits = dict(max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s)
-        if self.workers > 1:
-            if self.pool is None:
-                self.pool = AgentPool(self.cfg.path, self.cfg.name, self.workers)
-            tasks = server.run(self.pool.run(samples, [server.session_url(s) for s in sessions], sessions, **limits))
-        else:
-            tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions, **limits))
         python_interval = sys.getswitchinterval()
-        if self.cfg.switch_interval_ms is not None:
+        if self.cfg.switch_interval_ms is not None:  # before the agents start: every request is served under it
             sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)
+        server.serving.set()  # before the agents start: an early first request must not meet a 503
         try:
-            sched.serve(server.calls, tasks.done)
-        except BaseException:
-            tasks.cancel()  # the engine failed: stop the agents rather than let them wait for answers
-            raise
+            limits = dict(max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s)
+            if self.workers > 1:
+                if self.pool is None:
+                    self.pool = AgentPool(self.cfg.path, self.cfg.name, self.workers)
+                tasks = server.run(self.pool.run(samples, [server.session_url(s) for s in sessions], sessions,
+                                                 **limits))
+            else:
+                tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions, **limits))
+            try:
+                sched.serve(server.calls, tasks.done)
+            except BaseException:
+                tasks.cancel()  # the engine failed: stop the agents rather than let them wait for answers
+                raise
         finally:
             sys.setswitchinterval(python_interval)
             server.serving.clear()

@@ -25,6 +25,7 @@ from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.sampling import Sampler, SamplingParams, ShardedSampler, sample, sampler_values
 from hybridflow.rollout.tensor_parallel import TPContext
 from hybridflow.rollout.weights import ArchSpec, ModelWeights
+from hybridflow.utils.device import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,11 @@ def _pow2(x: int, floor: int) -> int:
 
 
 def on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A long tensor of host-known values on `device` without a stream sync (`torch.tensor(values, device=cuda)`
-    waits for every queued kernel — and gives the interpreter lock away to get its answer back)."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    """A long tensor of host-known values on `device` without waiting for the queued kernels
+    (`torch.tensor(values, device=cuda)` syncs the stream — and gives the interpreter lock away to get its answer
+    back); the values go through pinned memory, so the copy is asynchronous."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
 
 class ModelRunner:
     """Owns the KV cache and slot state; `admit` prefills prompts into slots, `step_` decodes all live slots.

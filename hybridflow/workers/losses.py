@@ -104,6 +104,9 @@ def make_actor_loss(cfg: ActorConfig, max_response_length: int, use_kl_loss: boo
     """The actor's loss with `actor.policy_loss` looked up in `POLICY_LOSSES` (built-ins and plugins' losses)."""
     policy_loss = POLICY_LOSSES[cfg.policy_loss]
     is_mode = rollout_is.mode if rollout_is is not None else None
+    if is_mode == "auto":
+        raise ValueError("make_actor_loss got algorithm.rollout_is.mode='auto' (undecided): pass the resolved "
+                         "config, hybridflow.config.resolved.rollout_is(cfg)")
     if is_mode is not None and "rollout_is_weights" not in inspect.signature(policy_loss).parameters:
         raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} takes no rollout_is_weights parameter, so "
                          f"algorithm.rollout_is.mode={is_mode!r} cannot apply: add the parameter to the loss or set "

@@ -129,3 +129,8 @@ def test_defaults_off_and_on_forces_old_log_prob() -> None:
     on_policy = ["actor.ppo_epochs=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
     assert not resolve(load_config(overrides=on_policy)).recompute_old_log_prob
     assert resolve(load_config(overrides=[*on_policy, "algorithm.rollout_is.mode=tis"])).recompute_old_log_prob
+
+
+def test_the_loss_refuses_an_undecided_mode() -> None:
+    with pytest.raises(ValueError, match=r"mode='auto' \(undecided\).*resolved.rollout_is\(cfg\)"):
+        make_actor_loss(_actor_cfg(), 4, False, rollout_is=RolloutISConfig(mode="auto", cap=2.0))
