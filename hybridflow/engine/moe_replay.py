@@ -1,10 +1,12 @@
 """Routing replay for MoE models: the trainer's forward routes each token to the experts the rollout engine chose.
 
 Decision: patch the output of each HF router module (`mlp.gate`, which returns (logits, scores, expert ids)) with a
-forward hook for the duration of one forward, rather than re-implementing the MoE block: the ids become the
-recorded ones and the scores are recomputed from the router's own logits at those ids (softmax, renormalised
-as the family does), so the router still gets gradients. Each call also measures agreement — whether the router's
-own top-k equals the recorded set — so `moe/routing_agreement` is reported with replay on or off.
+forward hook, rather than re-implementing the MoE block: the ids become the recorded ones and the scores are
+recomputed from the router's own logits at those ids (softmax, renormalised as the family does), so the router
+still gets gradients. Each call also measures agreement — whether the router's own top-k equals the recorded set —
+so `moe/routing_agreement` is reported with replay on or off. In training the hooks stay through the micro-batch's
+backward: gradient checkpointing runs each layer's forward again there, and it must route to the same experts
+(another routing saves other tensors, torch's CheckpointError, and would give another routing's gradients).
 
 Legend: B rows, L = P + R columns, N tokens the model sees (B*L padded, or the valid ones packed), M MoE layers.
 """
@@ -12,7 +14,7 @@ Legend: B rows, L = P + R columns, N tokens the model sees (B*L padded, or the v
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -39,13 +41,13 @@ def _score_rule(module: nn.Module) -> tuple[bool, bool]:
 
 @contextlib.contextmanager
 def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL: torch.Tensor, packed: bool,
-                   replay: bool, device: torch.device) -> Iterator[list[torch.Tensor | None]]:
-    """Around one forward of `module` over the rows of `routes_BLMk` (None, or no MoE layer: nothing happens).
-    Yields a one-item list that holds, after the forward, the per-token agreement [N] (bool, all layers)."""
+                   replay: bool, device: torch.device) -> Iterator[Callable[[], torch.Tensor | None]]:
+    """Around one forward of `module` over the rows of `routes_BLMk` (None, or no MoE layer: nothing happens), and
+    in training around its backward too (see the module docstring). Yields a function that gives, once the forward
+    ran, the per-token agreement [N] (bool, all layers; None without routes)."""
     gates = routers(module) if routes_BLMk is not None else []
-    result: list[torch.Tensor | None] = [None]
     if not gates:
-        yield result
+        yield lambda: None
         return
     if routes_BLMk.shape[2] != len(gates):
         raise ValueError(f"routed_experts has {routes_BLMk.shape[2]} MoE layers but the model has {len(gates)}: "
@@ -69,10 +71,12 @@ def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL:
             return logits, scores if fp32 else scores.to(logits.dtype), want
         return hook
 
+    def agreement() -> torch.Tensor | None:
+        return torch.stack([agree[j] for j in range(len(gates))]).all(0) if len(agree) == len(gates) else None
+
     handles = [g.register_forward_hook(hook_for(j)) for j, g in enumerate(gates)]
     try:
-        yield result
-        result[0] = torch.stack([agree[j] for j in range(len(gates))]).all(0) if len(agree) == len(gates) else None
+        yield agreement
     finally:
         for h in handles:
             h.remove()

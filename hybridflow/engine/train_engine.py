@@ -198,12 +198,15 @@ class TrainEngine:
     # ----------------------------------------------------------------------------------------- forward
     def _forward_micro(self, batch: dict[str, torch.Tensor], req: HeadRequest,
                        images: Sequence[dict[str, torch.Tensor]] | None = None, idle_tower: bool = False,
-                       moe_aux: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+                       moe_aux: bool = False, replay_scope: contextlib.ExitStack | None = None,
+                       ) -> tuple[dict[str, torch.Tensor], int]:
         """Outputs [b, R] (or [b] for scores) for one micro-batch; also its number of tokens. `images`: each row's
         `multi_modal_inputs` (vision-language models). `idle_tower`: another rank trains on images (a micro-batch
         without any gives the vision tower a zero gradient, `model_forward.idle_tower_zero`). `moe_aux`: also the
         routers' load-balancing loss over the micro-batch's real tokens, a scalar under `AUX_LOSS`
-        (engine/moe_aux.py)."""
+        (engine/moe_aux.py). `replay_scope`: MoE routing replay stays on until this closes — training closes it
+        after the micro-batch's backward, whose checkpointed layers run again (engine/moe_replay.py); None: the
+        forward only."""
         ids = batch[keys.INPUT_IDS]
         b, r = ids.shape[0], batch[keys.RESPONSES].shape[1]
         vision = batch_vision_inputs(images, ids, getattr(self.module.config, "image_token_id", None))
@@ -213,12 +216,15 @@ class TrainEngine:
         if idle_tower and inputs.vision is None:
             inputs = dataclasses.replace(inputs, idle_tower=True)
         inputs = inputs.to(self.device)
-        with routing_replay(self.module, batch.get(ROUTED), batch[keys.ATTENTION_MASK], self.spec.packed,
-                            self.spec.routing_replay, self.device) as agree, \
-                router_logits(self.module, moe_aux) as logits:
-            out = self.module(hf_inputs=inputs, hf_request=req)
-        if agree[0] is not None and req.kind == "lm":
-            out[AGREEMENT] = agree[0].float().index_select(0, inputs.src_K)
+        with contextlib.ExitStack() as forward_only:
+            agreement = (forward_only if replay_scope is None else replay_scope).enter_context(routing_replay(
+                self.module, batch.get(ROUTED), batch[keys.ATTENTION_MASK], self.spec.packed, self.spec.routing_replay,
+                self.device))
+            with router_logits(self.module, moe_aux) as logits:  # the forward only: the recomputation adds none
+                out = self.module(hf_inputs=inputs, hf_request=req)
+            agree = agreement()
+        if agree is not None and req.kind == "lm":
+            out[AGREEMENT] = agree.float().index_select(0, inputs.src_K)
         res = ({"scores": out[keys.VALUES]} if req.kind == "score"
                else {k: scatter_to_responses(v, inputs.dst_K, b, r) for k, v in out.items()})
         if moe_aux:  # packed: every token the model saw is real; padded: the attention mask says which
@@ -400,22 +406,24 @@ class TrainEngine:
             mb = batch.select_idxs(idx)
             head_tokens = int(mb.batch[keys.ATTENTION_MASK][:, -mb.batch[keys.RESPONSES].shape[1]:].sum())
             flops += self.flops.train_flops(mb.batch[keys.ATTENTION_MASK].sum(-1).tolist(), head_tokens)
-            outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch), idle_tower,
-                                                 aux_coef > 0)
-            aux = outputs.pop(AUX_LOSS, None)
-            if late is not None:  # the forward is queued: wait for the late columns while the device runs it
-                batch = batch.select().union(new_columns(batch, late()))
-                mb, late = batch.select_idxs(idx), None
-            mb_dev = mb.to(self.device, non_blocking=True)
-            loss, metrics = loss_fn(outputs, mb_dev, global_norm)
-            if aux is not None:
-                # weighted by the micro-batch's share of the mini-batch's real tokens (all ranks), as the
-                # token-normalised losses are: summed over micro-batches and ranks, a token-weighted mean
-                loss = loss + aux_coef * aux * (n_tok / real_tokens)
-                metrics = {**metrics, AUX_METRIC: aux.detach()}
-            # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
-            # ranks, so scale by the DP size to get the sum.
-            (loss * self.dp_size).backward()
+            # MoE routing replay stays on through the backward, where checkpointed layers run their forward again
+            with contextlib.ExitStack() as replay_scope:
+                outputs, n_tok = self._forward_micro(mb.batch, head, vision_column(mb.non_tensor_batch), idle_tower,
+                                                     aux_coef > 0, replay_scope)
+                aux = outputs.pop(AUX_LOSS, None)
+                if late is not None:  # the forward is queued: wait for the late columns while the device runs it
+                    batch = batch.select().union(new_columns(batch, late()))
+                    mb, late = batch.select_idxs(idx), None
+                mb_dev = mb.to(self.device, non_blocking=True)
+                loss, metrics = loss_fn(outputs, mb_dev, global_norm)
+                if aux is not None:
+                    # weighted by the micro-batch's share of the mini-batch's real tokens (all ranks), as the
+                    # token-normalised losses are: summed over micro-batches and ranks, a token-weighted mean
+                    loss = loss + aux_coef * aux * (n_tok / real_tokens)
+                    metrics = {**metrics, AUX_METRIC: aux.detach()}
+                # loss is this micro-batch's share of the whole mini-batch loss; FSDP averages gradients over
+                # ranks, so scale by the DP size to get the sum.
+                (loss * self.dp_size).backward()
             loss_total += loss.detach()
             for k, v in metrics.items():  # device tensors stay on device: one host sync per mini-batch, not per metric
                 sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))

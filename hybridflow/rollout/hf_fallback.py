@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import GenerationConfig
@@ -24,11 +25,22 @@ from hybridflow.rollout.vision import suppressed_ids
 
 logger = logging.getLogger(__name__)
 
+
+def synced_ranks(module: nn.Module) -> bool:
+    """HF's `synced_gpus` for `module`: FSDP2 all-gathers each layer's weights in every forward, so a rank whose rows
+    have all stopped must keep stepping until every rank's have, or the others wait in an all-gather for good.
+    Passed explicitly: left unset, transformers infers it from `_is_fsdp_managed_module`, a private attribute that
+    torch's `fully_shard` sets for Dynamo. HF's stop vote is an all-reduce over the default group, which is also our
+    FSDP mesh (engine/fsdp.py `build_mesh`)."""
+    return isinstance(module, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class HFGenerate:
     def __init__(self, module: nn.Module, reason: str, *, eos_ids: list[int], pad_id: int, max_new_tokens: int) -> None:
         logger.warning("rollout: falling back to transformers generate (slow) because %s", reason)
         self.module, self.eos_ids, self.pad_id, self.R = module, eos_ids, pad_id, max_new_tokens
         self.suppress = suppressed_ids(module.config)
+        self.synced = synced_ranks(module)
 
     def _config(self, p: SamplingParams, max_new: int) -> GenerationConfig:
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
@@ -57,7 +69,7 @@ class HFGenerate:
         if sharded:
             self.module.unshard()
         try:
-            out = self.module.generate(input_ids=ids, attention_mask=mask,
+            out = self.module.generate(input_ids=ids, attention_mask=mask, synced_gpus=self.synced,
                                        generation_config=self._config(params, max_new), **vision)
         finally:
             if sharded:

@@ -106,9 +106,7 @@ def test_trainer_replays_the_rollout_routing(replay, gloo, tmp_path):
     model = make_family("qwen3_moe")
     out = make_engine(model, P, R).generate(make_prompts(3, P, VOCAB, seed=4, meta={"n": 2}))
     routes = out.batch["routed_experts"]
-    with torch.no_grad():
-        for gate in moe_replay.routers(model):
-            gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    _perturb_routers(model)
     overrides = ["actor.moe.routing_replay=true"] if replay else []
     engine = train_engine_for(model, tmp_path, *overrides)
     res = engine.infer(out, HeadRequest("lm", temperature=1.0))
@@ -128,6 +126,43 @@ def test_trainer_replays_the_rollout_routing(replay, gloo, tmp_path):
     assert len(before) == 6 and all(not torch.equal(before[n], _full(after[n])) for n in before)
     pushed = engine.infer(out, HeadRequest("lm", temperature=1.0))["log_probs"] * mask
     assert (pushed - ours).sum() > 0
+
+
+def _perturb_routers(model) -> None:
+    """Move the routers a little, so that the trainer's own top-k differs from the recorded one on some tokens."""
+    with torch.no_grad():
+        for gate in moe_replay.routers(model):
+            gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+
+
+@pytest.mark.parametrize("aux_coef", [0.0, 0.5])
+def test_replay_with_gradient_checkpointing_gives_the_gradients_without_it(aux_coef, gloo, tmp_path):
+    """Checkpointed layers run their forward again in backward; with replay on, that recomputation must route to the
+    recorded experts as the forward did (its own routing saves other tensors: torch's CheckpointError). Two
+    micro-batches of perturbed routers: the same gradients as without checkpointing, the load-balancing loss on or
+    off."""
+    model = make_family("qwen3_moe")
+    out = make_engine(model, P, R).generate(make_prompts(3, P, VOCAB, seed=4, meta={"n": 2}))
+    _perturb_routers(model)
+    grads = {}
+    for ckpt in ("false", "true"):
+        engine = train_engine_for(model, tmp_path / ckpt, "actor.moe.routing_replay=true",
+                                  f"model.enable_gradient_checkpointing={ckpt}", f"actor.moe.aux_loss_coef={aux_coef}",
+                                  "actor.ppo_micro_batch_size_per_gpu=3")
+        calls = []
+        hook = moe_replay.routers(engine.module)[0].register_forward_hook(lambda *a, seen=calls: seen.append(1))
+        with engine.training():
+            metrics = engine.forward_backward(out, _push_up, HeadRequest("lm", temperature=1.0)).metrics
+            grads[ckpt] = _grads(engine)
+        hook.remove()
+        assert len(calls) == (4 if ckpt == "true" else 2)  # checkpointing: each micro-batch's layer runs twice
+        assert ("moe/aux_loss" in metrics) == (aux_coef > 0)
+    agreement = moe_replay.metrics(engine.infer(out, HeadRequest("lm", temperature=1.0)), out.batch)
+    assert agreement["moe/routing_agreement"] < 1.0  # replay changes some tokens' experts
+    assert grads["true"].keys() == grads["false"].keys()
+    assert all(grads["false"][n].abs().max() > 0 for n in grads["false"] if "mlp.gate." in n)
+    for n in grads["false"]:
+        torch.testing.assert_close(grads["true"][n], grads["false"][n], atol=1e-7, rtol=1e-6)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
