@@ -111,7 +111,8 @@ class SFTDataset(Dataset):
                 raise MalformedRow(f"a trained turn holds {IMAGE_PLACEHOLDER}: images belong to untrained turns")
             return segs, check_images(row, [{"content": text} for text, _ in segs], self.vision)
 
-        parsed = parse_rows(list(enumerate(rows)), lambda pr: (pr[0], segments(pr[1])), name, strict)
+        parsed = parse_rows(list(enumerate(rows)), lambda pr: (pr[0], segments(pr[1])), name, strict,
+                            lambda i: row_origin(self.sources, i))
         self.positions = [p for p, _ in parsed]  # each sample's row in `rows` (malformed rows may be skipped)
         self.samples: list[tuple[list[tuple[str, bool]], list[Any]]] = [s for _, s in parsed]
         self.image_token_id = None if self.vision is None else tokenizer.convert_tokens_to_ids(IMAGE_PAD)

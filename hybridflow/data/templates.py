@@ -29,16 +29,19 @@ class MalformedRow(ValueError):
     """A dataset row that cannot be used (missing prompt, wrong types)."""
 
 
-def parse_rows(rows: Sequence[Any], parse: Callable[[Any], Any], name: str, strict: bool) -> list[Any]:
+def parse_rows(rows: Sequence[Any], parse: Callable[[Any], Any], name: str, strict: bool,
+               origin: Callable[[int], str] = lambda i: "") -> list[Any]:
     """`parse(row)` for every row; a MalformedRow is an error when `strict`, else skipped and counted in one
-    warning with the first row indices. An empty result is an error either way."""
+    warning with the first row indices. An empty result is an error either way. `origin(i)`: where row i came from
+    (e.g. " (file F, its row k)"), for the error."""
     out, bad = [], []
     for i, row in enumerate(rows):
         try:
             out.append(parse(row))
         except MalformedRow as err:
             if strict:
-                raise ValueError(f"{name} row {i} is malformed: {err}; fix it or set data.strict=false") from err
+                raise ValueError(f"{name} row {i}{origin(i)} is malformed: {err}; fix it or set data.strict=false"
+                                 ) from err
             bad.append(i)
     if bad:
         logger.warning("%s: skipped %d malformed rows (first indices %s)", name, len(bad), bad[:10])

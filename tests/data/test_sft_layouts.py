@@ -67,3 +67,13 @@ def test_repeated_rows_are_rendered_once_and_keep_their_own_samples(monkeypatch)
     ds = SFTDataset(rows, TOK, max_length=100)
     assert len(calls) == 2  # one prompt render per distinct (prompt, response)
     assert [_trained(ds, i) for i in range(4)] == [f"{a}{EOS}" for a in ["4", "5", "4", "4"]]
+
+
+def test_a_malformed_row_names_its_file(tmp_path) -> None:
+    from hybridflow.data.parquet_io import write_rows
+    good = {"prompt": "2+2?", "completion": " 4"}
+    a = write_rows([good, good], tmp_path / "a.parquet")
+    b = write_rows([good, {"prompt": None, "completion": " 5"}], tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=rf"sft row 3 \(file {b}, its row 1\) is malformed: prompt is missing"):
+        SFTDataset.from_files([str(a), str(b)], TOK, max_length=100, strict=True)
+    assert len(SFTDataset.from_files([str(a), str(b)], TOK, max_length=100)) == 3  # not strict: skipped
