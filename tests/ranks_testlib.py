@@ -26,3 +26,20 @@ def start_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
     """`torch.multiprocessing.start_processes(fn, args, nprocs)` from the preloaded forkserver; raises if a rank fails."""
     rank_context()
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def run_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout_s: float, hang_hint: str) -> None:
+    """`fn(rank, *args)` in `nprocs` processes of the preloaded forkserver; fails with `hang_hint` when a rank exits
+    non-zero or is still running after `timeout_s` (then killed: a hung rank never outlives the test)."""
+    ctx = rank_context()
+    procs = [ctx.Process(target=fn, args=(r, *args)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=timeout_s)
+            assert p.exitcode == 0, f"a rank failed or hung ({hang_hint})"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

@@ -70,7 +70,7 @@ def idle_tower_zero(model: torch.nn.Module) -> torch.Tensor | None:
     would differ in size (a hang, or gradients mixed up). Added to the outputs of the image-less one, this term gives
     the tower a zero gradient there, so every rank reduces the same parameters and the average is the images'
     gradient over all ranks. It runs inside the root's forward, where the parameters are the unsharded ones FSDP2
-    reduces. The engine asks for it only then (`TrainEngine._images_on_any_rank`): with no image on any rank the
+    reduces. The engine asks for it only then (`TrainEngine._mini_batch_sums`): with no image on any rank the
     tower keeps no gradient, and the optimizer leaves it alone, as before."""
     if not torch.is_grad_enabled():
         return None

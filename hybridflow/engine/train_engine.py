@@ -317,31 +317,23 @@ class TrainEngine:
             self._set_grad_sync(True)  # an exception mid-mini-batch must not leave gradient sync off
             self.to_rest()
 
-    def _images_on_any_rank(self, batch: DataProto) -> bool:
-        """Several ranks and a trainable vision tower: whether any rank's mini-batch holds an image (one all-reduce
-        and a host read per mini-batch). Then every micro-batch without one gives the tower a zero gradient, so the
+    def _mini_batch_sums(self, batch: DataProto) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+        """Over all ranks, in one all-reduce per mini-batch: each loss_agg_mode's normaliser, the real tokens (the
+        MoE load-balancing loss's weights) and — several ranks and a trainable vision tower only, a host read —
+        whether any rank holds an image. Then every micro-batch without one gives the tower a zero gradient, so the
         ranks' reduce-scatters of the root FSDP2 group (the tower's) match; with no image anywhere none does."""
-        if self.dp_size == 1 or not self._trains_tower:
-            return False
-        images = vision_column(batch.non_tensor_batch)
-        flag = torch.tensor([float(images is not None and any(images))], device=self.device)
-        dist.all_reduce(flag)
-        return bool(flag.item() > 0)
-
-    def _global_norms(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        local = torch.stack([loss_normalizer(response_mask, m) for m in LOSS_AGG_MODES]).to(torch.float64)
+        images = vision_column(batch.non_tensor_batch) if self._trains_tower else None
+        mask = batch.batch[keys.RESPONSE_MASK]
+        has_image = torch.full((), float(images is not None and any(images)), device=mask.device)
+        parts = [*(loss_normalizer(mask, m) for m in LOSS_AGG_MODES), batch.batch[keys.ATTENTION_MASK].sum(), has_image]
+        local = torch.stack([t.to(torch.float64) for t in parts])
         if self.dp_size > 1:
             local = local.to(self.device)
             dist.all_reduce(local)
-        return {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
-
-    def _global_tokens(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The mini-batch's real tokens over all ranks (the MoE load-balancing loss's weights)."""
-        n = attention_mask.sum().to(torch.float64)
-        if self.dp_size > 1:
-            n = n.to(self.device)
-            dist.all_reduce(n)
-        return n.float().to(self.device)
+        norms = {m: local[i].float().to(self.device) for i, m in enumerate(LOSS_AGG_MODES)}
+        n = len(LOSS_AGG_MODES)
+        idle_tower = self.dp_size > 1 and self._trains_tower and bool(local[n + 1].item() > 0)
+        return norms, local[n].float().to(self.device), idle_tower
 
     def forward_backward(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest,
                          late: Callable[[], DataProto] | None = None) -> BackwardStats:
@@ -360,14 +352,13 @@ class TrainEngine:
             raise RuntimeError("forward_backward runs inside `with engine.training():` (placement, train mode, "
                                "cleanup on failure)")
         self._check_head(head)
-        global_norm = self._global_norms(batch.batch[keys.RESPONSE_MASK])
-        idle_tower = self._images_on_any_rank(batch)
+        global_norm, real_tokens, idle_tower = self._mini_batch_sums(batch)
         fresh = self._pending_loss is None
         if fresh:  # a new accumulation (the last step's gradients stay readable until now)
             self._zero_grad()
         batching = self._train_batching_now()
         try:
-            return self._accumulate(batch, loss_fn, head, global_norm, batching, late, idle_tower)
+            return self._accumulate(batch, loss_fn, head, global_norm, batching, late, idle_tower, real_tokens)
         except torch.cuda.OutOfMemoryError:
             if not (fresh and self._may_retry_oom(batching)):
                 raise
@@ -379,7 +370,8 @@ class TrainEngine:
         logger.warning("out of memory at %d samples per training micro-batch; retrying this and later mini-batches at "
                        "%d (set actor/critic ppo_micro_batch_size_per_gpu to choose)", batching.size,
                        self._train_micro_override)
-        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now(), late, idle_tower)
+        return self._accumulate(batch, loss_fn, head, global_norm, self._train_batching_now(), late, idle_tower,
+                                real_tokens)
 
     def _train_batching_now(self) -> MicroBatching:
         size = self._train_micro_override
@@ -393,13 +385,12 @@ class TrainEngine:
 
     def _accumulate(self, batch: DataProto, loss_fn: LossFn, head: HeadRequest, global_norm: dict[str, torch.Tensor],
                     batching: MicroBatching, late: Callable[[], DataProto] | None = None,
-                    idle_tower: bool = False) -> BackwardStats:
+                    idle_tower: bool = False, real_tokens: torch.Tensor | None = None) -> BackwardStats:
         loss_total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
         micro = self._micro_batches(batch, batching)
         tokens, flops = 0, 0.0
         aux_coef = self.spec.moe_aux_loss_coef
-        real_tokens = self._global_tokens(batch.batch[keys.ATTENTION_MASK]) if aux_coef > 0 else None
         for i, idx in enumerate(micro):
             beat(i)
             self._set_grad_sync(i == len(micro) - 1)

@@ -109,16 +109,15 @@ class AgentScheduler:
         self.stats = dict.fromkeys(("requests", "extended", "extend_tokens", "prefills", "prefilled", "prefill_tokens",
                                     "evictions", "decode_steps", "bad_requests", "tool_choice_unmet",
                                     "extends", "live_row_steps", "step_rows", "idle_s"), 0)
-        # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one)
-        # (prefill and extend: the parts of admit spent in those forwards)
-        self.t_start = time.monotonic()
-        self.prefill_at: list[float] = []  # seconds from the start of `serve` to each prefill forward
+        self.t_start = time.monotonic()  # made right before the agents start
+        self.prefill_at: list[float] = []  # seconds from t_start to each prefill forward
+        # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one);
+        # prefill and extend: the parts of admit spent in those forwards
         self.phase_s = dict.fromkeys(("take", "admit", "prefill", "extend", "launch", "sync", "answer"), 0.0)
 
     # ------------------------------------------------------------------------------------------------- serving
     def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
         """Serve until `finished()` (every agent task is over); requests still in flight then are answered 503."""
-        self.t_start = time.monotonic()
         try:
             while not finished() or self.live or self.waiting:
                 beat()  # for the hang watchdog: waiting on agents (bounded by rollout.agent.timeout_s) is progress

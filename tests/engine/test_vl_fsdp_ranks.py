@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image
-from ranks_testlib import rank_context
+from ranks_testlib import run_ranks
 from torch.distributed.tensor import DTensor
 
 HERE = str(Path(__file__).parent)
@@ -92,18 +92,7 @@ def _worker(rank: int, out: str) -> None:
 
 
 def test_update_with_an_image_on_one_rank_only(tmp_path):
-    ctx = rank_context()
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-            assert p.exitcode == 0, "a rank failed or hung (the reduce-scatters of the two ranks differed?)"
-    finally:  # a hung rank must not outlive the test
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_worker, (str(tmp_path),), 2, 240, "the reduce-scatters of the two ranks differed?")
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert got[0]["finite"] and got[1]["finite"]
     (before0, after0), (before1, after1) = ((g["before"], g["after"]) for g in got)

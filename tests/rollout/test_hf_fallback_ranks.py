@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ranks_testlib import rank_context
+from ranks_testlib import run_ranks
 from torch.distributed.fsdp import FSDPModule
 
 HERE = str(Path(__file__).parent)
@@ -78,18 +78,7 @@ def _worker(rank: int, out: str) -> None:
 
 
 def test_ranks_that_stop_at_different_steps_all_finish(tmp_path):
-    ctx = rank_context()
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=120)
-            assert p.exitcode == 0, "a rank failed or hung (one kept all-gathering after the other stopped?)"
-    finally:  # a hung rank must not outlive the test
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_worker, (str(tmp_path),), 2, 120, "one kept all-gathering after the other stopped?")
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     lengths = [g["alone"]["response_mask"].sum(-1) for g in got]
     assert (lengths[0] < R - 1).all() and (lengths[1] == R).all(), lengths  # rank 0 stops steps before rank 1
