@@ -43,7 +43,8 @@ SERVER_KEYS = ("agent/engine_idle_s", "agent/live_rows_per_step", "rollout/prefi
                "agent/extends", "agent/extend_rows_per_call", "agent/queued_ms", "agent/queued_first_ms",
                "agent/queued_next_ms", "agent/answer_ms",
                "agent/turn_gap_ms", "rollout/decode_steps", "agent/step_rows", "agent/first_prefill_ms",
-               "agent/last_prefill_ms", "agent/loop_take_s",
+               "agent/last_prefill_ms", "agent/first_task_start_ms", "agent/last_task_start_ms",
+               "agent/first_arrival_ms", "agent/last_first_arrival_ms", "agent/loop_take_s",
                "agent/loop_admit_s", "agent/loop_prefill_s", "agent/loop_extend_s", "agent/loop_launch_s", "agent/loop_sync_s", "agent/loop_answer_s")
 
 

@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,7 @@ class Outcome:
     kind: str  # ok | error | timeout
     result: AgentResult = field(default_factory=AgentResult)
     error: str | None = None
+    started: float = 0.0  # time.monotonic() when the task began (one clock for every process of the host)
 
 
 def as_result(value: Any) -> AgentResult:
@@ -152,14 +154,17 @@ async def run_agents(agent: AgentFn, samples: list[dict[str, Any]], session_url:
 
     async def one(sid: str, sample: dict[str, Any]) -> Outcome:
         async with limit, httpx.AsyncClient(verify=tls, timeout=httpx.Timeout(timeout_s + 5)) as http:
+            started = time.monotonic()
             client = openai.AsyncOpenAI(base_url=session_url(sid), api_key="hybridflow", max_retries=0,
                                         http_client=http)
             try:
-                return Outcome(sid, "ok", as_result(await asyncio.wait_for(agent(client, sample), timeout_s)))
+                out = Outcome(sid, "ok", as_result(await asyncio.wait_for(agent(client, sample), timeout_s)))
             except asyncio.TimeoutError:
-                return Outcome(sid, "timeout", error=f"timed out after {timeout_s}s")
+                out = Outcome(sid, "timeout", error=f"timed out after {timeout_s}s")
             except Exception as err:  # noqa: BLE001 — a user agent may raise anything; the trajectory records it
                 logger.debug("agent task %s raised %s: %s", sid, type(err).__name__, err)
-                return Outcome(sid, "error", error=f"{type(err).__name__}: {err}")
+                out = Outcome(sid, "error", error=f"{type(err).__name__}: {err}")
+            out.started = started
+            return out
 
     return list(await asyncio.gather(*(one(sid, s) for sid, s in zip(sessions, samples))))

@@ -109,7 +109,10 @@ class AgentRollout:
                 for k, o in enumerate(outcomes)]
         out = self._batch(rows)
         out.non_tensor_batch = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        return out, self._metrics(outcomes, sched, rows) | server.take_latency()
+        started = [o.started - sched.t_start for o in outcomes if o.started]
+        timeline = {"agent/first_task_start_ms": 1e3 * min(started, default=0.0),
+                    "agent/last_task_start_ms": 1e3 * max(started, default=0.0)}
+        return out, self._metrics(outcomes, sched, rows) | timeline | server.take_latency()
 
     def _row(self, session: Session, o: Outcome, default_prompt: list[int]) -> dict[str, Any]:
         branch = session.final(o.result.messages) or Branch(default_prompt)

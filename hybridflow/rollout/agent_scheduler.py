@@ -111,6 +111,7 @@ class AgentScheduler:
                                     "extends", "live_row_steps", "step_rows", "idle_s"), 0)
         self.t_start = time.monotonic()  # made right before the agents start
         self.prefill_at: list[float] = []  # seconds from t_start to each prefill forward
+        self.first_arrivals: list[float] = []  # seconds from t_start to each session's first request at the endpoint
         # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one);
         # prefill and extend: the parts of admit spent in those forwards
         self.phase_s = dict.fromkeys(("take", "admit", "prefill", "extend", "launch", "sync", "answer"), 0.0)
@@ -169,6 +170,8 @@ class AgentScheduler:
         if not 0 <= top <= MAX_TOP_LOGPROBS or (top and not want_lp):
             raise ApiError(f"top_logprobs={top} must be in [0, {MAX_TOP_LOGPROBS}] and needs logprobs=true")
         session = self.sessions.setdefault(call.session, Session())
+        if not session.requests:
+            self.first_arrivals.append(call.arrived - self.t_start)
         session.requests += 1
         self.stats["requests"] += 1
         n = int(body.get("n") or 1)
@@ -453,5 +456,7 @@ class AgentScheduler:
                 "agent/live_rows_per_step": st["live_row_steps"] / max(st["decode_steps"], 1),
                 "agent/step_rows": st["step_rows"] / max(st["decode_steps"], 1),
                 "agent/first_prefill_ms": 1e3 * self.prefill_at[0] if self.prefill_at else 0.0,
-                "agent/last_prefill_ms": 1e3 * self.prefill_at[-1] if self.prefill_at else 0.0} | {
+                "agent/last_prefill_ms": 1e3 * self.prefill_at[-1] if self.prefill_at else 0.0,
+                "agent/first_arrival_ms": 1e3 * min(self.first_arrivals, default=0.0),
+                "agent/last_first_arrival_ms": 1e3 * max(self.first_arrivals, default=0.0)} | {
                 f"agent/loop_{k}_s": v for k, v in self.phase_s.items()}

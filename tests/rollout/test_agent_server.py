@@ -115,6 +115,10 @@ def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model)
     assert 1 <= m["agent/live_rows_per_step"] <= 6, m
     assert m["agent/turn_gap_ms"] > 0 and m["agent/answer_ms"] > 0 and m["agent/queued_ms"] >= 0, m
     assert 0 <= m["agent/engine_idle_s"] < 30, m
+    # the call's timeline, one clock: tasks start, then their first requests reach the endpoint, then prefill
+    assert 0 < m["agent/first_task_start_ms"] <= m["agent/last_task_start_ms"], m
+    assert m["agent/first_task_start_ms"] < m["agent/first_arrival_ms"] <= m["agent/last_first_arrival_ms"], m
+    assert m["agent/first_arrival_ms"] < m["agent/first_prefill_ms"], m
     b = out.batch
     for row in range(6):
         sid = f"r{engine.agent.calls}-{row // 2}-{row % 2}"
@@ -570,6 +574,8 @@ def test_agent_tasks_in_worker_processes(model, tmp_path):
             m = out.meta_info["metrics"]
             assert m["agent/tasks"] == 6 and m["agent/errors"] == 0 and m["agent/requests"] == 18, m
             assert m["agent/extended_requests"] == 12, m
+            # the workers' task clocks are the engine's (CLOCK_MONOTONIC is per host)
+            assert 0 < m["agent/first_task_start_ms"] < m["agent/first_arrival_ms"] < 30e3, m
             b = out.batch
             for row in range(6):
                 ends = b["turn_rewards"][row].nonzero().flatten().tolist()
