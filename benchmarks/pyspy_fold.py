@@ -1,7 +1,9 @@
 """Fold `py-spy record --format raw --threads [--subprocesses]` output into a short per-thread table: each thread's
 samples, its busiest frames inclusive (a frame counted once per sample) and its leaf frames (where the CPU was).
 
-Usage: python3 benchmarks/pyspy_fold.py RAW [--top 25] [--min-share 0.02] > summary.txt
+Usage: python3 benchmarks/pyspy_fold.py RAW [--top 25] [--min-share 0.02] [--focus FRAME] > summary.txt
+`--focus`: only samples whose stack holds a frame containing FRAME, cut to start there (where that function's time
+goes); with `py-spy record --idle` a thread's waits count too (its wall time, not only its CPU time).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("raw")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--min-share", type=float, default=0.02, help="threads under this share of samples are listed only")
+    ap.add_argument("--focus", default="", help="keep samples under the first frame containing this, cut there")
     args = ap.parse_args()
     total: Counter[str] = Counter()
     incl: dict[str, Counter[str]] = defaultdict(Counter)
@@ -38,8 +41,17 @@ def main() -> None:
             n = int(count)
             parts = stack.split(";")
             roots = [p for p in parts[:2] if p.startswith(("process ", "thread "))]
+            rest = parts[len(roots):]
+            while rest and rest[0].startswith(("process ", "thread ")):  # a subprocess's own thread root
+                key_extra, rest = rest[0], rest[1:]
+                roots.append(key_extra)
             key = " | ".join(r[:90] for r in roots)
-            frames = [frame_name(p) for p in parts[len(roots):]]
+            if args.focus:
+                at = next((i for i, p in enumerate(rest) if args.focus in p), None)
+                if at is None:
+                    continue
+                rest = rest[at:]
+            frames = [frame_name(p) for p in rest]
             total[key] += n
             for name in set(frames):
                 incl[key][name] += n

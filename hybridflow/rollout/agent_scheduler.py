@@ -53,6 +53,13 @@ IDLE_WAIT_S = 0.02  # longest wait for a request when no slot is decoding
 # with no slot decoding, the first request waits this long for more: agents answered together come back spread out
 # (each agent process sends its share one after another), and one forward + decode chunk for the wave beats one each
 GATHER_S = 0.003
+# the call's first wave: while sessions that have not yet sent a request remain, an idle engine keeps gathering as
+# long as first requests keep coming (each within FIRST_WAVE_GAP_S of the last, up to FIRST_WAVE_MAX_S after the
+# call starts). The agents' first requests arrive over ~50-100 ms (clients starting in several processes); admitting
+# the first few alone split the prefill and left the rest queued behind it and a decode chunk (H200, 256 sessions:
+# two 128-row prefills, the last ~300 ms after the last request had arrived).
+FIRST_WAVE_GAP_S = 0.02
+FIRST_WAVE_MAX_S = 1.0
 
 
 @dataclass
@@ -90,8 +97,11 @@ class SlotInfo:
 
 class AgentScheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, chat_template: str | None, base: SamplingParams, *,
-                 eos_ids: list[int], prompt_width: int, check_every: int, seed: int) -> None:
+                 eos_ids: list[int], prompt_width: int, check_every: int, seed: int, sessions: int = 0) -> None:
+        """`sessions`: how many agent tasks the call runs (0: unknown) — the first wave is gathered until each has
+        sent its first request (or they stop coming)."""
         self.r, self.tok, self.base, self.eos_ids = runner, tokenizer, base, eos_ids
+        self.expected = sessions
         self.P, self.R, self.check_every, self.seed = prompt_width, runner.R, check_every, seed
         self.chat = ChatDelta(tokenizer, chat_template)
         self.sessions: dict[str, Session] = {}
@@ -145,14 +155,25 @@ class AgentScheduler:
         t0 = time.monotonic()
         batch: list[Call] = []
         deadline = t0 + (IDLE_WAIT_S if block else 0.0)
+        new_sessions: set[str] = set()
+        in_wave = False
         while True:
             try:
                 left = deadline - time.monotonic()
                 batch.append(calls.get(timeout=left) if left > 0 else calls.get_nowait())
             except queue.Empty:
                 break
-            if len(batch) == 1 and block:
-                deadline = time.monotonic() + GATHER_S
+            if not block:
+                continue
+            if batch[-1].session not in self.sessions:
+                new_sessions.add(batch[-1].session)
+            now = time.monotonic()
+            if len(self.sessions) + len(new_sessions) < self.expected and now - self.t_start < FIRST_WAVE_MAX_S:
+                in_wave, deadline = True, now + FIRST_WAVE_GAP_S  # the first wave is still arriving
+            elif in_wave:
+                in_wave, deadline = False, now  # the wave is complete: take what is queued already, no more waiting
+            elif len(batch) == 1:
+                deadline = now + GATHER_S
         if block:
             self.stats["idle_s"] += time.monotonic() - t0
         for call in batch:

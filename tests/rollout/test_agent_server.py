@@ -185,6 +185,40 @@ def test_idle_engine_gathers_a_wave_before_admitting():
     assert [job.call for job in sched.waiting] == wave  # admitted in one forward, not one per arrival
 
 
+class _Spread:
+    """Requests that arrive `gap` seconds apart, simulated: a wait shorter than the gap finds nothing."""
+
+    def __init__(self, calls: list[Call], gap: float) -> None:
+        self.calls, self.gap = calls, gap
+
+    def get(self, timeout: float | None = None) -> Call:
+        if not self.calls or (timeout is not None and timeout < self.gap):
+            raise queue.Empty
+        return self.calls.pop(0)
+
+    def get_nowait(self) -> Call:
+        raise queue.Empty
+
+
+@pytest.mark.parametrize("expected", [0, 3, 4])
+def test_first_wave_is_gathered_until_every_session_has_asked(expected, monkeypatch):
+    """Sessions' first requests 10 ms apart: past the 3 ms gather window, but the call's first wave (`sessions` =
+    the call's agent tasks) is taken whole while sessions that have not asked yet remain; unknown (0): as before."""
+    monkeypatch.setattr(agent_scheduler, "GATHER_S", 0.003)
+    monkeypatch.setattr(agent_scheduler, "FIRST_WAVE_GAP_S", 0.05)
+    runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
+    sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
+                           check_every=1, seed=0, sessions=expected)
+    loop = asyncio.new_event_loop()
+    try:
+        wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}, loop, loop.create_future()) for i in range(4)]
+        sched._take(_Spread(list(wave), gap=0.01), block=True)
+    finally:
+        loop.close()
+    # expected 3: the third session's request completes the wave; the fourth (an unexpected one) waits
+    assert [job.call for job in sched.waiting] == wave[:{0: 1, 3: 3, 4: 4}[expected]]
+
+
 async def edit_agent(client, sample):
     """Turn 2 resends the conversation with turn 1's answer edited: the session cannot be extended."""
     messages = [{"role": "user", "content": "hello"}]
