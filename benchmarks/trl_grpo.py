@@ -11,6 +11,10 @@ here; hybridflow does not depend on it. Step time = time between consecutive opt
 `--lora-rank R`: TRL's own PEFT path (`GRPOTrainer(peft_config=LoraConfig(r=R, lora_alpha, all-linear))`,
 TRL's defaults otherwise: adapters upcast to fp32, gradient checkpointing on); with `--dtype bfloat16` the frozen
 base is held in bf16, as ours is. `benchmarks/lora_gpu.py` calls `run()`.
+`--vllm colocate`: TRL's vLLM generation in the training process (`use_vllm=True, vllm_mode="colocate"`; vLLM loads
+the random-init model from a directory this script writes; `min_tokens` forces the response length there);
+needs vLLM importable beside TRL (benchmarks/vllm_round.sh says how it reaches the device). Generation is then
+not timed apart (vLLM's engine is not `model.generate`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights as loaded (bf16 autocast on GPU either way)")
+    ap.add_argument("--vllm", choices=["off", "colocate"], default="off",
+                    help="TRL's generation: HF generate (off) or vLLM in the training process (colocate)")
+    ap.add_argument("--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization (colocate)")
     return ap
 
 
@@ -115,10 +122,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     model.generate = timed_generate
+    generation: dict[str, Any] = dict(use_vllm=False, generation_kwargs={"min_new_tokens": args.response_len})
+    if args.vllm == "colocate":
+        import os
+
+        # vLLM reads weights from disk; colocate mode joins torch.distributed (one rank here)
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", "29517")):
+            os.environ.setdefault(key, value)
+        path = Path("/tmp/trl_vllm_model")
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        model = str(path)
+        generation = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
+                          generation_kwargs={"min_tokens": args.response_len},
+                          model_init_kwargs={"dtype": getattr(torch, args.dtype)})
     conf = GRPOConfig(
         output_dir="/tmp/trl_bench", per_device_train_batch_size=rows // args.ga,
         gradient_accumulation_steps=args.ga, num_generations=args.n, max_completion_length=args.response_len,
-        generation_kwargs={"min_new_tokens": args.response_len}, temperature=1.0, beta=0.0, use_vllm=False,
+        temperature=1.0, beta=0.0, **generation,
         bf16=not on_cpu, use_cpu=on_cpu, learning_rate=1e-6, max_steps=total, logging_steps=1, save_strategy="no",
         report_to="none", seed=0, shuffle_dataset=False, dataloader_num_workers=0,
     )
@@ -147,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res = {"preset": args.preset, "trl": trl.__version__, "torch": torch.__version__, "args": vars(args),
            "first_step_s": ends[0] - start if ends else None, "step_s": step_s, "gen_s": gen_s,
            "median_step_s": float(np.median(step_s)) if step_s else None,
-           "median_gen_s": float(np.median(gen_s)) if gen_s else None, "peak_memory_gb": peaks,
+           "median_gen_s": float(np.median(gen_s)) if gen_s and args.vllm == "off" else None, "peak_memory_gb": peaks,
            "trainable_params": trained, "total_params": total_params,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     return res
