@@ -4,7 +4,8 @@ The agents' own Python — the `openai` client building and parsing every reques
 runs on one event loop in the engine's process otherwise, sharing the interpreter lock with the model's thread and
 the endpoint; with hundreds of sessions that loop, not the model, sets the pace (on an H200 at 0.5B, 256 sessions
 of token-id requests reached 23% of the in-engine multi-turn throughput on one loop). A pool of spawned processes,
-kept for the run, each loads the agent once and runs interleaved shares of the tasks with `run_agents` against the
+kept for the run, each loads the agent once (and keeps one event loop and its HTTP clients, so connections to the
+endpoint stay open between calls) and runs interleaved shares of the tasks with `run_agents` against the
 same endpoint (sessions are named in the URL, so which process sends a request does not matter). Samples and
 results cross the process boundary pickled: an agent's `AgentResult` must be picklable (a task whose result is not
 ends as an error). Off by default (`rollout.agent.workers=1`): module globals of the agent are then per process.
@@ -19,11 +20,14 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from hybridflow.agentic.agents import AgentFn, Outcome, load_agent, run_agents
+from hybridflow.agentic.agents import AgentFn, HttpClients, Outcome, load_agent, run_agents
 from hybridflow.utils.threads import usable_cores
 
 MAX_AUTO_WORKERS = 8
 _agent: AgentFn | None = None  # the worker process's agent, loaded once by `_load`
+# the worker's event loop and HTTP clients, kept across generate calls (connections to the endpoint stay open)
+_loop: asyncio.AbstractEventLoop | None = None
+_clients: HttpClients | None = None
 
 
 def auto_workers(requested: int) -> int:
@@ -35,15 +39,19 @@ def auto_workers(requested: int) -> int:
 
 
 def _load(path: str, name: str) -> None:
-    global _agent
+    global _agent, _loop, _clients
     _agent = load_agent(path, name)
+    _loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(_loop)
+    _clients = HttpClients()
 
 
 def _run_share(samples: list[dict[str, Any]], urls: list[str], sessions: list[str], max_concurrency: int,
                timeout_s: float) -> list[Outcome]:
     url = dict(zip(sessions, urls))
-    outcomes = asyncio.run(run_agents(_agent, samples, url.__getitem__, sessions, max_concurrency=max_concurrency,
-                                      timeout_s=timeout_s))
+    outcomes = _loop.run_until_complete(run_agents(_agent, samples, url.__getitem__, sessions,
+                                                   max_concurrency=max_concurrency, timeout_s=timeout_s,
+                                                   clients=_clients))
     for i, o in enumerate(outcomes):  # one unpicklable result fails its task, not the process's whole share
         try:
             pickle.dumps(o)

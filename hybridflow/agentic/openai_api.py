@@ -281,7 +281,9 @@ class OpenAIServer:
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completion)
             app.router.add_get(prefix + "/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # agents' HTTP clients keep their connections between generate calls, which a training step can space by
+        # minutes: idle connections stay open for an hour, not aiohttp's 75 s
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=3600)
         await self._runner.setup()
         sock = socket.create_server((host, port))  # bound here, so port 0 tells us the port it got
         await web.SockSite(self._runner, sock).start()

@@ -21,7 +21,7 @@ import torch
 
 from hybridflow.agentic.agent_pool import AgentPool, auto_workers
 from hybridflow.agentic.agent_session import Branch, Session
-from hybridflow.agentic.agents import Outcome, load_agent, run_agents
+from hybridflow.agentic.agents import HttpClients, Outcome, load_agent, run_agents
 from hybridflow.agentic.openai_api import OpenAIServer
 from hybridflow.protocol import DataProto, keys
 from hybridflow.rollout.agent_scheduler import AgentScheduler
@@ -47,6 +47,7 @@ class AgentRollout:
         self.workers = auto_workers(agent_cfg.workers)
         self.pool: AgentPool | None = None  # worker processes (workers > 1), started at the first generate
         self.server: OpenAIServer | None = None
+        self.clients: HttpClients | None = None  # the agents' HTTP clients on the endpoint's loop (workers = 1)
         self.calls = 0
         self.last_sessions: dict[str, Session] = {}
 
@@ -62,6 +63,9 @@ class AgentRollout:
             self.pool.close()
             self.pool = None
         if self.server is not None:
+            if self.clients is not None:
+                self.server.run(self.clients.aclose()).result(timeout=30)
+                self.clients = None
             self.server.close()
             self.server = None
 
@@ -87,7 +91,10 @@ class AgentRollout:
                 tasks = server.run(self.pool.run(samples, [server.session_url(s) for s in sessions], sessions,
                                                  **limits))
             else:
-                tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions, **limits))
+                if self.clients is None:
+                    self.clients = HttpClients()
+                tasks = server.run(run_agents(self.agent, samples, server.session_url, sessions, **limits,
+                                              clients=self.clients))
             try:
                 sched.serve(server.calls, tasks.done)
             except BaseException:

@@ -24,7 +24,7 @@ from rollout_helpers import make_model, rollout_cfg
 from test_rollout_engine import hf_logprobs
 
 from hybridflow.agentic.agent_session import Session, as_dict, normalize
-from hybridflow.agentic.agents import AgentResult, Environment, EnvStep
+from hybridflow.agentic.agents import AgentResult, Environment, EnvStep, HttpClients
 from hybridflow.agentic.openai_api import ApiError, Call, reply_all, split_tool_calls, tool_choice
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
@@ -183,6 +183,32 @@ def test_idle_engine_gathers_a_wave_before_admitting():
     finally:
         loop.close()
     assert [job.call for job in sched.waiting] == wave  # admitted in one forward, not one per arrival
+
+
+def test_agent_http_clients_are_kept_across_calls(engine):
+    """Each running task leases its own HTTP client; finished tasks hand theirs to the next tasks and calls, so a
+    call's first requests reuse open connections (agents.HttpClients)."""
+    engine.generate(_prompts(3, n=2))
+    kept = {id(c) for _, c in engine.agent.clients.free}
+    assert len(kept) >= 6  # six tasks ran at once: six clients (or more kept from earlier calls), now idle
+    out = engine.generate(_prompts(3, n=2))
+    assert out.meta_info["metrics"]["agent/errors"] == 0
+    assert {id(c) for _, c in engine.agent.clients.free} == kept  # the same six served the second call
+
+
+def test_http_client_leases():
+    async def go():
+        clients = HttpClients()
+        async with clients.lease(5.0) as a, clients.lease(5.0) as b:
+            assert a is not b  # concurrent tasks never share a client
+        async with clients.lease(5.0) as c:
+            assert c in (a, b)
+        async with clients.lease(9.0) as d:  # another timeout: its own client
+            assert d not in (a, b)
+        assert len(clients.free) == 3
+        await clients.aclose()
+        assert not clients.free and a.is_closed and d.is_closed
+    asyncio.run(go())
 
 
 class _Spread:
