@@ -32,6 +32,13 @@ WORKER_BASE_ENV: dict[str, str] = {
 }
 
 
+def worker_base_env() -> dict[str, str]:
+    """What every worker process gets: WORKER_BASE_ENV plus the driver's own `HYBRIDFLOW_*` settings (e.g.
+    HYBRIDFLOW_FP8_GEMM, read where the rollout engine is built): a Ray cluster's workers start from the raylet's
+    environment, not the driver's, so a variable exported before `hybridflow train` would not reach them."""
+    return {**WORKER_BASE_ENV, **{k: v for k, v in os.environ.items() if k.startswith("HYBRIDFLOW_")}}
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """Where a worker sits in its group; `master_port == 0` means "no rendezvous needed" (world size 1)."""

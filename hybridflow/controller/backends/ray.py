@@ -41,7 +41,7 @@ from hybridflow.controller.backends.ray_tensors import register_tensor_serialize
 from hybridflow.controller.errors import RemoteCallError, WorkerError, WorkerTimeoutError
 from hybridflow.controller.hang import active_timeout_s, active_watchdog
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.worker import WORKER_BASE_ENV, Worker, WorkerEnv
+from hybridflow.controller.worker import Worker, WorkerEnv, worker_base_env
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,12 @@ DRIVER_THREADS = 2
 def init_ray(address: str | None = None, **kwargs: Any) -> None:
     """Start a local Ray instance unless Ray is running, or join the cluster at `address` (`trainer.ray_address`;
     else RAY_ADDRESS; "auto": the cluster `ray start` began on this machine — never joined implicitly, so a run does
-    not land on another process's cluster); workers inherit WORKER_BASE_ENV."""
+    not land on another process's cluster); workers inherit `worker_base_env()` (the user's runtime_env env_vars
+    win over it)."""
     if ray.is_initialized():
         return
     runtime_env = dict(kwargs.pop("runtime_env", None) or {})
-    runtime_env["env_vars"] = {**WORKER_BASE_ENV, **runtime_env.get("env_vars", {})}
+    runtime_env["env_vars"] = {**worker_base_env(), **runtime_env.get("env_vars", {})}
     kwargs.setdefault("include_dashboard", False)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -337,9 +338,10 @@ def _check_pinned(pool: ResourcePool, groups: list[PlacementGroup], nodes: list[
 def _actor_runtime_env() -> dict[str, Any] | None:
     """Per-actor env vars only when the job's runtime_env lacks them (per-actor runtime envs start slower)."""
     job_env = ray.get_runtime_context().runtime_env.get("env_vars") or {}
-    if all(job_env.get(k) == v for k, v in WORKER_BASE_ENV.items()):
+    wanted = worker_base_env()
+    if all(job_env.get(k) == v for k, v in wanted.items()):
         return None
-    return {"env_vars": dict(WORKER_BASE_ENV)}
+    return {"env_vars": {**job_env, **wanted}}
 
 
 def _failures(refs: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, RayError]]:
