@@ -57,7 +57,8 @@ def _run_share(samples: list[dict[str, Any]], urls: list[str], sessions: list[st
             pickle.dumps(o)
         except (pickle.PicklingError, TypeError, AttributeError) as err:
             outcomes[i] = Outcome(o.session, "error", error=f"the agent's result cannot be pickled to the engine's "
-                                                            f"process (rollout.agent.workers > 1): {err}")
+                                                            f"process (rollout.agent.workers > 1): {err}",
+                                  started=o.started)
     return outcomes
 
 

@@ -144,6 +144,12 @@ def as_result(value: Any) -> AgentResult:
     raise TypeError(f"an agent returns AgentResult, a number (its reward) or None; got {type(value).__name__}")
 
 
+# idle connections kept this long by the agents' clients (httpx's default is 5 s: a training step between two
+# generate calls would drop them); the endpoint keeps them longer (openai_api.KEEPALIVE_S), so it never closes one
+# a client is about to reuse
+KEEPALIVE_S = 3000.0
+
+
 class HttpClients:
     """Small HTTP clients, one per running agent task, kept open for the next tasks and generate calls of the same
     event loop: a task's first request then reuses a connection the endpoint already accepted (making the client
@@ -158,13 +164,16 @@ class HttpClients:
 
     @contextlib.asynccontextmanager
     async def lease(self, timeout_s: float) -> AsyncIterator[httpx.AsyncClient]:
-        kept = next((i for i, (t, _) in enumerate(self.free) if t == timeout_s), None)
+        # the most recently used first: its connection is the least likely to have been dropped
+        kept = next((i for i in range(len(self.free) - 1, -1, -1) if self.free[i][0] == timeout_s), None)
         http = (self.free.pop(kept)[1] if kept is not None
-                else httpx.AsyncClient(verify=self.tls, timeout=httpx.Timeout(timeout_s + 5)))
+                else httpx.AsyncClient(verify=self.tls, timeout=httpx.Timeout(timeout_s + 5),
+                                       limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S)))
         try:
             yield http
         finally:
-            self.free.append((timeout_s, http))
+            if not http.is_closed:  # an agent may close its client (`await client.close()`, `async with client`)
+                self.free.append((timeout_s, http))
 
     async def aclose(self) -> None:
         clients, self.free = self.free, []
@@ -196,8 +205,14 @@ async def run_agents(agent: AgentFn, samples: list[dict[str, Any]], session_url:
             out.started = started
             return out
 
+    tasks = [asyncio.ensure_future(one(sid, s)) for sid, s in zip(sessions, samples)]
     try:
-        return list(await asyncio.gather(*(one(sid, s) for sid, s in zip(sessions, samples))))
+        return list(await asyncio.gather(*tasks))
     finally:
+        # an agent raising a BaseException (e.g. CancelledError) ends the gather early: its siblings must not live
+        # on in a kept event loop and send requests for this call's sessions during the next call
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if own:
             await clients.aclose()

@@ -97,6 +97,7 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None, bool]
 
 
 MAX_TOP_LOGPROBS = 20
+KEEPALIVE_S = 3600.0  # seconds an idle connection stays open (above the agents' clients' 3000 s)
 
 
 def tool_choice(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -282,8 +283,8 @@ class OpenAIServer:
             app.router.add_post(prefix + "/v1/completions", self._completion)
             app.router.add_get(prefix + "/v1/models", self._models)
         # agents' HTTP clients keep their connections between generate calls, which a training step can space by
-        # minutes: idle connections stay open for an hour, not aiohttp's 75 s
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=3600)
+        # minutes: idle connections stay open longer than the clients keep them (agents.KEEPALIVE_S)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self._runner.setup()
         sock = socket.create_server((host, port))  # bound here, so port 0 tells us the port it got
         await web.SockSite(self._runner, sock).start()

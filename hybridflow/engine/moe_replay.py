@@ -14,6 +14,7 @@ Legend: B rows, L = P + R columns, N tokens the model sees (B*L padded, or the v
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -39,47 +40,84 @@ def _score_rule(module: nn.Module) -> tuple[bool, bool]:
     return mixtral or bool(getattr(cfg, "norm_topk_prob", False)), mixtral
 
 
+class _ReplayState:
+    """What the routers' hooks read: set for one forward (and its backward), None routes otherwise. The hooks are
+    installed once per model and never removed: a decoder layer compiled by `torch.compile` keeps the hooks its
+    first trace saw, so hooks added per forward after that trace would be ignored silently (the compiled graph
+    routes by the router's own top-k). The same objects are kept (the agreement dict is cleared, not replaced) so
+    the compiled code's guards on them hold; None vs a routes tensor is one recompile."""
+
+    def __init__(self) -> None:
+        self.routes: torch.Tensor | None = None  # [N, M, k]
+        self.replay = False
+        self.norm = False
+        self.fp32 = False
+        self.agree: dict[int, torch.Tensor] = {}
+
+
+_STATE = "_hybridflow_routing_replay"
+
+
+def _replay_hook(st: _ReplayState, j: int, mod: nn.Module, args: tuple, output: tuple) -> tuple | None:
+    if st.routes is None:
+        return None
+    logits, _, idx = output
+    want = st.routes[:, j].to(idx.dtype)
+    assert want.shape == idx.shape, (j, tuple(want.shape), tuple(idx.shape))
+    st.agree[j] = (idx.sort(-1).values == want.sort(-1).values).all(-1)
+    if not st.replay:
+        return None
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, want)
+    if st.norm:
+        scores = scores / scores.sum(-1, keepdim=True)
+    return logits, scores if st.fp32 else scores.to(logits.dtype), want
+
+
+def _state(module: nn.Module, gates: list[nn.Module]) -> _ReplayState:
+    st = module.__dict__.get(_STATE)
+    if st is None:
+        st = _ReplayState()
+        for j, gate in enumerate(gates):
+            gate.register_forward_hook(functools.partial(_replay_hook, st, j))
+        module.__dict__[_STATE] = st
+    return st
+
+
 @contextlib.contextmanager
 def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL: torch.Tensor, packed: bool,
                    replay: bool, device: torch.device) -> Iterator[Callable[[], torch.Tensor | None]]:
     """Around one forward of `module` over the rows of `routes_BLMk` (None, or no MoE layer: nothing happens), and
     in training around its backward too (see the module docstring). Yields a function that gives, once the forward
-    ran, the per-token agreement [N] (bool, all layers; None without routes)."""
-    gates = routers(module) if routes_BLMk is not None else []
+    ran, the per-token agreement [N] (bool, all layers; None without routes). The first call on an MoE model
+    installs the routers' hooks (inactive without routes), before any compiled layer is traced."""
+    gates = routers(module)
     if not gates:
+        yield lambda: None
+        return
+    st = _state(module, gates)
+    if routes_BLMk is None:
         yield lambda: None
         return
     if routes_BLMk.shape[2] != len(gates):
         raise ValueError(f"routed_experts has {routes_BLMk.shape[2]} MoE layers but the model has {len(gates)}: "
                          "the rollout ran a different model than the trainer")
     routes = routes_BLMk[mask_BL.bool()] if packed else routes_BLMk.flatten(0, 1)  # [N, M, k]
-    routes = routes.to(device, non_blocking=True)
-    norm, fp32 = _score_rule(module)
-    agree: dict[int, torch.Tensor] = {}
-
-    def hook_for(j: int):
-        def hook(mod: nn.Module, args: tuple, output: tuple) -> tuple | None:
-            logits, _, idx = output
-            want = routes[:, j].to(idx.dtype)
-            assert want.shape == idx.shape, (j, tuple(want.shape), tuple(idx.shape))
-            agree[j] = (idx.sort(-1).values == want.sort(-1).values).all(-1)
-            if not replay:
-                return None
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, want)
-            if norm:
-                scores = scores / scores.sum(-1, keepdim=True)
-            return logits, scores if fp32 else scores.to(logits.dtype), want
-        return hook
+    before = (st.routes, st.replay, st.norm, st.fp32, dict(st.agree))
+    st.routes = routes.to(device, non_blocking=True)
+    st.replay = replay
+    st.norm, st.fp32 = _score_rule(module)
+    st.agree.clear()
 
     def agreement() -> torch.Tensor | None:
+        agree = st.agree
         return torch.stack([agree[j] for j in range(len(gates))]).all(0) if len(agree) == len(gates) else None
 
-    handles = [g.register_forward_hook(hook_for(j)) for j, g in enumerate(gates)]
     try:
         yield agreement
     finally:
-        for h in handles:
-            h.remove()
+        st.routes, st.replay, st.norm, st.fp32 = before[:4]
+        st.agree.clear()
+        st.agree.update(before[4])
 
 
 def metrics(out: dict[str, torch.Tensor], data: dict[str, torch.Tensor]) -> dict[str, float]:

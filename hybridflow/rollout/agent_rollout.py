@@ -63,11 +63,13 @@ class AgentRollout:
             self.pool.close()
             self.pool = None
         if self.server is not None:
-            if self.clients is not None:
-                self.server.run(self.clients.aclose()).result(timeout=30)
+            try:
+                if self.clients is not None:
+                    self.server.run(self.clients.aclose()).result(timeout=30)
+            finally:
                 self.clients = None
-            self.server.close()
-            self.server = None
+                self.server.close()
+                self.server = None
 
     def generate(self, runner: ModelRunner, prompts: DataProto, params: SamplingParams, *, eos_ids: list[int],
                  check_every: int) -> tuple[DataProto, dict[str, float]]:
@@ -78,7 +80,7 @@ class AgentRollout:
         sessions = [f"r{self.calls}-{i}-{j}" for i in range(B) for j in range(n)]
         sched = AgentScheduler(runner, self.tok, self.template, params, eos_ids=eos_ids, prompt_width=self.P,
                                check_every=self.cfg.check_every or check_every, seed=row_seed(params.seed, self.calls),
-                               sessions=len(sessions))
+                               sessions=min(len(sessions), self.cfg.max_concurrency))
         python_interval = sys.getswitchinterval()
         if self.cfg.switch_interval_ms is not None:  # before the agents start: every request is served under it
             sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)

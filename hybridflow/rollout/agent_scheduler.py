@@ -55,9 +55,9 @@ IDLE_WAIT_S = 0.02  # longest wait for a request when no slot is decoding
 GATHER_S = 0.003
 # the call's first wave: while sessions that have not yet sent a request remain, an idle engine keeps gathering as
 # long as first requests keep coming (each within FIRST_WAVE_GAP_S of the last, up to FIRST_WAVE_MAX_S after the
-# call starts). The agents' first requests arrive over ~50-100 ms (clients starting in several processes); admitting
-# the first few alone split the prefill and left the rest queued behind it and a decode chunk (H200, 256 sessions:
-# two 128-row prefills, the last ~300 ms after the last request had arrived).
+# wave's first request). The agents' first requests arrive over ~100-500 ms (clients in several processes, one
+# endpoint thread); admitting the first few alone split the prefill and left the rest queued behind it and a decode
+# chunk (H200, 256 sessions: two 128-row prefills, the second 436-847 ms into the call).
 FIRST_WAVE_GAP_S = 0.02
 FIRST_WAVE_MAX_S = 1.0
 
@@ -98,10 +98,11 @@ class SlotInfo:
 class AgentScheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, chat_template: str | None, base: SamplingParams, *,
                  eos_ids: list[int], prompt_width: int, check_every: int, seed: int, sessions: int = 0) -> None:
-        """`sessions`: how many agent tasks the call runs (0: unknown) — the first wave is gathered until each has
-        sent its first request (or they stop coming)."""
+        """`sessions`: how many agent tasks of the call run at once at its start (0: unknown) — the first wave is
+        gathered until each has sent its first request (or they stop coming)."""
         self.r, self.tok, self.base, self.eos_ids = runner, tokenizer, base, eos_ids
         self.expected = sessions
+        self.wave_start: float | None = None  # arrival of the call's first request
         self.P, self.R, self.check_every, self.seed = prompt_width, runner.R, check_every, seed
         self.chat = ChatDelta(tokenizer, chat_template)
         self.sessions: dict[str, Session] = {}
@@ -165,11 +166,17 @@ class AgentScheduler:
                 break
             if not block:
                 continue
-            if batch[-1].session not in self.sessions:
-                new_sessions.add(batch[-1].session)
             now = time.monotonic()
-            if len(self.sessions) + len(new_sessions) < self.expected and now - self.t_start < FIRST_WAVE_MAX_S:
+            if self.wave_start is None:
+                self.wave_start = batch[-1].arrived or now
+            new = batch[-1].session not in self.sessions and batch[-1].session not in new_sessions
+            if new:
+                new_sessions.add(batch[-1].session)
+            if (new and len(self.sessions) + len(new_sessions) < self.expected
+                    and now - self.wave_start < FIRST_WAVE_MAX_S):
                 in_wave, deadline = True, now + FIRST_WAVE_GAP_S  # the first wave is still arriving
+            elif in_wave and not new:
+                pass  # a later request of a session seen: the wave's deadline stands
             elif in_wave:
                 in_wave, deadline = False, now  # the wave is complete: take what is queued already, no more waiting
             elif len(batch) == 1:

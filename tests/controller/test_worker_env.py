@@ -31,3 +31,5 @@ def test_actors_get_the_settings_when_the_job_lacks_them(monkeypatch):
     assert ray_backend._actor_runtime_env() is None  # the job's env has everything: no per-actor env
     monkeypatch.setenv("HYBRIDFLOW_FP8_GEMM", "tensorwise")  # set after the job (e.g. a cluster joined later)
     assert ray_backend._actor_runtime_env()["env_vars"]["HYBRIDFLOW_FP8_GEMM"] == "tensorwise"
+    job["env_vars"]["HYBRIDFLOW_FP8_GEMM"] = "rowwise"  # the job's (the user's runtime_env) value wins
+    assert ray_backend._actor_runtime_env() is None

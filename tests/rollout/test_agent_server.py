@@ -206,21 +206,33 @@ def test_http_client_leases():
         async with clients.lease(9.0) as d:  # another timeout: its own client
             assert d not in (a, b)
         assert len(clients.free) == 3
+        async with clients.lease(5.0) as e:
+            await e.aclose()  # an agent closed its client (`await client.close()`): never handed out again
+        async with clients.lease(5.0) as f:
+            assert f is not e and not f.is_closed
+        assert a._transport._pool._keepalive_expiry >= 600  # connections outlive a training step between calls
         await clients.aclose()
         assert not clients.free and a.is_closed and d.is_closed
     asyncio.run(go())
 
 
 class _Spread:
-    """Requests that arrive `gap` seconds apart, simulated: a wait shorter than the gap finds nothing."""
+    """Requests that arrive `gap` seconds apart on a simulated clock: a wait shorter than the gap finds nothing, a
+    longer one advances the clock by the gap."""
 
     def __init__(self, calls: list[Call], gap: float) -> None:
-        self.calls, self.gap = calls, gap
+        self.calls, self.gap, self.now = calls, gap, 100.0
+
+    def monotonic(self) -> float:
+        return self.now
 
     def get(self, timeout: float | None = None) -> Call:
         if not self.calls or (timeout is not None and timeout < self.gap):
             raise queue.Empty
-        return self.calls.pop(0)
+        self.now += self.gap
+        call = self.calls.pop(0)
+        call.arrived = self.now
+        return call
 
     def get_nowait(self) -> Call:
         raise queue.Empty
@@ -229,20 +241,24 @@ class _Spread:
 @pytest.mark.parametrize("expected", [0, 3, 4])
 def test_first_wave_is_gathered_until_every_session_has_asked(expected, monkeypatch):
     """Sessions' first requests 10 ms apart: past the 3 ms gather window, but the call's first wave (`sessions` =
-    the call's agent tasks) is taken whole while sessions that have not asked yet remain; unknown (0): as before."""
+    the agent tasks running at the start) is taken whole while sessions that have not asked yet remain; unknown
+    (0): as before. A second request of a session already seen does not stretch the wave."""
     monkeypatch.setattr(agent_scheduler, "GATHER_S", 0.003)
     monkeypatch.setattr(agent_scheduler, "FIRST_WAVE_GAP_S", 0.05)
-    runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
-    sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
-                           check_every=1, seed=0, sessions=expected)
     loop = asyncio.new_event_loop()
     try:
         wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}, loop, loop.create_future()) for i in range(4)]
-        sched._take(_Spread(list(wave), gap=0.01), block=True)
+        wave.insert(1, Call("completion", "s0", {"prompt": [5, 6, 7]}, loop, loop.create_future()))
+        spread = _Spread(list(wave), gap=0.01)
+        monkeypatch.setattr(agent_scheduler, "time", SimpleNamespace(monotonic=spread.monotonic))
+        runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
+        sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
+                               check_every=1, seed=0, sessions=expected)
+        sched._take(spread, block=True)
     finally:
         loop.close()
     # expected 3: the third session's request completes the wave; the fourth (an unexpected one) waits
-    assert [job.call for job in sched.waiting] == wave[:{0: 1, 3: 3, 4: 4}[expected]]
+    assert [job.call for job in sched.waiting] == wave[:{0: 1, 3: 4, 4: 5}[expected]]
 
 
 async def edit_agent(client, sample):

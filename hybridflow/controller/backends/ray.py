@@ -336,12 +336,12 @@ def _check_pinned(pool: ResourcePool, groups: list[PlacementGroup], nodes: list[
 
 
 def _actor_runtime_env() -> dict[str, Any] | None:
-    """Per-actor env vars only when the job's runtime_env lacks them (per-actor runtime envs start slower)."""
+    """Per-actor env vars only when the job's runtime_env lacks some (per-actor runtime envs start slower)."""
     job_env = ray.get_runtime_context().runtime_env.get("env_vars") or {}
-    wanted = worker_base_env()
-    if all(job_env.get(k) == v for k, v in wanted.items()):
+    missing = {k: v for k, v in worker_base_env().items() if k not in job_env}  # the job's own values win
+    if not missing:
         return None
-    return {"env_vars": {**job_env, **wanted}}
+    return {"env_vars": {**job_env, **missing}}
 
 
 def _failures(refs: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, RayError]]:
