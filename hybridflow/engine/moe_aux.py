@@ -13,7 +13,8 @@ computed after it, instead of HF's `output_router_logits=True`:
   (packed: every token the model saw; padded: the attention mask); the hooks hand it the logits as HF's own
   output recorder does (forward hooks on the router modules), with no family-specific forward argument;
 - the hooks run no op inside the decoder layer, so with gradient checkpointing the recomputed layer saves what the
-  forward saved, and they are removed before backward, so the recomputation records nothing;
+  forward saved, and they are switched off before backward, so the recomputation records nothing; they are
+  installed once and switched (`_LogitSink`), so compiled decoder layers keep them;
 - routing replay's hook replaces the chosen experts but not the logits: the loss is a function of the trainer
   router's logits alone (its probabilities and its own top-k), replay only fixes which experts run;
 - FSDP2: the logits also feed the routing scores and so the layer's output, so autograd runs the router's backward
@@ -26,6 +27,7 @@ Legend: N tokens the model sees (B*L padded, or the real ones packed), E experts
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -50,18 +52,52 @@ def check_model(module: nn.Module, coef: float) -> None:
                          f"{CONFIG_KEY}=0")
 
 
+class _LogitSink:
+    """What the routers' hooks write to: on only during a forward that wants the loss. The hooks are installed once
+    per model and never removed: a `torch.compile`d decoder layer keeps the hooks its first trace saw, so hooks added
+    for a training forward after a log-prob pass traced the layer without them would record nothing. The list is
+    the same object throughout (cleared, not replaced) so the compiled code's guards on it hold."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seen: list[torch.Tensor] = []
+
+
+_SINK = "_hybridflow_router_logits"
+
+
+def _sink_hook(sink: _LogitSink, mod: nn.Module, args: tuple, out: tuple) -> None:
+    if sink.on:
+        sink.seen.append(out[0])
+
+
 @contextlib.contextmanager
 def router_logits(module: nn.Module, enabled: bool) -> Iterator[list[torch.Tensor]]:
     """Around one forward of `module`: yields a list that holds, after it, each MoE layer's router logits [N, E] in
-    layer order (empty when not `enabled`)."""
-    seen: list[torch.Tensor] = []
-    handles = [g.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
-               for g in (routers(module) if enabled else [])]
+    layer order (empty when not `enabled`). Call it around every forward of an MoE model (also with `enabled`
+    false): the first call installs the hooks, before any compiled layer is traced."""
+    out: list[torch.Tensor] = []
+    gates = routers(module)
+    if not gates:
+        yield out
+        return
+    sink = module.__dict__.get(_SINK)
+    if sink is None:
+        sink = _LogitSink()
+        for gate in gates:
+            gate.register_forward_hook(functools.partial(_sink_hook, sink))
+        module.__dict__[_SINK] = sink
+    if not enabled:
+        yield out
+        return
+    sink.seen.clear()
+    sink.on = True
     try:
-        yield seen
+        yield out
     finally:
-        for h in handles:
-            h.remove()
+        sink.on = False
+        out.extend(sink.seen)
+        sink.seen.clear()
 
 
 def load_balancing_loss(logits: Sequence[torch.Tensor], top_k: int, real_N: torch.Tensor | None) -> torch.Tensor:

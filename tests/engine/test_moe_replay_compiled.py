@@ -5,6 +5,7 @@ The backend is `eager` to stay fast on CPU; the graph reuse it checks happens be
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from hybridflow.engine.moe_aux import router_logits
 from hybridflow.engine.moe_replay import routers, routing_replay
 
 
@@ -44,3 +45,28 @@ def test_replay_applies_after_compiled_forward_without_routes():
         assert torch.equal(agree_got, agree)
     with torch.no_grad():  # and back: no routes, the router's own choice
         torch.testing.assert_close(model(x).logits, plain)
+
+
+def test_aux_loss_logits_recorded_after_a_compiled_pass_without_them():
+    """The engine's order: a no-grad log-prob pass (loss off) traces the compiled layers, then a training forward
+    wants the routers' logits for the load-balancing loss: they must be recorded (per-forward hooks added after the
+    trace recorded nothing, and the loss then had no logits)."""
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
+    model = Qwen3MoeForCausalLM(cfg)
+    x = torch.randint(0, 64, (1, 6))
+    with router_logits(model, True) as eager:
+        model(x)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    with torch.no_grad(), router_logits(model, False) as off:
+        model(x)
+    assert off == []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), router_logits(model, True) as got:
+            model(x)
+        assert len(got) == 2
+        for a, b in zip(got, eager):
+            torch.testing.assert_close(a, b)
