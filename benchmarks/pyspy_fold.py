@@ -40,11 +40,10 @@ def main() -> None:
                 continue
             n = int(count)
             parts = stack.split(";")
-            roots = [p for p in parts[:2] if p.startswith(("process ", "thread "))]
-            rest = parts[len(roots):]
-            while rest and rest[0].startswith(("process ", "thread ")):  # a subprocess's own thread root
-                key_extra, rest = rest[0], rest[1:]
-                roots.append(key_extra)
+            k = 0  # the leading process / thread entries (a subprocess adds its own under its parent's)
+            while k < len(parts) and parts[k].startswith(("process ", "thread ")):
+                k += 1
+            roots, rest = parts[:k], parts[k:]
             key = " | ".join(r[:90] for r in roots)
             if args.focus:
                 at = next((i for i, p in enumerate(rest) if args.focus in p), None)

@@ -27,13 +27,12 @@ Legend: N tokens the model sees (B*L padded, or the real ones packed), E experts
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from hybridflow.engine.moe_replay import routers
+from hybridflow.engine.moe_replay import router_hooks, routers
 
 AUX_LOSS = "moe_aux_loss"  # the forward's loss (a scalar) among the engine's outputs
 METRIC = "moe/aux_loss"
@@ -53,10 +52,8 @@ def check_model(module: nn.Module, coef: float) -> None:
 
 
 class _LogitSink:
-    """What the routers' hooks write to: on only during a forward that wants the loss. The hooks are installed once
-    per model and never removed: a `torch.compile`d decoder layer keeps the hooks its first trace saw, so hooks added
-    for a training forward after a log-prob pass traced the layer without them would record nothing. The list is
-    the same object throughout (cleared, not replaced) so the compiled code's guards on it hold."""
+    """What the routers' hooks write to (`moe_replay.router_hooks`): on only during a forward that wants the loss.
+    The list is the same object throughout (cleared, not replaced) so the compiled code's guards on it hold."""
 
     def __init__(self) -> None:
         self.on = False
@@ -66,7 +63,7 @@ class _LogitSink:
 _SINK = "_hybridflow_router_logits"
 
 
-def _sink_hook(sink: _LogitSink, mod: nn.Module, args: tuple, out: tuple) -> None:
+def _sink_hook(sink: _LogitSink, j: int, mod: nn.Module, args: tuple, out: tuple) -> None:
     if sink.on:
         sink.seen.append(out[0])
 
@@ -81,12 +78,7 @@ def router_logits(module: nn.Module, enabled: bool) -> Iterator[list[torch.Tenso
     if not gates:
         yield out
         return
-    sink = module.__dict__.get(_SINK)
-    if sink is None:
-        sink = _LogitSink()
-        for gate in gates:
-            gate.register_forward_hook(functools.partial(_sink_hook, sink))
-        module.__dict__[_SINK] = sink
+    sink = router_hooks(module, gates, _SINK, _LogitSink, _sink_hook)
     if not enabled:
         yield out
         return

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,11 +42,9 @@ def _score_rule(module: nn.Module) -> tuple[bool, bool]:
 
 
 class _ReplayState:
-    """What the routers' hooks read: set for one forward (and its backward), None routes otherwise. The hooks are
-    installed once per model and never removed: a decoder layer compiled by `torch.compile` keeps the hooks its
-    first trace saw, so hooks added per forward after that trace would be ignored silently (the compiled graph
-    routes by the router's own top-k). The same objects are kept (the agreement dict is cleared, not replaced) so
-    the compiled code's guards on them hold; None vs a routes tensor is one recompile."""
+    """What the routers' hooks read (`router_hooks`): set for one forward (and its backward), None routes otherwise.
+    The same objects are kept (the agreement dict is cleared, not replaced) so the compiled code's guards on them
+    hold; None vs a routes tensor is one recompile."""
 
     def __init__(self) -> None:
         self.routes: torch.Tensor | None = None  # [N, M, k]
@@ -73,14 +72,19 @@ def _replay_hook(st: _ReplayState, j: int, mod: nn.Module, args: tuple, output: 
     return logits, scores if st.fp32 else scores.to(logits.dtype), want
 
 
-def _state(module: nn.Module, gates: list[nn.Module]) -> _ReplayState:
-    st = module.__dict__.get(_STATE)
-    if st is None:
-        st = _ReplayState()
+def router_hooks(module: nn.Module, gates: list[nn.Module], key: str, make_state: Callable[[], Any],
+                 hook: Callable[..., Any]) -> Any:
+    """The state `hook(state, j, router, args, output)` reads, one per model under `key`; the first call registers
+    the hook on every router (j = its MoE layer) for good. Hooks installed once and switched by state, because a
+    `torch.compile`d decoder layer keeps the hooks its first trace saw: one added per forward after a trace without
+    it is silently ignored."""
+    state = module.__dict__.get(key)
+    if state is None:
+        state = make_state()
         for j, gate in enumerate(gates):
-            gate.register_forward_hook(functools.partial(_replay_hook, st, j))
-        module.__dict__[_STATE] = st
-    return st
+            gate.register_forward_hook(functools.partial(hook, state, j))
+        module.__dict__[key] = state
+    return state
 
 
 @contextlib.contextmanager
@@ -94,7 +98,7 @@ def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL:
     if not gates:
         yield lambda: None
         return
-    st = _state(module, gates)
+    st = router_hooks(module, gates, _STATE, _ReplayState, _replay_hook)
     if routes_BLMk is None:
         yield lambda: None
         return
@@ -102,7 +106,6 @@ def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL:
         raise ValueError(f"routed_experts has {routes_BLMk.shape[2]} MoE layers but the model has {len(gates)}: "
                          "the rollout ran a different model than the trainer")
     routes = routes_BLMk[mask_BL.bool()] if packed else routes_BLMk.flatten(0, 1)  # [N, M, k]
-    before = (st.routes, st.replay, st.norm, st.fp32, dict(st.agree))
     st.routes = routes.to(device, non_blocking=True)
     st.replay = replay
     st.norm, st.fp32 = _score_rule(module)
@@ -115,9 +118,8 @@ def routing_replay(module: nn.Module, routes_BLMk: torch.Tensor | None, mask_BL:
     try:
         yield agreement
     finally:
-        st.routes, st.replay, st.norm, st.fp32 = before[:4]
+        st.routes = None
         st.agree.clear()
-        st.agree.update(before[4])
 
 
 def metrics(out: dict[str, torch.Tensor], data: dict[str, torch.Tensor]) -> dict[str, float]:
