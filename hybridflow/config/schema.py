@@ -307,6 +307,7 @@ class AgentConfig:
     port: int  # 0 = any free port
     check_every: int  # decode steps between the server's looks for finished and arriving requests; 0 = the engine's
     switch_interval_ms: float | None  # the interpreter's thread switch interval while serving; None = Python's
+    overlap: bool  # the serving loop's host work runs while the next decode chunk is on the device
 
     def __post_init__(self) -> None:
         _one_of("rollout.agent.mode", self.mode, ("builtin", "server"))

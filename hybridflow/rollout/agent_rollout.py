@@ -80,7 +80,7 @@ class AgentRollout:
         sessions = [f"r{self.calls}-{i}-{j}" for i in range(B) for j in range(n)]
         sched = AgentScheduler(runner, self.tok, self.template, params, eos_ids=eos_ids, prompt_width=self.P,
                                check_every=self.cfg.check_every or check_every, seed=row_seed(params.seed, self.calls),
-                               sessions=min(len(sessions), self.cfg.max_concurrency))
+                               sessions=min(len(sessions), self.cfg.max_concurrency), overlap=self.cfg.overlap)
         python_interval = sys.getswitchinterval()
         if self.cfg.switch_interval_ms is not None:  # before the agents start: every request is served under it
             sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)

@@ -41,9 +41,10 @@ from hybridflow.agentic.openai_api import (
     split_tool_calls,
     tool_choice,
 )
-from hybridflow.rollout.model_runner import ModelRunner, on_device
+from hybridflow.rollout.model_runner import ModelRunner, Readout
 from hybridflow.rollout.sampling import SamplingParams, row_seed
 from hybridflow.rollout.top_logprobs import top_logprobs
+from hybridflow.utils.device import to_device
 from hybridflow.utils.progress import beat
 from hybridflow.utils.tokenizer_protocol import Tokenizer
 
@@ -97,10 +98,17 @@ class SlotInfo:
 
 class AgentScheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, chat_template: str | None, base: SamplingParams, *,
-                 eos_ids: list[int], prompt_width: int, check_every: int, seed: int, sessions: int = 0) -> None:
+                 eos_ids: list[int], prompt_width: int, check_every: int, seed: int, sessions: int = 0,
+                 overlap: bool = True) -> None:
         """`sessions`: how many agent tasks of the call run at once at its start (0: unknown) — the first wave is
-        gathered until each has sent its first request (or they stop coming)."""
+        gathered until each has sent its first request (or they stop coming). `overlap`: the host's work of a loop
+        (answers, new requests, admission) runs while the next decode chunk is already on the device."""
         self.r, self.tok, self.base, self.eos_ids = runner, tokenizer, base, eos_ids
+        self.overlap = overlap
+        # readouts of `done`/`resp_len` queued after each decode chunk, oldest first: (chunk number, readout)
+        self.pending: list[tuple[int, Readout]] = []
+        self.chunks = 0  # decode chunks launched (each followed by its readout)
+        self.since: dict[int, int] = {}  # live slot -> the first chunk whose readout describes its current job
         self.expected = sessions
         self.wave_start: float | None = None  # arrival of the call's first request
         self.P, self.R, self.check_every, self.seed = prompt_width, runner.R, check_every, seed
@@ -322,6 +330,7 @@ class AgentScheduler:
         for s in slots:
             self.info[s] = SlotInfo(width, len(start.resp), len(ids), None, next(self._clock))
             self.live[s], self.host_steps[s], self.cap[s], job.start[s] = job, 1, room, 0
+            self.since[s] = self.chunks
         prefill.setdefault((width, room), []).append((job, ids))
         return True
 
@@ -334,7 +343,8 @@ class AgentScheduler:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         n = group[0][0].params.n
         dev = self.r.device
-        self.r.admit([s for job, _ in group for s in job.slots], ids_t.to(dev), mask.to(dev), pos.to(dev), n,
+        self.r.admit([s for job, _ in group for s in job.slots], to_device(ids_t, dev), to_device(mask, dev),
+                     to_device(pos, dev), n,
                      [x for job, _ in group for x in job.seeds], room)
         self.stats["prefills"] += 1
         self.stats["prefilled"] += len(group)
@@ -361,6 +371,7 @@ class AgentScheduler:
             for (job, s, new_ids, step), cap, length in zip(group, caps, lengths):
                 self.info[s].used = next(self._clock)
                 self.live[s], self.host_steps[s], self.cap[s] = job, length, cap
+                self.since[s] = self.chunks
                 job.start[s] = step + len(new_ids)
                 job.session.extended += 1
                 job.call.admitted = now
@@ -369,6 +380,9 @@ class AgentScheduler:
 
     # -------------------------------------------------------------------------------------------------- decode
     def _decode(self) -> None:
+        """Queue the next decode chunk and a readout after it, then act on the oldest readout: with `overlap` the
+        one of the chunk before (the new chunk runs meanwhile), else this one. A slot admitted after a readout was
+        queued (`since`) is not described by it: its `done` there is the previous job's."""
         r = self.r
         remaining = max(self.cap[s] - self.host_steps[s] for s in self.live)
         todo = min(self.check_every, remaining)
@@ -384,25 +398,32 @@ class AgentScheduler:
             self.stats["step_rows"] += todo * b
             for s in self.live:
                 self.host_steps[s] += todo
+        self.pending.append((self.chunks, r.readout()))
+        self.chunks += 1
+        if self.overlap and todo > 0 and len(self.pending) == 1:
+            return  # the first chunk in flight: its readout is read after the next chunk is queued
+        if not self.overlap or todo == 0:
+            del self.pending[:-1]  # the newest readout says all the older ones do
+        chunk, readout = self.pending.pop(0)
         t0 = time.monotonic()
-        done, steps_now = r.done_and_steps()
+        done, steps_now = (x.numpy() for x in readout.wait()[0])
         self.phase_s["sync"] += time.monotonic() - t0
-        finished = [s for s in self.live if done[s]]
+        finished = [s for s in self.live if done[s] and self.since[s] <= chunk]
         if not finished and todo == 0:
             raise RuntimeError(f"agent scheduler made no progress: slots {sorted(self.live)} not done at their cap")
-        if not finished:
-            return
-        t0 = time.monotonic()
-        idx = on_device(finished, r.device)
-        toks, logps = r.out_tok[idx].cpu().tolist(), r.out_logp[idx].cpu().tolist()
-        for i, s in enumerate(finished):
-            job = self.live.pop(s)
-            a, b = job.start[s], int(steps_now[s])
-            job.out[s] = (toks[i][a:b], logps[i][a:b])
-            del self.host_steps[s]
-            if len(job.out) == len(job.slots):
-                self._answer(job)
-        self.phase_s["answer"] += time.monotonic() - t0
+        if finished:
+            t0 = time.monotonic()
+            toks, logps = r.finished_rows(finished, int(max(steps_now[s] for s in finished)), readout)
+            for i, s in enumerate(finished):
+                job = self.live.pop(s)
+                a, b = job.start[s], int(steps_now[s])
+                job.out[s] = (toks[i][a:b], logps[i][a:b])
+                del self.host_steps[s], self.since[s]
+                if len(job.out) == len(job.slots):
+                    self._answer(job)
+            self.phase_s["answer"] += time.monotonic() - t0
+        if not self.live:
+            self.pending.clear()
 
     def _answer(self, job: Job) -> None:
         choices = []
@@ -468,6 +489,8 @@ class AgentScheduler:
             self.info.pop(s, None)
             heapq.heappush(self.free, s)
         self.live.clear()
+        self.since.clear()
+        self.pending.clear()
         self.waiting.clear()
 
     def metrics(self) -> dict[str, float]:

@@ -68,6 +68,27 @@ def on_device(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
+class Readout:
+    """Host copies of device tensors, made after the work queued so far on the current stream: on a GPU into pinned
+    memory, asynchronously (an event marks their arrival; `wait` blocks on it, not on later work); on a CPU at once."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if tensors[0].device.type == "cuda":
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = [t.clone() for t in tensors]
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 class ModelRunner:
     """Owns the KV cache and slot state; `admit` prefills prompts into slots, `step_` decodes all live slots.
     `ops` (the forward's pieces) and `sampler` are the engine's choice for its device. With `tp` (tensor
@@ -131,6 +152,7 @@ class ModelRunner:
         self._ext_uses: dict[tuple[int, int], int] = {}
         self._ext_in: torch.Tensor | None = None
         self._ext_last: torch.Tensor | None = None
+        self._side: torch.cuda.Stream | None = None  # `finished_rows`' gathers
 
     # ------------------------------------------------------------------------------------------- configuration
     def set_sampling(self, params: SamplingParams, eos_ids: list[int]) -> None:
@@ -236,7 +258,7 @@ class ModelRunner:
                                  [c + n + 1 for c, n in zip(col0, k)],  # next cache column
                                  [p + st + n for (_, _, p), st, n in zip(items, steps, k)]],  # next position
                                 dtype=torch.long)
-        app, per_slot = app.to(dev, non_blocking=True), per_slot.to(dev, non_blocking=True)
+        app, per_slot = to_device(app, dev), to_device(per_slot, dev)  # pinned: no wait for queued steps
         counter, next_col, next_pos = per_slot
         self.out_tok[app[0], app[1]] = app[2]
         self.out_logp[app[0], app[1]] = 0.0
@@ -271,8 +293,12 @@ class ModelRunner:
             for lst in (ids, pos, slot, col):
                 lst += [lst[-1]] * (Nb - N)
             last += [last[-1]] * (Sb - S)
+        # every host tensor goes through pinned memory: a copy from pageable memory waits for the queued decode
+        # steps, which the agent server keeps running while it admits the next requests
         host = torch.tensor([ids, pos, slot, col], dtype=torch.long)
-        idx = torch.tensor([first, last[:S]], dtype=torch.long).to(dev, non_blocking=True)
+        idx = to_device(torch.tensor([first, last[:S]], dtype=torch.long), dev)
+        if dev.type == "cuda":
+            host = host.pin_memory()
         if key is None:
             buf, last_t = host.to(dev, non_blocking=True), idx[1]
         else:
@@ -281,7 +307,7 @@ class ModelRunner:
                 self._ext_last = torch.zeros(_pow2(self.cache.slots, 8), dtype=torch.long, device=dev)
             buf, last_t = self._ext_in[:, : key[0]], self._ext_last[: key[1]]
             buf.copy_(host, non_blocking=True)
-            last_t.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)
+            last_t.copy_(to_device(torch.tensor(last, dtype=torch.long), dev))
         buf[0, idx[0]] = self.out_tok[slots_t, on_device(steps, dev) - 1]
         self.valid[buf[2, :N], buf[3, :N]] = True
         if key is None:
@@ -496,6 +522,28 @@ class ModelRunner:
         """Host copies of `done` and `resp_len` (each slot's response length) in one transfer."""
         both = torch.stack([self.done.long(), self.resp_len]).cpu().numpy()
         return both[0].astype(bool), both[1]
+
+    def readout(self) -> Readout:
+        """`done` and `resp_len` as they will be after the steps queued so far, copied to the host without waiting
+        for them (`Readout.wait` does)."""
+        return Readout(torch.stack([self.done.long(), self.resp_len]))
+
+    def finished_rows(self, slots: list[int], upto: int, after: Readout) -> tuple[list[list[int]], list[list[float]]]:
+        """Tokens and log-probs [:upto] of `slots`, finished as of `after` (already waited for), read while later
+        queued steps may still run: on a GPU the gather runs on a side stream ordered after `after` only. Safe
+        because a finished slot's row changes again only when it is admitted anew, and its masked steps write
+        column R (the trash column), past `upto`."""
+        if self.device.type != "cuda":
+            idx = torch.tensor(slots, dtype=torch.long)
+            return self.out_tok[idx, :upto].tolist(), self.out_logp[idx, :upto].tolist()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(after.event)
+            idx = on_device(slots, self.device)
+            rows = Readout(self.out_tok[idx, :upto], self.out_logp[idx, :upto])
+        rows.event.synchronize()
+        return rows.host[0].tolist(), rows.host[1].tolist()
 
     def harvest(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [k, R], log-probs [k, R], lengths [k]) of finished slots; the slots become free."""

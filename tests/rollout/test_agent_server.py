@@ -100,9 +100,17 @@ def _sampled(out: DataProto, row: int) -> list[int]:
     return b["responses"][row][b["response_mask"][row].bool()].tolist()
 
 
-def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model, overlap):
+    """Also with the serving loop's host work overlapping the next decode chunk (the default): readouts queued
+    before a slot's re-admission must not finish its new request."""
     SEEN.clear()
-    out = engine.generate(_prompts(3, n=2))
+    saved = engine.agent.cfg
+    engine.agent.cfg = dataclasses.replace(saved, overlap=overlap)
+    try:
+        out = engine.generate(_prompts(3, n=2))
+    finally:
+        engine.agent.cfg = saved
     m = out.meta_info["metrics"]
     assert m["agent/tasks"] == 6 and m["agent/errors"] == 0 and m["agent/requests"] == 18, m
     # every later turn extended its session's cached tokens: one prefill per session, the rest appended
