@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from hybridflow.agentic.session import ToolSession
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import RolloutEngine
+from hybridflow.rollout.agent_scheduler import AgentScheduler
 from hybridflow.rollout.sampling import SamplingParams
 
 SMOKE = {"device": "cpu", "preset": "tiny", "prompts": 2, "n": 2, "prompt_len": 8, "response_len": 48,
@@ -66,6 +68,30 @@ async def agent(client: Any, sample: dict[str, Any]) -> None:
         ids, used = ids + w["tool_ids"], used + len(w["tool_ids"])
 
 
+FIRST_SEEN: list[tuple[float, float]] = []  # (arrived at the endpoint, taken by the engine), s from the call's start
+
+
+def _trace_first_requests() -> None:
+    """Record when each session's first request reached the endpoint and when the engine's loop took it."""
+    real = AgentScheduler._job
+
+    def job(self: AgentScheduler, call: Any) -> Any:
+        if call.session not in self.sessions:
+            FIRST_SEEN.append((call.arrived - self.t_start, time.monotonic() - self.t_start))
+        return real(self, call)
+    AgentScheduler._job = job
+
+
+def _first_wave() -> dict[str, float]:
+    if not FIRST_SEEN:
+        return {}
+    arrived, taken = (np.array(x) * 1e3 for x in zip(*FIRST_SEEN))
+    FIRST_SEEN.clear()
+    return {"arrived_ms_p50": float(np.median(arrived)), "arrived_ms_max": float(arrived.max()),
+            "taken_ms_p50": float(np.median(taken)), "taken_ms_max": float(taken.max()),
+            "wait_ms_max": float((taken - arrived).max())}
+
+
 def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: SamplingParams, args: argparse.Namespace,
                dtype: torch.dtype) -> tuple[DataProto, float]:
     B, n, vocab = args.prompts, args.n, model.config.vocab_size
@@ -85,6 +111,8 @@ def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: Sa
                            max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab))
     try:
         out, seconds = timed_generate(engine, prompts, params)
+        del FIRST_SEEN[: -B * n]  # the warm-up call's
+        out.meta_info["first_wave"] = _first_wave()
     finally:
         engine.close()
     m = out.meta_info["metrics"]
@@ -105,6 +133,7 @@ def main() -> None:
                          "under each, e.g. 'rollout.agent.check_every=8 rollout.agent.switch_interval_ms=null'")
     args = ap.parse_args()
     apply_smoke(args, SMOKE)
+    _trace_first_requests()
 
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -148,7 +177,7 @@ def main() -> None:
         res[name] = {"seconds": seconds, "model_tokens": tokens, "tok_s": tokens / seconds,
                      "turns_mean": m.get("num_turns/mean", m.get("agent/requests_per_task")),
                      "extend_tokens": m.get("rollout/extend_tokens", m.get("agent/extend_tokens")),
-                     "decode_steps": m.get("rollout/decode_steps")}
+                     "decode_steps": m.get("rollout/decode_steps"), "first_wave": out.meta_info.get("first_wave")}
     res["server_vs_in_engine"] = res["server"]["tok_s"] / res["in_engine"]["tok_s"]
     m = out_srv.meta_info["metrics"]
     res["server"]["engine"] = {k.split("/")[1]: m[k] for k in SERVER_KEYS if k in m}
