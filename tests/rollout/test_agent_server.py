@@ -633,9 +633,13 @@ def test_tool_choice_and_top_logprobs(engine, model):
 
 
 POOL_AGENT = """
+import os
 from hybridflow.agentic.agents import AgentResult
 
 async def chat_agent(client, sample):
+    session = str(client.base_url).rstrip("/").split("/")[-2]
+    with open(PIDS, "a") as f:
+        f.write(f"{session} {os.getpid()}\\n")
     messages = [{"role": "user", "content": f"q{sample['idx']}"}]
     for turn in range(3):
         r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
@@ -650,7 +654,8 @@ def test_agent_tasks_in_worker_processes(model, tmp_path):
     """rollout.agent.workers=2: the tasks run in two spawned processes against the same endpoint; trajectories,
     rewards and KV extension are what one loop gives, and the pool is kept across calls and stopped by close."""
     path = tmp_path / "pool_agent.py"
-    path.write_text(POOL_AGENT)
+    pids = tmp_path / "pids.txt"
+    path.write_text(f"PIDS = {str(pids)!r}\n" + POOL_AGENT)
     eng = _engine(model, max_num_seqs=16, workers=2, path=path)
     try:
         for _ in range(2):
@@ -668,7 +673,13 @@ def test_agent_tasks_in_worker_processes(model, tmp_path):
             assert torch.allclose(hf_logprobs(model, out, 1.0), b["rollout_log_probs"], atol=2e-4)
         pool = eng.agent.pool
         assert pool is not None and pool.workers == 2
-        assert len({p.pid for p in pool._pool._processes.values()}) == 2  # the same two processes served both calls
+        # share j (tasks j, j + 2, ...: here the samples' second responses) ran in process j, in both calls: one
+        # process never runs two shares one after the other
+        by_share: dict[str, set[str]] = {}
+        for line in pids.read_text().splitlines():
+            session, pid = line.split()
+            by_share.setdefault(session.rsplit("-", 1)[1], set()).add(pid)
+        assert len(by_share["0"]) == len(by_share["1"]) == 1 and by_share["0"] != by_share["1"], by_share
     finally:
         eng.close()
     assert eng.agent.pool is None
