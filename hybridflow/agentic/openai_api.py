@@ -1,12 +1,15 @@
-"""The OpenAI-compatible HTTP endpoint in front of the rollout engine: `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, also under `/s/<session>/v1/...` (the session id in the base URL, so a stock `openai.AsyncOpenAI`
-client bound to it needs no extra header; `X-Session-Id` or the body's `user` work too).
+"""The OpenAI-compatible endpoint in front of the rollout engine, the engine's side: `OpenAIServer` starts the
+endpoint's process (`endpoint_process`: aiohttp, `/v1/chat/completions`, `/v1/completions`, `/v1/models`, also under
+`/s/<session>/v1/...` — the session id in the base URL, so a stock `openai.AsyncOpenAI` client bound to it needs no
+extra header; `X-Session-Id` or the body's `user` work too) and reads its requests as `Call`s from a pipe (`Inbox`);
+whoever serves (the engine's `AgentScheduler`, on the thread that owns the model) answers them with `reply_all`.
+The responses' bodies are built here (`chat_response`, `completion_response`), from the engine's tokens.
 
-Decision: aiohttp. The server runs inside an asyncio loop in one background thread that we own (agent tasks run on
-the same loop), with no server process and no signal handling of its own; aiohttp is already installed with
-`ray[default]`. The handlers only parse and answer: each request goes, as a `Call`, to whoever serves (the engine's
-`AgentScheduler`, on the thread that owns the model) and the answer comes back through the loop. Between rollouts
-nobody serves and requests get 503.
+Decision: aiohttp, in a process of its own. aiohttp is already installed with `ray[default]` and needs no server
+process manager or signal handling of its own; the process keeps the handlers' Python off the interpreter lock of
+the thread driving the model (`endpoint_process` says what that cost). Between rollouts nobody serves and requests
+get 503 from the endpoint itself. The agent tasks run on an event loop in a background thread of this process
+(`OpenAIServer.run`) or in agent processes (`agent_pool`).
 """
 
 from __future__ import annotations
@@ -14,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import multiprocessing
 import queue
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
-
-from aiohttp import web
 
 from hybridflow.agentic.formats import TOOL_CALL_RE, HermesFormat
 
@@ -38,17 +41,21 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple:  # crosses the pipe to the endpoint with its status
+        return ApiError, (str(self), self.status)
+
 
 @dataclass
 class Call:
-    """One HTTP request on its way to the engine. `reply(dict | ApiError)` may be called from any thread, once."""
+    """One HTTP request on its way to the engine. `reply(dict | ApiError)` answers it, once; `replies` sends a batch
+    of (request id, result, admitted, answered) to the endpoint that holds the request open."""
 
     kind: str  # chat | completion
     session: str
     body: dict[str, Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    arrived: float = 0.0  # time.monotonic() when the handler got the request
+    rid: int = 0  # the endpoint's id of the request
+    replies: Callable[[list[tuple]], None] | None = None
+    arrived: float = 0.0  # time.monotonic() when the handler got the request (one clock for the host's processes)
     admitted: float = 0.0  # when the engine put it into KV slots (0: never)
     answered: float = 0.0  # when the engine replied
     followup: bool = False  # the session had an earlier answered request
@@ -58,28 +65,73 @@ class Call:
 
 
 def reply_all(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
-    """Answer calls from any thread with one wake-up of each calls' loop: every wake-up hands the interpreter lock
-    to the loop's thread, which the engine's thread then waits to get back."""
+    """Answer calls: one message per endpoint for all of them (a decode chunk's finished requests together)."""
     now = time.monotonic()
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Call, dict[str, Any] | Exception]]] = {}
+    by_dest: dict[Callable[[list[tuple]], None], list[tuple]] = {}
     for call, result in replies:
         call.answered = now
-        by_loop.setdefault(call.loop, []).append((call, result))
-    for loop, items in by_loop.items():
-        if loop.is_closed():  # the endpoint was closed (run teardown): nobody waits for these answers any more
-            logger.debug("dropping %d replies: the endpoint's loop is closed", len(items))
-            continue
-        loop.call_soon_threadsafe(_set_results, items)
+        if call.replies is not None:
+            by_dest.setdefault(call.replies, []).append((call.rid, result, call.admitted, now))
+    for send, items in by_dest.items():
+        send(items)
 
 
-def _set_results(replies: list[tuple[Call, dict[str, Any] | Exception]]) -> None:
-    for call, result in replies:
-        if call.future.done():  # the client went away (its agent timed out)
-            continue
-        if isinstance(result, Exception):
-            call.future.set_exception(result)
-        else:
-            call.future.set_result(result)
+class Inbox:
+    """The engine's end of the endpoint's pipe, read like a `queue.Queue` of `Call`s (`get`, `get_nowait`, `empty`);
+    other messages (the port, latency metrics) wait in `control`."""
+
+    def __init__(self, conn: Connection, send_replies: Callable[[list[tuple]], None]) -> None:
+        self.conn, self.send_replies = conn, send_replies
+        self.buf: deque[Call] = deque()
+        self.control: deque[tuple[str, Any]] = deque()
+
+    def _read(self, timeout: float | None) -> bool:
+        """Read every message ready (waiting up to `timeout` for the first); False when none came."""
+        if not self.conn.poll(timeout):
+            return False
+        while True:
+            try:
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError) as err:
+                raise RuntimeError("the OpenAI endpoint's process exited (see its log above)") from err
+            if kind == "calls":
+                self.buf.extend(Call(k, session, body, rid, self.send_replies, arrived, followup=followup)
+                                for rid, k, session, body, arrived, followup in payload)
+            else:
+                self.control.append((kind, payload))
+            if not self.conn.poll(0):
+                return True
+
+    def get(self, timeout: float | None = None) -> Call:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._read(left) or (left == 0.0 and not self.buf):
+                raise queue.Empty
+        return self.buf.popleft()
+
+    def get_nowait(self) -> Call:
+        return self.get(0.0)
+
+    def empty(self) -> bool:
+        if not self.buf:
+            self._read(0.0)
+        return not self.buf
+
+    def wait_control(self, kind: str, timeout: float) -> Any:
+        """The payload of the next control message `kind` (calls read meanwhile stay in `buf`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, (k, payload) in enumerate(self.control):
+                if k == kind or k == "error":
+                    del self.control[i]
+                    if k == "error":
+                        raise RuntimeError(f"the OpenAI endpoint failed: {payload}")
+                    return payload
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {kind!r} message from the OpenAI endpoint's process in {timeout:.0f} s")
+            self._read(left)
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -163,33 +215,6 @@ def completion_response(model: str, choices: list[Choice], prompt_tokens: int, w
                         for i, c in enumerate(choices)]}
 
 
-def sse_chunks(result: dict[str, Any], stream_options: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole response as the chunks of `stream: true` (the `data:` events before `[DONE]`). The engine answers
-    finished completions, so the stream carries no earlier tokens: per choice, one chunk with the role, the content,
-    its log-probs and `token_ids`, then one with the tool calls (if any) and the finish reason; then, with
-    `stream_options.include_usage`, a chunk with no choices and the usage."""
-    head = {k: result[k] for k in ("id", "created", "model")}
-    chat = result["object"] == "chat.completion"
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    chunks = []
-    for c in result["choices"]:
-        if chat:
-            msg = c["message"]
-            delta = {"role": "assistant", "content": msg.get("content") or ""}
-            first = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None,
-                     "token_ids": c["token_ids"]}
-            calls = [{"index": i, **call} for i, call in enumerate(msg.get("tool_calls") or [])]
-            last = {"index": c["index"], "delta": {"tool_calls": calls} if calls else {}, "logprobs": None,
-                    "finish_reason": c["finish_reason"]}
-        else:
-            first = {**c, "finish_reason": None}
-            last = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
-        chunks += [{**head, "choices": [first]}, {**head, "choices": [last]}]
-    if stream_options.get("include_usage"):
-        chunks.append({**head, "choices": [], "usage": result["usage"]})
-    return chunks
-
-
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -197,66 +222,34 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------------- server
-@dataclass
-class Latency:
-    """Where a request's time goes outside the model, summed on the server's loop: queued (arrival in the handler ->
-    admitted into KV slots), answering (the engine's reply -> response serialised) and each session's gap between a
-    response and its next request's arrival (the agent: its client, its tools, the connection)."""
-
-    queued_s: float = 0.0
-    admitted: int = 0
-    queued_next_s: float = 0.0  # the part of queued_s of follow-up requests (a session's 2nd, 3rd, ... request)
-    admitted_next: int = 0
-    answer_s: float = 0.0
-    answered: int = 0
-    gap_s: float = 0.0
-    gaps: int = 0
-    last: dict[str, float] = field(default_factory=dict)  # session -> when its last response was serialised
-
-    def arrive(self, session: str, now: float) -> bool:
-        """Count the session's gap; True when it is a follow-up request."""
-        if session in self.last:
-            self.gap_s += now - self.last.pop(session)
-            self.gaps += 1
-            return True
-        return False
-
-    def replied(self, call: Call, now: float) -> None:
-        if call.admitted:
-            self.queued_s += call.admitted - call.arrived
-            self.admitted += 1
-            if call.followup:
-                self.queued_next_s += call.admitted - call.arrived
-                self.admitted_next += 1
-        self.answer_s += now - call.answered
-        self.answered += 1
-        self.last[call.session] = now
-
-    def metrics(self) -> dict[str, float]:
-        first = self.admitted - self.admitted_next
-        return {"agent/queued_ms": 1e3 * self.queued_s / max(self.admitted, 1),
-                "agent/queued_first_ms": 1e3 * (self.queued_s - self.queued_next_s) / max(first, 1),
-                "agent/queued_next_ms": 1e3 * self.queued_next_s / max(self.admitted_next, 1),
-                "agent/answer_ms": 1e3 * self.answer_s / max(self.answered, 1),
-                "agent/turn_gap_ms": 1e3 * self.gap_s / max(self.gaps, 1)}
-
-
 class OpenAIServer:
-    """The endpoint on `host:port` (0 = a free port), served from a background thread's asyncio loop; `calls` is
-    the queue the engine reads while `serving` is set. `run(coro)` runs a coroutine (an agent task) on that loop."""
+    """The endpoint on `host:port` (0 = a free port) in its own process; `calls` (an `Inbox`) is what the engine
+    reads while `serving` is set. `run(coro)` runs a coroutine (an agent task) on this process's agent loop."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, model_name: str = "policy") -> None:
-        self.model_name = model_name
-        self.calls: queue.Queue[Call] = queue.Queue()
-        self.serving = threading.Event()
-        self.latency = Latency()  # replaced per rollout (`take_latency`)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-openai", daemon=True)
-        self._thread.start()
-        self._runner: web.AppRunner | None = None
-        self.port = self.run(self._start(host, port)).result(timeout=30)
+        from hybridflow.agentic import endpoint_process
+
+        ctx = multiprocessing.get_context("spawn")
+        from_endpoint, endpoint_out = ctx.Pipe(duplex=False)
+        endpoint_in, self._to_endpoint = ctx.Pipe(duplex=False)
+        self._send_lock = threading.Lock()
+        self.serving = ctx.Event()
+        self._proc = ctx.Process(target=endpoint_process.main, name="hybridflow-openai", daemon=True,
+                                 args=(endpoint_out, endpoint_in, self.serving, host, port, model_name))
+        self._proc.start()
+        endpoint_out.close()
+        endpoint_in.close()
+        self.calls = Inbox(from_endpoint, self._send_replies)
+        try:
+            self.port = int(self.calls.wait_control("port", timeout=120))
+        except BaseException:
+            self._proc.kill()
+            raise
         self.host = host
-        logger.info("OpenAI-compatible endpoint on http://%s:%d/v1", host, self.port)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-agents", daemon=True)
+        self._thread.start()
+        logger.info("OpenAI-compatible endpoint on http://%s:%d/v1 (process %d)", host, self.port, self._proc.pid)
 
     @property
     def base_url(self) -> str:
@@ -266,85 +259,38 @@ class OpenAIServer:
         """The base URL an `openai` client uses for one session."""
         return f"{self.base_url}/s/{session}/v1"
 
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._to_endpoint.send(msg)
+
+    def _send_replies(self, items: list[tuple]) -> None:
+        self._send(("replies", items))
+
     def take_latency(self) -> dict[str, float]:
-        """The request latencies since the last call, as `agent/` metrics; starts counting anew."""
-        async def swap() -> Latency:
-            old, self.latency = self.latency, Latency()
-            return old
-        return self.run(swap()).result(timeout=30).metrics()
+        """The request latencies since the last call, as `agent/` metrics; starts counting anew. Requests that
+        reached the engine after it stopped serving are answered 503."""
+        self._send(("latency",))
+        metrics = self.calls.wait_control("latency", timeout=60)
+        late = list(self.calls.buf)
+        self.calls.buf.clear()
+        reply_all([(c, ApiError("no rollout is running: the engine serves only while the trainer generates", 503))
+                   for c in late])
+        return metrics
 
     def run(self, coro: Coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def _start(self, host: str, port: int) -> int:
-        app = web.Application(client_max_size=64 * 2**20)
-        for prefix in ("", "/s/{session}"):
-            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
-            app.router.add_post(prefix + "/v1/completions", self._completion)
-            app.router.add_get(prefix + "/v1/models", self._models)
-        # agents' HTTP clients keep their connections between generate calls, which a training step can space by
-        # minutes: idle connections stay open longer than the clients keep them (agents.KEEPALIVE_S)
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
-        await self._runner.setup()
-        sock = socket.create_server((host, port))  # bound here, so port 0 tells us the port it got
-        await web.SockSite(self._runner, sock).start()
-        return sock.getsockname()[1]
-
     def close(self) -> None:
-        if self._runner is None:
+        if self._proc is None:
             return
-        self.run(self._runner.cleanup()).result(timeout=30)
-        self._runner = None
+        try:
+            self._send(("stop",))
+        except OSError as err:  # the endpoint's process is gone already (BrokenPipeError)
+            logger.debug("the OpenAI endpoint's process had exited before close: %s", err)
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            logger.warning("the OpenAI endpoint's process did not stop in 30 s; killing it")
+            self._proc.kill()
+        self._proc = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                               "owned_by": "hybridflow"}]})
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        return await self._serve("chat", request)
-
-    async def _completion(self, request: web.Request) -> web.Response:
-        return await self._serve("completion", request)
-
-    async def _serve(self, kind: str, request: web.Request) -> web.StreamResponse:
-        arrived = time.monotonic()
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ApiError("the request body must be a JSON object")
-            session = request.match_info.get("session") or request.headers.get("X-Session-Id") \
-                or str(body.get("user") or "") or f"anon-{uuid.uuid4().hex}"
-            if not self.serving.is_set():
-                raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
-            followup = self.latency.arrive(session, arrived)
-            call = Call(kind, session, body, asyncio.get_running_loop(), asyncio.get_running_loop().create_future(),
-                        arrived, followup=followup)
-            self.calls.put(call)
-            result = await call.future
-            if body.get("stream"):
-                resp = await _stream(request, sse_chunks(result, body.get("stream_options") or {}))
-            else:
-                resp = web.json_response(result)  # serialised here; aiohttp writes it on return
-            self.latency.replied(call, time.monotonic())
-            return resp
-        except ApiError as err:
-            return _error(str(err), err.status)
-        except json.JSONDecodeError as err:
-            return _error(f"the request body is not JSON: {err}", 400)
-
-
-async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    for chunk in chunks:
-        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
-def _error(message: str, status: int) -> web.Response:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
 import queue
 import re
 import sys
@@ -25,7 +26,15 @@ from test_rollout_engine import hf_logprobs
 
 from hybridflow.agentic.agent_session import Session, as_dict, normalize
 from hybridflow.agentic.agents import AgentResult, Environment, EnvStep, HttpClients
-from hybridflow.agentic.openai_api import ApiError, Call, reply_all, split_tool_calls, tool_choice
+from hybridflow.agentic.endpoint_process import Endpoint
+from hybridflow.agentic.openai_api import (
+    ApiError,
+    Call,
+    OpenAIServer,
+    reply_all,
+    split_tool_calls,
+    tool_choice,
+)
 from hybridflow.config import load_config
 from hybridflow.models.tokenizer import builtin_tokenizer
 from hybridflow.protocol import DataProto
@@ -142,24 +151,66 @@ def test_parallel_multi_turn_sessions_are_batched_and_token_exact(engine, model,
     assert torch.allclose(hf_logprobs(model, out, 1.0), b["rollout_log_probs"], atol=2e-4)
 
 
-def test_replies_wake_the_loop_once():
-    """The answers of one decode chunk reach the endpoint's loop in one wake-up (each hands it the interpreter
-    lock); a call whose client went away is skipped."""
+def test_replies_go_to_the_endpoint_in_one_message():
+    """The answers of one decode chunk reach the endpoint in one message; the endpoint skips an answer whose client
+    went away, and an ApiError keeps its status across the pipe."""
+    sent = []
+    calls = [Call("completion", f"s{i}", {}, rid=i + 1, replies=sent.append) for i in range(3)]
+    calls[1].admitted = 5.0
+    reply_all([(calls[0], {"ok": 0}), (calls[1], ApiError("busy", 503)), (calls[2], {"ok": 2})])
+    assert len(sent) == 1 and [item[0] for item in sent[0]] == [1, 2, 3]
+    assert all(c.answered > 0 for c in calls) and sent[0][1][2] == 5.0
+    err = pickle.loads(pickle.dumps(sent[0][1][1]))
+    assert isinstance(err, ApiError) and err.status == 503 and str(err) == "busy"
     loop = asyncio.new_event_loop()
     try:
-        calls = [Call("completion", f"s{i}", {}, loop, loop.create_future()) for i in range(3)]
-        calls[2].future.cancel()
-        wakeups = []
-        real = loop.call_soon_threadsafe
-        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
-        reply_all([(calls[0], {"ok": 0}), (calls[1], ApiError("bad")), (calls[2], {"ok": 2})])
-        loop.run_until_complete(asyncio.sleep(0))
-        assert len(wakeups) == 1
-        assert calls[0].future.result() == {"ok": 0} and isinstance(calls[1].future.exception(), ApiError)
-        assert all(c.answered > 0 for c in calls)
+        ep = Endpoint(None, None, None, "policy")
+        futs = {rid: loop.create_future() for rid in (1, 2, 3)}
+        ep.pending = dict(futs)
+        futs[3].cancel()  # its agent timed out
+        ep._set_results(sent[0])
+        assert futs[1].result()[0] == {"ok": 0} and isinstance(futs[2].result()[0], ApiError)
+        assert not ep.pending
     finally:
         loop.close()
-    reply_all([(Call("completion", "late", {}, loop, None), {"ok": 3})])  # after teardown: dropped, no error
+    reply_all([(Call("completion", "late", {}), {"ok": 3})])  # nobody holds it open: dropped, no error
+
+
+def test_endpoint_process_serves_and_stops():
+    """The endpoint runs in a process of its own: requests reach the engine's inbox over the pipe, answers come
+    back to the client; between rollouts it answers 503 itself; latency metrics come back on request; close stops
+    the process."""
+    import httpx
+
+    server = OpenAIServer()
+    try:
+        url = server.session_url("a") + "/completions"
+        assert httpx.post(url, json={"prompt": [1]}, timeout=10).status_code == 503  # not serving
+
+        async def ask():
+            async with httpx.AsyncClient(timeout=10) as c:
+                return await c.post(url, json={"prompt": [1, 2]})
+        server.serving.set()
+        fut = server.run(ask())
+        call = server.calls.get(timeout=10)
+        assert (call.kind, call.session, call.body) == ("completion", "a", {"prompt": [1, 2]})
+        assert 0 < call.arrived <= time.monotonic()
+        call.admitted = time.monotonic()
+        call.reply({"choices": [], "object": "text_completion"})
+        resp = fut.result(timeout=10)
+        assert resp.status_code == 200 and resp.json()["object"] == "text_completion"
+        fut = server.run(ask())
+        server.calls.get(timeout=10).reply(ApiError("bad prompt"))
+        assert fut.result(timeout=10).status_code == 400
+        server.serving.clear()
+        m = server.take_latency()
+        assert m["agent/answer_ms"] > 0 and m["agent/queued_ms"] >= 0, m
+        with pytest.raises(queue.Empty):
+            server.calls.get_nowait()
+        proc = server._proc
+    finally:
+        server.close()
+    assert not proc.is_alive()
 
 
 class _Wave:
@@ -184,12 +235,8 @@ def test_idle_engine_gathers_a_wave_before_admitting():
     runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
     sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
                            check_every=1, seed=0)
-    loop = asyncio.new_event_loop()
-    try:
-        wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}, loop, loop.create_future()) for i in range(3)]
-        sched._take(_Wave(list(wave)), block=True)
-    finally:
-        loop.close()
+    wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}) for i in range(3)]
+    sched._take(_Wave(list(wave)), block=True)
     assert [job.call for job in sched.waiting] == wave  # admitted in one forward, not one per arrival
 
 
@@ -253,18 +300,14 @@ def test_first_wave_is_gathered_until_every_session_has_asked(expected, monkeypa
     (0): as before. A second request of a session already seen does not stretch the wave."""
     monkeypatch.setattr(agent_scheduler, "GATHER_S", 0.003)
     monkeypatch.setattr(agent_scheduler, "FIRST_WAVE_GAP_S", 0.05)
-    loop = asyncio.new_event_loop()
-    try:
-        wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}, loop, loop.create_future()) for i in range(4)]
-        wave.insert(1, Call("completion", "s0", {"prompt": [5, 6, 7]}, loop, loop.create_future()))
-        spread = _Spread(list(wave), gap=0.01)
-        monkeypatch.setattr(agent_scheduler, "time", SimpleNamespace(monotonic=spread.monotonic))
-        runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
-        sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
-                               check_every=1, seed=0, sessions=expected)
-        sched._take(spread, block=True)
-    finally:
-        loop.close()
+    wave = [Call("completion", f"s{i}", {"prompt": [5, 6 + i]}) for i in range(4)]
+    wave.insert(1, Call("completion", "s0", {"prompt": [5, 6, 7]}))
+    spread = _Spread(list(wave), gap=0.01)
+    monkeypatch.setattr(agent_scheduler, "time", SimpleNamespace(monotonic=spread.monotonic))
+    runner = SimpleNamespace(R=16, cache=SimpleNamespace(slots=4))
+    sched = AgentScheduler(runner, builtin_tokenizer(), None, SamplingParams(), eos_ids=[1], prompt_width=4,
+                           check_every=1, seed=0, sessions=expected)
+    sched._take(spread, block=True)
     # expected 3: the third session's request completes the wave; the fourth (an unexpected one) waits
     assert [job.call for job in sched.waiting] == wave[:{0: 1, 3: 4, 4: 5}[expected]]
 
