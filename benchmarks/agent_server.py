@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import time
+import traceback
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +96,34 @@ def _first_wave() -> dict[str, float]:
             "wait_ms_max": float((taken - arrived).max())}
 
 
+SYNCS: dict[str, int] = {}  # --sync-debug: the stack of each synchronizing CUDA call in the timed server run -> count
+
+
+@contextlib.contextmanager
+def _sync_debug(on: bool) -> Iterator[None]:
+    """With `on`, record where the engine's thread makes the host wait for the device (torch's sync debug mode)."""
+    if not on:
+        yield
+        return
+    real = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchronizing" not in str(message):
+            return real(message, category, filename, lineno, *rest)
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        SYNCS[stack] = SYNCS.get(stack, 0) + 1
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = real
+
+
 def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: SamplingParams, args: argparse.Namespace,
                dtype: torch.dtype) -> tuple[DataProto, float]:
     B, n, vocab = args.prompts, args.n, model.config.vocab_size
@@ -110,7 +142,8 @@ def run_server(model: torch.nn.Module, rcfg: Any, prompts: DataProto, params: Sa
                            pad_token_id=cfg.pad_token_id, max_prompt_length=args.prompt_len,
                            max_response_length=args.response_len, dtype=dtype, tokenizer=WordTokenizer(vocab))
     try:
-        out, seconds = timed_generate(engine, prompts, params)
+        with _sync_debug(args.sync_debug):
+            out, seconds = timed_generate(engine, prompts, params)
         del FIRST_SEEN[: -B * n]  # the warm-up call's
         out.meta_info["first_wave"] = _first_wave()
     finally:
@@ -128,6 +161,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 x 2 short trajectories")
     ap.add_argument("--agent-workers", type=int, default=0,
                     help="rollout.agent.workers (0 = auto: one process per 4 CPU cores, at most 8)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="record the stacks of synchronizing CUDA calls during the server runs (warm-up and timed) "
+                         "(slows them: diagnosis only); written as `syncs` in the JSON")
     ap.add_argument("--server-variants", default="",
                     help="';'-separated sets of space-separated rollout.agent.* overrides: one more server run "
                          "under each, e.g. 'rollout.agent.check_every=8 rollout.agent.switch_interval_ms=null'")
@@ -185,6 +221,8 @@ def main() -> None:
         res[name]["engine"] = {k.split("/")[1]: out.meta_info["metrics"][k] for k in SERVER_KEYS
                                if k in out.meta_info["metrics"]}
         res[name]["vs_in_engine"] = res[name]["tok_s"] / res["in_engine"]["tok_s"]
+    if SYNCS:
+        res["syncs"] = sorted(([n, stack] for stack, n in SYNCS.items()), reverse=True)
     write_json(args.out, res)
     rows = ["| rollout | trajectories | turns / trajectory | model tokens | seconds | tokens/s |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -113,8 +113,8 @@ class AgentRollout:
                                f"{failed[0].error}")
         for o in failed[:3]:
             logger.warning("agent task %s ended: %s", o.session, o.error)
-        default_prompts = [prompts.batch[keys.INPUT_IDS][i][prompts.batch[keys.ATTENTION_MASK][i].bool()].tolist()
-                           for i in range(B) for _ in range(n)]
+        ids, mask = prompts.batch[keys.INPUT_IDS].cpu(), prompts.batch[keys.ATTENTION_MASK].cpu().bool()
+        default_prompts = [ids[i][mask[i]].tolist() for i in range(B) for _ in range(n)]
         rows = [self._row(sched.sessions.get(o.session, Session()), o, default_prompts[k])
                 for k, o in enumerate(outcomes)]
         out = self._batch(rows)

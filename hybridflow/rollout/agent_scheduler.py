@@ -359,11 +359,8 @@ class AgentScheduler:
         for it in items:
             by_width.setdefault(self.info[it[1]].width, []).append(it)
         for width, group in by_width.items():
-            caps = []
-            for job, s, new_ids, step in group:
-                cap = min(self.R, self.r.cache.max_len - width, step + len(new_ids) + job.max_tokens)
-                self.r.max_new[s] = cap
-                caps.append(cap)
+            caps = [min(self.R, self.r.cache.max_len - width, step + len(new_ids) + job.max_tokens)
+                    for job, _, new_ids, step in group]  # extend_many sets them on the device
             lengths = self.r.extend_many([(s, new, self.info[s].pos0) for _, s, new, _ in group], width,
                                          steps=[st for *_, st in group], max_new=caps)
             self.stats["extends"] += 1

@@ -153,6 +153,8 @@ class ModelRunner:
         self._ext_in: torch.Tensor | None = None
         self._ext_last: torch.Tensor | None = None
         self._side: torch.cuda.Stream | None = None  # `finished_rows`' gathers
+        self._true = torch.ones((), dtype=torch.bool, device=dev)  # index_put_ values (no host copy)
+        self._zero = torch.zeros((), dtype=torch.float32, device=dev)
 
     # ------------------------------------------------------------------------------------------- configuration
     def set_sampling(self, params: SamplingParams, eos_ids: list[int]) -> None:
@@ -202,20 +204,22 @@ class ModelRunner:
             self.routes[slot_t, :P] = moe.stacked(sinks, B, P)[src]
         seeds_t = on_device(seeds, dev)
         tok, logp = self._sample(logits[src], seeds_t, torch.zeros_like(seeds_t))
-        self.valid[slot_t] = False
+        # scalars go in as kernel arguments (index_fill_) or device tensors: `t[idx] = 1` copies the 1 from
+        # pageable memory, which waits for every queued step
+        self.valid.index_fill_(0, slot_t, False)
         self.valid[slot_t, :P] = mask_BP.bool()[src]
         self.start[slot_t] = (P - mask_BP.long().sum(-1))[src]
-        self.out_tok[slot_t] = self.pad_id
-        self.out_logp[slot_t] = 0.0
+        self.out_tok.index_fill_(0, slot_t, self.pad_id)
+        self.out_logp.index_fill_(0, slot_t, 0.0)
         self.out_tok[slot_t, 0] = tok
         self.out_logp[slot_t, 0] = logp
         self.seed[slot_t] = seeds_t
         self.tok[slot_t] = tok
         # mrope: decoding continues at the prompt's largest position + 1 (HF's rope_deltas), the same for t, h, w
         self.pos[slot_t] = (pos_BP.amax((1, 2)) if pos_BP.dim() == 3 else pos_BP[:, -1])[src] + 1
-        self.cidx[slot_t] = P
-        self.resp_len[slot_t] = 1
-        self.max_new[slot_t] = max_new
+        self.cidx.index_fill_(0, slot_t, P)
+        self.resp_len.index_fill_(0, slot_t, 1)
+        self.max_new.index_fill_(0, slot_t, max_new)
         stop = self.is_stop[tok]
         self.done[slot_t] = stop | (max_new <= 1)
 
@@ -237,6 +241,8 @@ class ModelRunner:
         slots_t = on_device(slots, dev)
         if steps is None or max_new is None:
             steps, max_new = torch.stack([self.resp_len[slots_t], self.max_new[slots_t]]).tolist()
+        else:  # the caller's caps for this turn
+            self.max_new[slots_t] = on_device(max_new, dev)
         for (s, new_ids, _), step, mx in zip(items, steps, max_new):
             assert step + len(new_ids) < mx, (s, step, len(new_ids), mx)
         col0 = [prompt_width + st - 1 for st in steps]  # the column of response token step - 1 (re-fed)
@@ -261,7 +267,7 @@ class ModelRunner:
         app, per_slot = to_device(app, dev), to_device(per_slot, dev)  # pinned: no wait for queued steps
         counter, next_col, next_pos = per_slot
         self.out_tok[app[0], app[1]] = app[2]
-        self.out_logp[app[0], app[1]] = 0.0
+        self.out_logp.index_put_((app[0], app[1]), self._zero)
         tok, logp = self._sample(logits, self.seed[slots_t], counter)
         self.out_tok[slots_t, counter] = tok
         self.out_logp[slots_t, counter] = logp
@@ -309,7 +315,7 @@ class ModelRunner:
             buf.copy_(host, non_blocking=True)
             last_t.copy_(to_device(torch.tensor(last, dtype=torch.long), dev))
         buf[0, idx[0]] = self.out_tok[slots_t, on_device(steps, dev) - 1]
-        self.valid[buf[2, :N], buf[3, :N]] = True
+        self.valid.index_put_((buf[2, :N], buf[3, :N]), self._true)
         if key is None:
             return self._extend_forward(buf, last_t)
         graph = self.ext_graphs.get(key)
