@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import pickle
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -52,6 +53,7 @@ def auto_workers(requested: int) -> int:
 
 def _load(path: str, name: str) -> None:
     global _agent, _loop, _clients
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's "stop after this step": finish its tasks
     _agent = load_agent(path, name)
     _loop = asyncio.new_event_loop()
     asyncio.set_event_loop(_loop)

@@ -9,26 +9,34 @@ arrived, and its host work between decode chunks waited on the lock. Here the ha
 own; the engine reads ready requests from a pipe (`openai_api.Inbox`) and answers a decode chunk's finished requests
 in one message.
 
+The process is started as `python -m hybridflow.agentic.endpoint_process` (not multiprocessing's spawn, which
+re-runs the user's `__main__` script in the child — a training script without an `if __name__ == "__main__":` guard
+would train again there), in a session of its own and ignoring SIGINT: Ctrl-C in the terminal means "stop after
+this step" to the trainer (`trainer/stop.py`), and the endpoint must keep serving that step. It exits on "stop" or
+when the engine's process goes away (its pipe closes).
+
 Messages, engine <- endpoint (one pipe): ("port", int) once at start, or ("error", str); ("calls", [(rid, kind,
 session, body, arrived, followup), ...]) — what arrived since the last message, sent by a writer thread so a busy
-engine never blocks the event loop; ("latency", {metric: value}) in answer to a request for it.
+engine never blocks the event loop; ("latency", {metric: value}) and ("serving", bool) in answer to those requests.
 Engine -> endpoint (another pipe, read by a reader thread): ("replies", [(rid, result | ApiError, admitted,
-answered), ...]); ("latency",); ("stop",).
+answered), ...]); ("serving", bool) — requests get 503 while false (the answer confirms every later request sees
+it); ("latency",); ("stop",).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import queue
+import signal
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.synchronize import Event
 from typing import Any
 
 from aiohttp import web
@@ -113,8 +121,9 @@ def sse_chunks(result: dict[str, Any], stream_options: dict[str, Any]) -> list[d
 class Endpoint:
     """The aiohttp app and the two pipe ends, all in the endpoint's process."""
 
-    def __init__(self, to_engine: Connection, from_engine: Connection, serving: Event, model_name: str) -> None:
-        self.to_engine, self.from_engine, self.serving = to_engine, from_engine, serving
+    def __init__(self, to_engine: Connection, from_engine: Connection, model_name: str) -> None:
+        self.to_engine, self.from_engine = to_engine, from_engine
+        self.serving = False  # set on the loop's thread, so a request handled after the answer sees it
         self.model_name = model_name
         self.latency = Latency()
         self.pending: dict[int, asyncio.Future] = {}  # request id -> its handler's future
@@ -126,6 +135,13 @@ class Endpoint:
     # ----------------------------------------------------------------------------------------------- threads
     def _writer(self) -> None:
         """Sends what the handlers queued; the calls that came together in one message."""
+        try:
+            self._write_loop()
+        except Exception:  # noqa: BLE001 — any failure here would leave every request waiting: stop serving
+            logger.exception("the OpenAI endpoint's writer failed; stopping the endpoint")
+            self.loop.call_soon_threadsafe(self.stopped.set)
+
+    def _write_loop(self) -> None:
         while True:
             items = [self.outbox.get()]
             while True:
@@ -148,18 +164,28 @@ class Endpoint:
                 self.to_engine.send(("calls", calls))
 
     def _reader(self) -> None:
-        while True:
-            try:
-                msg = self.from_engine.recv()
-            except (EOFError, OSError):  # the engine's process went away
-                msg = ("stop",)
-            if msg[0] == "replies":
-                self.loop.call_soon_threadsafe(self._set_results, msg[1])
-            elif msg[0] == "latency":
-                self.loop.call_soon_threadsafe(self._send_latency)
-            else:
-                self.loop.call_soon_threadsafe(self.stopped.set)
-                return
+        try:
+            while True:
+                try:
+                    msg = self.from_engine.recv()
+                except (EOFError, OSError):  # the engine's process went away
+                    msg = ("stop",)
+                if msg[0] == "replies":
+                    self.loop.call_soon_threadsafe(self._set_results, msg[1])
+                elif msg[0] == "serving":
+                    self.loop.call_soon_threadsafe(self._set_serving, bool(msg[1]))
+                elif msg[0] == "latency":
+                    self.loop.call_soon_threadsafe(self._send_latency)
+                else:
+                    self.loop.call_soon_threadsafe(self.stopped.set)
+                    return
+        except Exception:  # noqa: BLE001 — a dead reader would leave every request waiting: stop serving
+            logger.exception("the OpenAI endpoint's reader failed; stopping the endpoint")
+            self.loop.call_soon_threadsafe(self.stopped.set)
+
+    def _set_serving(self, on: bool) -> None:
+        self.serving = on
+        self.outbox.put(("serving", on))
 
     def _set_results(self, replies: list[tuple]) -> None:
         for rid, result, admitted, answered in replies:
@@ -218,7 +244,7 @@ class Endpoint:
                 raise ApiError("the request body must be a JSON object")
             session = request.match_info.get("session") or request.headers.get("X-Session-Id") \
                 or str(body.get("user") or "") or f"anon-{uuid.uuid4().hex}"
-            if not self.serving.is_set():
+            if not self.serving:
                 raise ApiError("no rollout is running: the engine serves only while the trainer generates", 503)
             followup = self.latency.arrive(session, arrived)
             rid = next(self.ids)
@@ -258,8 +284,22 @@ def _error(message: str, status: int) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-def main(to_engine: Connection, from_engine: Connection, serving: Event, host: str, port: int,
-         model_name: str) -> None:
-    """The endpoint process's entry point (spawned by `openai_api.OpenAIServer`)."""
-    endpoint = Endpoint(to_engine, from_engine, serving, model_name)
-    asyncio.run(endpoint.serve(host, port))
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hybridflow.agentic.endpoint_process --to-engine FD --from-engine FD ...`, started by
+    `openai_api.OpenAIServer` with the two pipe ends passed as file descriptors."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--to-engine", type=int, required=True)
+    ap.add_argument("--from-engine", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--model-name", default="policy")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (see the module docstring)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [openai endpoint] %(message)s")
+    endpoint = Endpoint(Connection(args.to_engine, readable=False), Connection(args.from_engine, writable=False),
+                        args.model_name)
+    asyncio.run(endpoint.serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,10 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -224,32 +227,38 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------------- server
 class OpenAIServer:
     """The endpoint on `host:port` (0 = a free port) in its own process; `calls` (an `Inbox`) is what the engine
-    reads while `serving` is set. `run(coro)` runs a coroutine (an agent task) on this process's agent loop."""
+    reads while serving (`set_serving`). `run(coro)` runs a coroutine (an agent task) on this process's agent loop."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, model_name: str = "policy") -> None:
-        from hybridflow.agentic import endpoint_process
-
-        ctx = multiprocessing.get_context("spawn")
-        from_endpoint, endpoint_out = ctx.Pipe(duplex=False)
-        endpoint_in, self._to_endpoint = ctx.Pipe(duplex=False)
+        from_endpoint, endpoint_out = multiprocessing.Pipe(duplex=False)
+        endpoint_in, self._to_endpoint = multiprocessing.Pipe(duplex=False)
         self._send_lock = threading.Lock()
-        self.serving = ctx.Event()
-        self._proc = ctx.Process(target=endpoint_process.main, name="hybridflow-openai", daemon=True,
-                                 args=(endpoint_out, endpoint_in, self.serving, host, port, model_name))
-        self._proc.start()
+        self._dead = False
+        # the child imports what this process imports (its sys.path as PYTHONPATH: packages installed with
+        # --target or added at run time are found there too)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        fds = (endpoint_out.fileno(), endpoint_in.fileno())
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "hybridflow.agentic.endpoint_process", "--to-engine", str(fds[0]),
+             "--from-engine", str(fds[1]), "--host", host, "--port", str(port), "--model-name", model_name],
+            pass_fds=fds, env=env, start_new_session=True)
         endpoint_out.close()
         endpoint_in.close()
         self.calls = Inbox(from_endpoint, self._send_replies)
         try:
             self.port = int(self.calls.wait_control("port", timeout=120))
         except BaseException:
-            self._proc.kill()
+            self._stop_process(0.0)
             raise
         self.host = host
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hybridflow-agents", daemon=True)
         self._thread.start()
         logger.info("OpenAI-compatible endpoint on http://%s:%d/v1 (process %d)", host, self.port, self._proc.pid)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and not self._dead
 
     @property
     def base_url(self) -> str:
@@ -264,18 +273,26 @@ class OpenAIServer:
             self._to_endpoint.send(msg)
 
     def _send_replies(self, items: list[tuple]) -> None:
-        self._send(("replies", items))
+        try:
+            self._send(("replies", items))
+        except OSError as err:  # nobody holds these requests open any more; reading the inbox says why
+            self._dead = True
+            logger.warning("the OpenAI endpoint's process is gone (%s): %d answers dropped", err, len(items))
+
+    def set_serving(self, on: bool) -> None:
+        """Serve requests (forward them to `calls`) or answer them 503 at the endpoint. Returns once the endpoint
+        has switched; when stopping, requests forwarded before that are answered 503 here."""
+        self._send(("serving", on))
+        self.calls.wait_control("serving", timeout=60)
+        if not on:
+            late, self.calls.buf = list(self.calls.buf), deque()
+            reply_all([(c, ApiError("no rollout is running: the engine serves only while the trainer generates",
+                                    503)) for c in late])
 
     def take_latency(self) -> dict[str, float]:
-        """The request latencies since the last call, as `agent/` metrics; starts counting anew. Requests that
-        reached the engine after it stopped serving are answered 503."""
+        """The request latencies since the last call, as `agent/` metrics; starts counting anew."""
         self._send(("latency",))
-        metrics = self.calls.wait_control("latency", timeout=60)
-        late = list(self.calls.buf)
-        self.calls.buf.clear()
-        reply_all([(c, ApiError("no rollout is running: the engine serves only while the trainer generates", 503))
-                   for c in late])
-        return metrics
+        return self.calls.wait_control("latency", timeout=60)
 
     def run(self, coro: Coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -287,10 +304,17 @@ class OpenAIServer:
             self._send(("stop",))
         except OSError as err:  # the endpoint's process is gone already (BrokenPipeError)
             logger.debug("the OpenAI endpoint's process had exited before close: %s", err)
-        self._proc.join(timeout=30)
-        if self._proc.is_alive():
-            logger.warning("the OpenAI endpoint's process did not stop in 30 s; killing it")
-            self._proc.kill()
-        self._proc = None
+        self._stop_process(30.0)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
+
+    def _stop_process(self, grace_s: float) -> None:
+        try:
+            self._proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("the OpenAI endpoint's process did not stop in %.0f s; killing it", grace_s)
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+        self.calls.conn.close()
+        self._to_endpoint.close()

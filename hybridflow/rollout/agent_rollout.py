@@ -53,6 +53,9 @@ class AgentRollout:
 
     def start(self) -> OpenAIServer:
         """The endpoint, started on first use and kept for the run (`close` stops it)."""
+        if self.server is not None and not self.server.alive:
+            logger.warning("the OpenAI endpoint's process has exited; starting a new one")
+            self.close()
         if self.server is None:
             self.server = OpenAIServer(self.cfg.host, self.cfg.port)
             atexit.register(self.close)
@@ -84,7 +87,7 @@ class AgentRollout:
         python_interval = sys.getswitchinterval()
         if self.cfg.switch_interval_ms is not None:  # before the agents start: every request is served under it
             sys.setswitchinterval(self.cfg.switch_interval_ms / 1e3)
-        server.serving.set()  # before the agents start: an early first request must not meet a 503
+        server.set_serving(True)  # before the agents start: an early first request must not meet a 503
         try:
             limits = dict(max_concurrency=self.cfg.max_concurrency, timeout_s=self.cfg.timeout_s)
             if self.workers > 1:
@@ -104,7 +107,10 @@ class AgentRollout:
                 raise
         finally:
             sys.setswitchinterval(python_interval)
-            server.serving.clear()
+            try:  # requests from now on get 503 at the endpoint, those read meanwhile here
+                server.set_serving(False)
+            except (RuntimeError, OSError, TimeoutError) as err:  # the endpoint is gone: the next call restarts it
+                logger.warning("could not stop the OpenAI endpoint serving: %s", err)
         outcomes: list[Outcome] = tasks.result()
         self.last_sessions = sched.sessions  # for inspection (tests, debugging)
         failed = [o for o in outcomes if o.kind != "ok"]

@@ -35,6 +35,7 @@ from hybridflow.agentic.openai_api import (
     ApiError,
     Call,
     Choice,
+    Inbox,
     chat_response,
     completion_response,
     reply_all,
@@ -131,12 +132,12 @@ class AgentScheduler:
         self.t_start = time.monotonic()  # made right before the agents start
         self.prefill_at: list[float] = []  # seconds from t_start to each prefill forward
         self.first_arrivals: list[float] = []  # seconds from t_start to each session's first request at the endpoint
-        # host seconds of the serving loop by phase (the endpoint's thread shares the interpreter lock with this one);
-        # prefill and extend: the parts of admit spent in those forwards
+        # host seconds of the serving loop by phase (with workers=1 the agents' loop shares the interpreter lock with
+        # this thread); prefill and extend: the parts of admit spent in those forwards
         self.phase_s = dict.fromkeys(("take", "admit", "prefill", "extend", "launch", "sync", "answer"), 0.0)
 
     # ------------------------------------------------------------------------------------------------- serving
-    def serve(self, calls: queue.Queue[Call], finished: Callable[[], bool]) -> None:
+    def serve(self, calls: Inbox | queue.Queue[Call], finished: Callable[[], bool]) -> None:
         """Serve until `finished()` (every agent task is over); requests still in flight then are answered 503."""
         try:
             while not finished() or self.live or self.waiting:

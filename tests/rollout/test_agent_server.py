@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import pickle
 import queue
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -164,7 +166,7 @@ def test_replies_go_to_the_endpoint_in_one_message():
     assert isinstance(err, ApiError) and err.status == 503 and str(err) == "busy"
     loop = asyncio.new_event_loop()
     try:
-        ep = Endpoint(None, None, None, "policy")
+        ep = Endpoint(None, None, "policy")
         futs = {rid: loop.create_future() for rid in (1, 2, 3)}
         ep.pending = dict(futs)
         futs[3].cancel()  # its agent timed out
@@ -178,8 +180,8 @@ def test_replies_go_to_the_endpoint_in_one_message():
 
 def test_endpoint_process_serves_and_stops():
     """The endpoint runs in a process of its own: requests reach the engine's inbox over the pipe, answers come
-    back to the client; between rollouts it answers 503 itself; latency metrics come back on request; close stops
-    the process."""
+    back to the client; between rollouts it answers 503 itself; Ctrl-C (SIGINT) does not stop it (the trainer's
+    graceful stop needs it for the step in flight); latency metrics come back on request; close stops it."""
     import httpx
 
     server = OpenAIServer()
@@ -190,7 +192,8 @@ def test_endpoint_process_serves_and_stops():
         async def ask():
             async with httpx.AsyncClient(timeout=10) as c:
                 return await c.post(url, json={"prompt": [1, 2]})
-        server.serving.set()
+        server.set_serving(True)
+        os.kill(server._proc.pid, signal.SIGINT)
         fut = server.run(ask())
         call = server.calls.get(timeout=10)
         assert (call.kind, call.session, call.body) == ("completion", "a", {"prompt": [1, 2]})
@@ -202,15 +205,43 @@ def test_endpoint_process_serves_and_stops():
         fut = server.run(ask())
         server.calls.get(timeout=10).reply(ApiError("bad prompt"))
         assert fut.result(timeout=10).status_code == 400
-        server.serving.clear()
+        fut = server.run(ask())
+        deadline = time.monotonic() + 10
+        while server.calls.empty() and time.monotonic() < deadline:  # forwarded, not yet taken by the engine
+            time.sleep(0.01)
+        server.set_serving(False)  # answers it 503
+        assert fut.result(timeout=10).status_code == 503
         m = server.take_latency()
-        assert m["agent/answer_ms"] > 0 and m["agent/queued_ms"] >= 0, m
+        assert m["agent/answer_ms"] > 0 and m["agent/queued_ms"] > 0, m
         with pytest.raises(queue.Empty):
             server.calls.get_nowait()
         proc = server._proc
     finally:
+        t0 = time.monotonic()
         server.close()
-    assert not proc.is_alive()
+    assert proc.poll() is not None and time.monotonic() - t0 < 10 and not server.alive
+
+
+UNGUARDED = """
+import sys
+sys.path[:0] = {paths!r}
+from hybridflow.agentic.openai_api import OpenAIServer
+print("main ran", flush=True)
+server = OpenAIServer()
+server.close()
+"""
+
+
+def test_endpoint_start_does_not_rerun_the_users_script(tmp_path):
+    """A script without an `if __name__ == "__main__":` guard (the README's Python API example) runs once: the
+    endpoint's process is not started by re-importing `__main__`."""
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED.format(paths=[p for p in sys.path if p]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("main ran") == 1, out.stdout
 
 
 class _Wave:
@@ -762,3 +793,29 @@ def test_serving_knobs_are_honoured_and_restored(engine):
     assert out.meta_info["metrics"]["agent/errors"] == 0
     assert INTERVALS == pytest.approx([0.00025, 0.00025], abs=2e-6) and seen == [3]
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous readout paths are CUDA's")
+def test_readouts_and_finished_rows_while_later_steps_are_queued():
+    """On a GPU a readout is the state after the work queued before it (not after later work), and finished rows
+    gathered on the side stream while later work runs are the rows as they were: the later work writes only the
+    trash column R and rows still decoding."""
+    from hybridflow.rollout.model_runner import ModelRunner, Readout
+
+    dev, S, R = torch.device("cuda"), 8, 64
+    runner = SimpleNamespace(device=dev, _side=None, out_logp=torch.full((S, R + 1), 0.5, device=dev),
+                             out_tok=torch.arange(R + 1, device=dev).repeat(S, 1))
+    done = torch.zeros(S, dtype=torch.long, device=dev)
+    done[[1, 5]] = 1
+    readout = Readout(torch.stack([done, torch.full((S,), 10, device=dev)]))
+    a = torch.randn(2048, 2048, device=dev)
+    for _ in range(50):  # later work, still running when the host reads
+        a = torch.tanh(a @ a)
+    done[[0, 2]] = 1
+    runner.out_tok[:, R] = -1
+    runner.out_tok[[0, 2]] = -7
+    flags, steps = readout.wait()[0].tolist()
+    toks, logps = ModelRunner.finished_rows(runner, [1, 5], 10, readout)
+    assert flags == [0, 1, 0, 0, 0, 1, 0, 0] and steps == [10] * S
+    assert toks == [list(range(10))] * 2 and logps == [[0.5] * 10] * 2
+    torch.cuda.synchronize()
