@@ -22,6 +22,32 @@ DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 ROWS, BATCHES, KEY_BLOCK = (200, (1, 3, 64, 200), 64) if CUDA else (20, (1, 3, 20), 8)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_order_interpreted_dot(monkeypatch):
+    """Under the interpreter `tl.dot` is numpy's matmul, i.e. the host's BLAS, and on some CPUs (an AMD EPYC: rows
+    1-32 of a [64, K] @ [K, N] product get other bits than the same rows alone) its bits for a row depend on where the
+    row sits in the tile. The kernels' invariance is a property of their tiling, masking and k-loop given a dot whose
+    every element is summed in one fixed order — what the GPU's dot gives and the in-process GPU run checks. So here
+    the interpreter's dot sums over k in a fixed order (float32, no BLAS): the test checks the kernels, not the host
+    BLAS."""
+    if not triton_util.INTERPRETED:
+        return
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return real(self, a, b, d, input_precision, max_num_imprecise_acc)
+        x, y = a.data.astype(d.data.dtype), b.data.astype(d.data.dtype)
+        prod = x[..., :, :1] * y[..., :1, :]
+        for k in range(1, x.shape[-1]):
+            prod = prod + x[..., :, k:k + 1] * y[..., k:k + 1, :]
+        return interpreter.TensorHandle(prod + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 def _rand(*shape, dtype, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
 
